@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from filter import post_rollout_filter
+from reward import Item, TaskMix, demonstration
+from scheduler import LengthPredictor, length_buckets, pack_microbatches
+
+
+def test_post_rollout_filter_drops_zero_variance_groups_and_counts_them():
+    rewards = torch.tensor([[1.0, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    lengths = torch.tensor([[3, 4, 5, 6], [1, 1, 1, 1], [2, 2, 2, 2], [10, 0, 0, 0]])
+    keep, stats = post_rollout_filter(rewards, lengths)
+    assert keep.tolist() == [False, True, False, False]
+    assert stats["groups_dropped"] == 3 and stats["all_correct"] == 1 and stats["all_wrong"] == 2
+    assert stats["rollouts_dropped"] == 12 and stats["tokens_dropped"] == 18 + 8 + 10
+    assert stats["zero_variance_frac"] == 0.75
+
+
+def test_post_rollout_filter_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="same"):
+        post_rollout_filter(torch.zeros(2, 4), torch.zeros(2, 3))
+
+
+@pytest.fixture(scope="module")
+def mix():
+    return TaskMix([("chain_sum", dict(min_terms=2, max_terms=2, min_digits=2, max_digits=2)),
+                    ("products", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1))], seed=3, size=10)
+
+
+def test_reward_is_one_only_for_the_exact_answer_inside_answer_tags(mix):
+    item = mix[0]
+    assert mix.score(demonstration(item), item) == 1.0
+    assert mix.score(f"thinking... <answer>0</answer> no wait <answer>{item.answer}</answer>", item) == 1.0
+    assert mix.score(item.answer, item) == 0.0  # no tags: no reward
+    assert mix.score(f"<answer>{item.answer}</answer>"[:-1], item) == 0.0  # unclosed tag
+
+
+def test_partial_credit_is_not_a_reward(mix):
+    item = next(it for it in mix.items if len(it.answer) >= 2)
+    ds = mix.datasets[item.task]
+    partial = item.answer + "0"  # contains the gold answer as a substring
+    assert 0 < ds.score_answer(partial, ds[item.index]) < 1.0
+    assert mix.score(f"<answer>{partial}</answer>", item) == 0.0
+
+
+def test_task_mix_interleaves_tasks_and_excludes_training_questions(mix):
+    assert [it.task for it in mix.items[:4]] == [0, 1, 0, 1]
+    seen = {mix[0].question, mix[3].question}
+    left = mix.exclude(seen)
+    assert all(it.question not in seen for it in left) and len(left) <= len(mix) - 2
+
+
+def test_unknown_dataset_is_a_value_error():
+    with pytest.raises(ValueError, match="no_such_task"):
+        TaskMix([("no_such_task", {})], seed=0, size=2)
+
+
+def test_length_buckets_group_similar_lengths():
+    pred = [5, 100, 7, 90, 6, 95]
+    assert length_buckets(pred, 2) == [[1, 5], [3, 2], [4, 0]]
+
+
+def test_pack_microbatches_respects_padded_token_budget():
+    lengths = [10, 3, 8, 2, 7, 25]
+    batches = pack_microbatches(lengths, token_budget=20)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for b in batches:
+        assert len(b) * max(lengths[i] for i in b) <= 20 or len(b) == 1
+    assert [5] in batches  # longer than the budget: alone
+
+
+def test_length_predictor_uses_history_then_global_mean_then_prior():
+    p = LengthPredictor(prior=12.0)
+    assert p.predict("a") == 12.0
+    p.observe("a", 4)
+    p.observe("a", 6)
+    assert p.predict("a") == 5.0 and p.predict("b") == 5.0

@@ -1,0 +1,86 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import MoE, ModelConfig, Transformer, grouped_mm
+
+
+def test_replaying_own_routes_gives_identical_logits(tiny_cfg):
+    model = Transformer(tiny_cfg)
+    tokens = torch.randint(0, tiny_cfg.vocab_size, (3, 11))
+    logits, routes = model(tokens, return_routes=True)
+    assert routes.shape == (3, 11, tiny_cfg.num_moe_layers, tiny_cfg.top_k)
+    replayed, routes2 = model(tokens, routed_experts=routes, return_routes=True)
+    assert torch.equal(routes, routes2)
+    torch.testing.assert_close(replayed, logits, rtol=0, atol=0)
+
+
+def test_replayed_route_is_used_exactly_with_live_gate_weights(tiny_cfg):
+    moe = MoE(tiny_cfg)
+    torch.nn.init.normal_(moe.w1), torch.nn.init.normal_(moe.w2), torch.nn.init.normal_(moe.w3)
+    torch.nn.init.normal_(moe.gate.weight)
+    x = torch.randn(1, 5, tiny_cfg.dim)
+    # a route the router would not choose: its two lowest-scoring experts
+    scores = x[0] @ moe.gate.weight.T
+    replay = scores.topk(tiny_cfg.top_k, largest=False).indices[None]  # (1, 5, K)
+    y, ids = moe(x, replay)
+    assert torch.equal(ids, replay)
+    for t in range(5):
+        g = scores[t, replay[0, t]].softmax(-1)  # top-k renormalised softmax over the replayed set
+        want = sum(g[k] * (F.silu(x[0, t] @ moe.w1[e]) * (x[0, t] @ moe.w3[e])) @ moe.w2[e]
+                   for k, e in enumerate(replay[0, t].tolist()))
+        torch.testing.assert_close(y[0, t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_router_gets_gradient_under_replay(tiny_cfg):
+    model = Transformer(tiny_cfg)
+    tokens = torch.randint(0, tiny_cfg.vocab_size, (2, 7))
+    replay = torch.randint(0, tiny_cfg.num_experts, (2, 7, tiny_cfg.num_moe_layers, 1)).expand(-1, -1, -1, tiny_cfg.top_k)
+    replay = replay + torch.arange(tiny_cfg.top_k)  # distinct ids per token
+    replay = replay % tiny_cfg.num_experts
+    logits, _ = model(tokens, routed_experts=replay)
+    logits.logsumexp(-1).mean().backward()
+    for layer in model.layers:
+        assert layer.moe.gate.weight.grad is not None and layer.moe.gate.weight.grad.abs().sum() > 0
+
+
+def test_padding_rows_of_minus_one_route_like_the_router(tiny_cfg):
+    model = Transformer(tiny_cfg)
+    tokens = torch.randint(0, tiny_cfg.vocab_size, (2, 6))
+    logits, routes = model(tokens, return_routes=True)
+    replay = routes.clone()
+    replay[:, 3:] = -1
+    logits2, routes2 = model(tokens, routed_experts=replay, return_routes=True)
+    assert torch.equal(routes2, routes)
+    torch.testing.assert_close(logits2, logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad, msg", [((2, 6, 2, 3), "shape"), ((2, 6, 1, 2), "shape")])
+def test_replay_with_wrong_shape_is_a_value_error(tiny_cfg, bad, msg):
+    model = Transformer(tiny_cfg)
+    with pytest.raises(ValueError, match=msg):
+        model(torch.zeros(2, 6, dtype=torch.long), routed_experts=torch.zeros(bad, dtype=torch.long))
+
+
+@pytest.mark.parametrize("value", [-2, 8])
+def test_replay_with_out_of_range_expert_id_is_a_value_error(tiny_cfg, value):
+    model = Transformer(tiny_cfg)
+    replay = torch.zeros(1, 4, tiny_cfg.num_moe_layers, tiny_cfg.top_k, dtype=torch.long)
+    replay[0, 2, 1, 0] = value
+    with pytest.raises(ValueError, match="expert"):
+        model(torch.zeros(1, 4, dtype=torch.long), routed_experts=replay)
+
+
+def test_grouped_mm_matches_per_expert_loop_with_empty_experts():
+    x = torch.randn(10, 16)
+    w = torch.randn(4, 16, 8)
+    offs = torch.tensor([3, 3, 10, 10], dtype=torch.int32)  # experts 1 and 3 get no rows
+    want = torch.cat([x[:3] @ w[0], x[3:10] @ w[2]])
+    torch.testing.assert_close(grouped_mm(x, w, offs), want)
+
+
+def test_model_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelConfig(n_heads=6, n_kv_heads=4)
+    with pytest.raises(ValueError, match="top_k"):
+        ModelConfig(num_experts=4, top_k=5)

@@ -1,0 +1,487 @@
+"""Entry point: `python train.py configs/tiny.py [key=value ...]`.
+
+One run = a short cold-start SFT warm-up on the task's own demonstrations (the seed paper,
+arXiv 2512.07710, also starts RL from an SFT model), then the RL loop, each step:
+
+    prompts -> length buckets -> engine.generate (G per prompt: tokens, logprobs, routes)
+      -> reward -> after-rollout zero-variance filter -> group-relative advantages
+      -> old logprobs + entropy (no grad, routes replayed) -> mini-batches of packed
+         micro-batches: policy forward with the engine's routes replayed -> ESPO loss
+         -> AdamW step -> weight sync to the engine
+
+with a greedy eval on held-out prompts before RL, every `eval_every` steps and at the
+end. Writes to out_dir: metrics.jsonl, model.safetensors + config.json, plot.png.
+
+Config: `TrainConfig` below holds every default; a config file is plain assignments of
+its fields (deltas only; `model = dict(...)` for ModelConfig fields); `key=value` on the
+command line overrides either (`model.dim=128`), typed by the field.
+
+Legend: B sequences, T tokens, P prompts, G rollouts per prompt, L MoE layers, K experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import runpy
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from espo import group_advantages, policy_loss
+from filter import post_rollout_filter
+from model import ModelConfig, Transformer, token_entropy, token_logprobs
+from reward import TaskMix, demonstration
+from rollout import NativeEngine
+from scheduler import LengthPredictor, length_buckets, pack_microbatches
+from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, save_tokenizer, train_tokenizer
+
+# Small-number arithmetic in two surface forms, with item spaces large enough (tens of
+# thousands of distinct questions) that held-out prompts unseen in training are plentiful.
+DEFAULT_TASKS = [
+    ("chain_sum", dict(min_terms=2, max_terms=4, min_digits=1, max_digits=1)),
+    ("basic_arithmetic", dict(min_terms=2, max_terms=4, min_digits=1, max_digits=1, operators=("+", "-"),
+                              allow_parentheses=False, allow_negation=False)),
+]
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "out/run"
+    """Where metrics, checkpoint and plot are written."""
+    seed: int = 1337
+    """Seeds init, data order and sampling."""
+    device: str = "cpu"
+    """torch device for trainer and engine."""
+    init_from: str = ""
+    """Output folder of an earlier run to start from (its model.safetensors and tokenizer); "" = random init."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape; a config file sets it as a dict of deltas."""
+    # task
+    tasks: list = field(default_factory=lambda: list(DEFAULT_TASKS))
+    """(reasoning-gym dataset name, kwargs) pairs, mixed round-robin."""
+    train_seed: int = 1
+    """reasoning-gym seed of the training pool."""
+    train_size: int = 8_000
+    """Training prompts generated; eval seed must exceed train_seed by more than this."""
+    eval_seed: int = 1_000_000
+    """reasoning-gym seed of held-out prompts (items also seen in training are dropped)."""
+    eval_size: int = 400
+    """Held-out prompts per eval."""
+    bpe_merges: int = 64
+    """BPE merges learned from the training prompts and demonstrations (0 = byte-level)."""
+    # SFT warm-up
+    sft_steps: int = 200
+    """Optimizer steps of the cold-start SFT warm-up (0 = none)."""
+    sft_batch_size: int = 64
+    """Demonstrations per SFT step."""
+    sft_lr: float = 3e-3
+    """Peak SFT learning rate (linear warm-up, cosine decay to 10%)."""
+    # RL
+    rl_steps: int = 50
+    """RL steps (one rollout batch each)."""
+    prompts_per_step: int = 32
+    """Prompts sampled per RL step."""
+    group_size: int = 8
+    """Rollouts G per prompt."""
+    max_new_tokens: int = 24
+    """Generation limit per rollout, in tokens."""
+    temperature: float = 1.0
+    """Rollout sampling temperature (the trainer's logprobs use the same)."""
+    top_p: float = 1.0
+    """Rollout nucleus sampling mass."""
+    gen_batch_rows: int = 256
+    """Rows (prompts x G) per engine.generate call."""
+    lr: float = 5e-4
+    """RL AdamW learning rate (constant after a short warm-up)."""
+    lr_warmup_steps: int = 5
+    """Linear warm-up steps of both stages' schedules."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global grad norm."""
+    num_minibatches: int = 2
+    """Optimizer steps per rollout batch (PPO-style; >1 makes ratios leave 1 and clipping matter)."""
+    microbatch_tokens: int = 8192
+    """Padded-token budget of one forward/backward."""
+    loss_type: str = "espo"
+    """'espo' or 'grpo' (token clip)."""
+    espo_alpha: float = 0.02
+    """ESPO clip scale: eps_tau = alpha * mean entropy / log|V| (arXiv 2512.00499)."""
+    espo_top_frac: float = 0.2
+    """Fraction of highest-entropy tokens in ESPO's first entropy group."""
+    clip_eps_low: float = 0.2
+    """GRPO token-clip lower epsilon."""
+    clip_eps_high: float = 0.28
+    """GRPO token-clip upper epsilon (DAPO clip-higher)."""
+    router_replay: bool = True
+    """Replay the engine's routed experts in every trainer forward (R3)."""
+    eval_every: int = 10
+    """RL steps between evals."""
+    eval_batch_rows: int = 512
+    """Rows per eval generate call."""
+
+
+# ----------------------------------------------------------------------------- config
+
+def _parse(value: str, like, key: str):
+    """Parse a command-line string into the type of the field's default."""
+    if isinstance(like, bool):
+        if value.lower() in ("1", "true", "yes"):
+            return True
+        if value.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"{key}={value!r}: expected a bool (true/false)")
+    if isinstance(like, (int, float, str)):
+        try:
+            return type(like)(value)
+        except ValueError:
+            raise ValueError(f"{key}={value!r}: expected {type(like).__name__}") from None
+    raise ValueError(f"{key} is a {type(like).__name__}: set it in a config file, not on the command line")
+
+
+def _unknown(key: str, valid) -> ValueError:
+    close = difflib.get_close_matches(key, list(valid), n=3)
+    return ValueError(f"unknown config key {key!r}" + (f"; did you mean {', '.join(close)}?" if close else ""))
+
+
+def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
+    """TrainConfig from defaults, then the config file's assignments, then key=value overrides.
+
+    Raises ValueError on an unknown key (naming close matches) or a badly typed value.
+    """
+    values = {}
+    if path:
+        ns = runpy.run_path(path)
+        values = {k: v for k, v in ns.items() if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    model_fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    model_kw = dict(values.pop("model", {}))
+    for k in values:
+        if k not in fields:
+            raise _unknown(k, fields)
+    for k in model_kw:
+        if k not in model_fields:
+            raise _unknown(f"model.{k}", (f"model.{m}" for m in model_fields))
+    defaults, model_defaults = TrainConfig(), ModelConfig()
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"override {item!r} is not key=value")
+        if key.startswith("model."):
+            name = key[len("model."):]
+            if name not in model_fields:
+                raise _unknown(key, (f"model.{m}" for m in model_fields))
+            model_kw[name] = _parse(value, getattr(model_defaults, name), key)
+        elif key in fields and key != "model":
+            values[key] = _parse(value, getattr(defaults, key), key)
+        else:
+            raise _unknown(key, fields)
+    return TrainConfig(**values, model=ModelConfig(**model_kw))
+
+
+# ----------------------------------------------------------------------------- batches
+
+def sequence_batch(seqs: list[list[int]], starts: list[int], pad_id: int, routes: list[torch.Tensor] | None = None,
+                   num_layers: int = 0, top_k: int = 0):
+    """Right-padded next-token batch from full sequences (prompt + completion).
+
+    Returns inputs_BT, targets_BT (int64), mask_BT (1 where the target is a completion
+    token: positions >= start - 1) and, if routes are given, routes_BTLK (-1 on padding).
+    """
+    B, T = len(seqs), max(len(s) for s in seqs) - 1
+    inputs = torch.full((B, T), pad_id, dtype=torch.long)
+    targets = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T)
+    routes_BTLK = torch.full((B, T, num_layers, top_k), -1, dtype=torch.int32) if routes is not None else None
+    for i, (s, start) in enumerate(zip(seqs, starts)):
+        n = len(s) - 1
+        inputs[i, :n] = torch.tensor(s[:-1])
+        targets[i, :n] = torch.tensor(s[1:])
+        mask[i, start - 1:n] = 1.0
+        if routes is not None:
+            routes_BTLK[i, :n] = routes[i]
+    return inputs, targets, mask, routes_BTLK
+
+
+def pad_rows(rows: list[torch.Tensor], T: int) -> torch.Tensor:
+    """1-D tensors stacked into [B, T], zero-padded on the right."""
+    out = rows[0].new_zeros(len(rows), T)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int, cosine: bool) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if not cosine:
+        return peak
+    frac = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))  # cosine to 10% of peak
+
+
+def optimizer_step(model, opt, cfg: TrainConfig, lr: float) -> float:
+    for g in opt.param_groups:
+        g["lr"] = lr
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+# ----------------------------------------------------------------------------- stages
+
+def sft(model, tok, task: TaskMix, order: list[int], cfg: TrainConfig, log) -> int:
+    """Cold-start SFT on demonstrations; returns how many items of `order` it consumed."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    eos, pad = tok.encode_single_token(EOS), tok.encode_single_token(PAD)
+    used = 0
+    bar = tqdm(range(cfg.sft_steps), desc="sft", dynamic_ncols=True)
+    for step in bar:
+        items = [task[order[(used + i) % len(order)]] for i in range(cfg.sft_batch_size)]
+        used += cfg.sft_batch_size
+        prompts = [encode_prompt(tok, it.question) for it in items]
+        seqs = [p + tok.encode_ordinary(demonstration(it)) + [eos] for p, it in zip(prompts, items)]
+        inputs, targets, mask, _ = sequence_batch(seqs, [len(p) for p in prompts], pad)
+        logits, _ = model(inputs.to(cfg.device))
+        nll = -token_logprobs(logits, targets.to(cfg.device))
+        mask = mask.to(cfg.device)
+        loss = (nll * mask).sum() / mask.sum()
+        loss.backward()
+        lr = lr_at(step, cfg.sft_lr, cfg.lr_warmup_steps, cfg.sft_steps, cosine=True)
+        optimizer_step(model, opt, cfg, lr)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        log({"stage": "sft", "step": step, "loss": loss.item(), "lr": lr})
+    return used
+
+
+def generate_rollouts(engine: NativeEngine, prompts: list[list[int]], predicted: list[float], cfg: TrainConfig, seed: int):
+    """Rollouts of every prompt, G each, generated in batches of similar predicted length."""
+    per_batch = max(1, cfg.gen_batch_rows // cfg.group_size)
+    rollouts = []
+    for b, bucket in enumerate(length_buckets(predicted, per_batch)):
+        rollouts += engine.generate([prompts[i] for i in bucket], n=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                                    temperature=cfg.temperature, top_p=cfg.top_p, seed=seed * 1000 + b, group_ids=bucket)
+    rollouts.sort(key=lambda r: r.group_id)  # stable: keeps each group's sample order
+    return rollouts
+
+
+def completion_text(tok, r) -> str:
+    ids = r.completion_ids[:-1] if r.finish_reason == "stop" else r.completion_ids
+    return tok.decode(ids)
+
+
+@torch.no_grad()
+def evaluate(engine: NativeEngine, tok, task: TaskMix, items, cfg: TrainConfig) -> tuple[float, float]:
+    """Greedy accuracy on held-out items and its standard error sqrt(p(1-p)/n)."""
+    correct = 0
+    for i in range(0, len(items), cfg.eval_batch_rows):
+        chunk = items[i:i + cfg.eval_batch_rows]
+        outs = engine.generate([encode_prompt(tok, it.question) for it in chunk], n=1,
+                               max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+        correct += sum(task.score(completion_text(tok, r), it) for r, it in zip(outs, chunk))
+    p = correct / len(items)
+    return p, math.sqrt(p * (1 - p) / len(items))
+
+
+def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, step: int) -> dict:
+    """One RL step over `items` (prompts); returns its metrics."""
+    t0 = time.perf_counter()
+    prompts = [encode_prompt(tok, it.question) for it in items]
+    predicted = [len(p) + predictor.predict(it.question) for p, it in zip(prompts, items)]
+    rollouts = generate_rollouts(engine, prompts, predicted, cfg, seed=cfg.seed + step)
+    t_gen = time.perf_counter() - t0
+    G = cfg.group_size
+    rewards = torch.tensor([task.score(completion_text(tok, r), items[r.group_id]) for r in rollouts])
+    lengths = torch.tensor([len(r.completion_ids) for r in rollouts])
+    for r in rollouts:
+        predictor.observe(items[r.group_id].question, len(r.completion_ids))
+    rewards_PG, lengths_PG = rewards.view(-1, G), lengths.view(-1, G)
+    keep_P, fstats = post_rollout_filter(rewards_PG, lengths_PG)
+    adv_PG = group_advantages(rewards_PG)
+    m = {"stage": "rl", "step": step, "reward": rewards.mean().item(), "completion_len": lengths.float().mean().item(),
+         "stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts), "t_generate": t_gen,
+         **{f"filter/{k}": v for k, v in fstats.items()}}
+    kept = [i for i, r in enumerate(rollouts) if keep_P[r.group_id]]
+    if not kept:
+        m["skipped_update"] = 1
+        return m
+    replay = cfg.router_replay
+    seqs = [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in kept]
+    starts = [len(rollouts[i].prompt_ids) for i in kept]
+    adv_B = adv_PG.flatten()[kept]
+    L, K, pad = cfg.model.num_moe_layers, cfg.model.top_k, tok.encode_single_token(PAD)
+    micro = pack_microbatches([len(s) for s in seqs], cfg.microbatch_tokens)
+
+    def batch(idx):
+        inputs, targets, mask, routes = sequence_batch([seqs[i] for i in idx], [starts[i] for i in idx], pad,
+                                                       [rollouts[kept[i]].routes for i in idx], L, K)
+        dev = cfg.device
+        return inputs.to(dev), targets.to(dev), mask.to(dev), (routes.to(dev) if replay else None)
+
+    # old policy: logprobs and full-vocabulary entropy, same weights the engine sampled with
+    old_logp, old_ent, mismatch = {}, {}, []
+    with torch.no_grad():
+        for idx in micro:
+            inputs, targets, mask, routes = batch(idx)
+            logits, _ = model(inputs, routed_experts=routes)
+            lp, ent = token_logprobs(logits, targets, cfg.temperature), token_entropy(logits, cfg.temperature)
+            for j, i in enumerate(idx):
+                n = len(seqs[i]) - 1  # unpadded, so a later micro-batch can pad it to its own width
+                old_logp[i], old_ent[i] = lp[j, :n], ent[j, :n]
+                r, s = rollouts[kept[i]], starts[i] - 1
+                mismatch.append((r.logprobs - lp[j, s:s + len(r.completion_ids)].cpu()))
+    d = torch.cat(mismatch)  # log pi_infer - log pi_old on sampled tokens
+    m["mismatch/max_abs_logp"] = d.abs().max().item()
+    m["mismatch/kl"] = (d.exp() - 1 - d).mean().item()  # k3 estimate of KL(pi_infer || pi_old)
+    t1 = time.perf_counter()
+
+    # mini-batches: a random split of the kept sequences, one optimizer step each
+    perm = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed + step)).tolist()
+    n_mb = min(cfg.num_minibatches, len(seqs))
+    losses, lmetrics = [], []
+    for mb in range(n_mb):
+        members = perm[mb::n_mb]
+        n_tokens = sum(len(seqs[i]) - starts[i] for i in members)
+        normalizer = len(members) if cfg.loss_type == "espo" else n_tokens
+        total = 0.0
+        for idx in pack_microbatches([len(seqs[i]) for i in members], cfg.microbatch_tokens):
+            idx = [members[i] for i in idx]
+            inputs, targets, mask, routes = batch(idx)
+            T = inputs.shape[1]
+            logits, _ = model(inputs, routed_experts=routes)
+            logp = token_logprobs(logits, targets, cfg.temperature)
+            loss, lm = policy_loss(
+                logp, pad_rows([old_logp[i] for i in idx], T), adv_B[idx].to(cfg.device), mask,
+                loss_type=cfg.loss_type, old_entropy_BT=pad_rows([old_ent[i] for i in idx], T),
+                vocab_size=cfg.model.vocab_size, espo_alpha=cfg.espo_alpha, espo_top_frac=cfg.espo_top_frac,
+                clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, normalizer=normalizer)
+            loss.backward()
+            total += loss.item()
+            lmetrics.append(lm)
+        lr = lr_at(step, cfg.lr, cfg.lr_warmup_steps, cfg.rl_steps, cosine=False)
+        m["grad_norm"] = optimizer_step(model, opt, cfg, lr)
+        losses.append(total)
+    engine.update_weights(model.named_parameters(), version=step + 1)
+    m["loss"] = sum(losses) / len(losses)
+    m["t_train"] = time.perf_counter() - t1
+    m["trained_sequences"] = len(seqs)
+    for k in lmetrics[0]:
+        m[f"loss/{k}"] = sum(x[k] for x in lmetrics) / len(lmetrics)
+    return m
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def save_checkpoint(model, cfg: TrainConfig, out_dir: str):
+    """model.safetensors (config JSON in its metadata) and config.json, written atomically."""
+    from safetensors.torch import save_model
+    cfg_json = json.dumps(dataclasses.asdict(cfg), default=str, indent=1)
+    tmp = os.path.join(out_dir, "model.safetensors.tmp")
+    save_model(model, tmp, metadata={"config": cfg_json})
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        f.write(cfg_json)
+
+
+def plot(records: list[dict], path: str):
+    """Training reward, eval accuracy (+- SE) and zero-variance fraction against RL step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rl = [r for r in records if r.get("stage") == "rl"]
+    ev = [r for r in records if r.get("stage") == "eval"]
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+    ax[0].plot([r["step"] for r in rl], [r["reward"] for r in rl])
+    ax[0].set(title="training reward (mean over rollouts)", xlabel="RL step")
+    ax[1].errorbar([r["step"] for r in ev], [r["eval_acc"] for r in ev], yerr=[r["eval_se"] for r in ev], marker="o", capsize=3)
+    ax[1].set(title="eval accuracy (greedy, +- 1 SE)", xlabel="RL step")
+    ax[2].plot([r["step"] for r in rl], [r["filter/zero_variance_frac"] for r in rl])
+    ax[2].set(title="zero-variance group fraction", xlabel="RL step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str]):
+    path = argv[0] if argv and "=" not in argv[0] else None
+    cfg = load_config(path, argv[1:] if path else argv)
+    print(json.dumps(dataclasses.asdict(cfg), default=str))
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    if cfg.eval_seed - cfg.train_seed <= cfg.train_size:
+        raise ValueError(f"eval_seed={cfg.eval_seed} overlaps the training items: it must exceed "
+                         f"train_seed + train_size = {cfg.train_seed + cfg.train_size}")
+    task = TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size)
+    if cfg.init_from:  # start from an earlier run's weights and tokenizer (e.g. its SFT warm-up)
+        tok = load_tokenizer(os.path.join(cfg.init_from, "tokenizer.tiktoken"), cfg.model.vocab_size)
+    else:
+        tok = train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
+                              vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges)
+    save_tokenizer(tok, os.path.join(cfg.out_dir, "tokenizer.tiktoken"))
+    held_out = TaskMix(cfg.tasks, seed=cfg.eval_seed, size=4 * cfg.eval_size)
+    eval_items = held_out.exclude({it.question for it in task.items})[:cfg.eval_size]
+    if len(eval_items) < cfg.eval_size:
+        raise ValueError(f"only {len(eval_items)} held-out prompts are unseen in training; need eval_size={cfg.eval_size}")
+
+    model = Transformer(cfg.model).to(cfg.device)
+    if cfg.init_from:
+        from safetensors.torch import load_model
+        load_model(model, os.path.join(cfg.init_from, "model.safetensors"))
+    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD), device=cfg.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f}M params; {len(task)} train prompts, {len(eval_items)} held-out prompts")
+
+    records = []
+    log_file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w")
+
+    def log(rec):
+        records.append(rec)
+        log_file.write(json.dumps(rec) + "\n")
+        log_file.flush()
+
+    order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    t_start = time.perf_counter()
+    used = sft(model, tok, task, order, cfg, log) if cfg.sft_steps else 0
+    engine.update_weights(model.named_parameters(), version=0)
+
+    def run_eval(step):
+        acc, se = evaluate(engine, tok, held_out, eval_items, cfg)
+        log({"stage": "eval", "step": step, "eval_acc": acc, "eval_se": se, "time": time.perf_counter() - t_start})
+        return acc, se
+
+    sft_acc, sft_se = run_eval(0)
+    tqdm.write(f"after SFT: eval accuracy {sft_acc:.3f} +- {sft_se:.3f}")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    predictor = LengthPredictor(prior=cfg.max_new_tokens / 2)
+    bar = tqdm(range(cfg.rl_steps), desc="rl", dynamic_ncols=True)
+    acc, se = sft_acc, sft_se
+    for step in bar:
+        items = [task[order[(used + i) % len(order)]] for i in range(cfg.prompts_per_step)]
+        used += cfg.prompts_per_step
+        m = rl_step(model, opt, engine, tok, task, items, predictor, cfg, step)
+        m["time"] = time.perf_counter() - t_start
+        log(m)
+        bar.set_postfix(reward=f"{m['reward']:.2f}", zv=f"{m['filter/zero_variance_frac']:.2f}")
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.rl_steps:
+            acc, se = run_eval(step + 1)
+            tqdm.write(f"step {step + 1}: eval accuracy {acc:.3f} +- {se:.3f}")
+    log_file.close()
+    save_checkpoint(model, cfg, cfg.out_dir)
+    plot(records, os.path.join(cfg.out_dir, "plot.png"))
+    diff_se = math.sqrt(sft_se ** 2 + se ** 2)
+    print(f"eval accuracy after SFT: {sft_acc:.3f} +- {sft_se:.3f} (n={len(eval_items)})")
+    print(f"eval accuracy after RL:  {acc:.3f} +- {se:.3f} (n={len(eval_items)})")
+    print(f"RL gain: {acc - sft_acc:+.3f} +- {diff_se:.3f} ({(acc - sft_acc) / max(diff_se, 1e-9):.1f} standard errors)")
+    print(f"wrote {cfg.out_dir}/: metrics.jsonl, model.safetensors, config.json, tokenizer.tiktoken, plot.png in {time.perf_counter() - t_start:.0f}s")
+    return {"sft_acc": sft_acc, "sft_se": sft_se, "rl_acc": acc, "rl_se": se}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
