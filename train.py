@@ -71,7 +71,7 @@ class TrainConfig:
     """Training prompts generated; eval seed must exceed train_seed by more than this."""
     eval_seed: int = 1_000_000
     """reasoning-gym seed of held-out prompts (items also seen in training are dropped)."""
-    eval_size: int = 400
+    eval_size: int = 1000
     """Held-out prompts per eval."""
     bpe_merges: int = 64
     """BPE merges learned from the training prompts and demonstrations (0 = byte-level)."""
@@ -83,9 +83,9 @@ class TrainConfig:
     sft_lr: float = 3e-3
     """Peak SFT learning rate (linear warm-up, cosine decay to 10%)."""
     # RL
-    rl_steps: int = 50
+    rl_steps: int = 100
     """RL steps (one rollout batch each)."""
-    prompts_per_step: int = 32
+    prompts_per_step: int = 64
     """Prompts sampled per RL step."""
     group_size: int = 8
     """Rollouts G per prompt."""
@@ -97,7 +97,7 @@ class TrainConfig:
     """Rollout nucleus sampling mass."""
     gen_batch_rows: int = 256
     """Rows (prompts x G) per engine.generate call."""
-    lr: float = 5e-4
+    lr: float = 5e-5
     """RL AdamW learning rate (constant after a short warm-up)."""
     lr_warmup_steps: int = 5
     """Linear warm-up steps of both stages' schedules."""
@@ -121,8 +121,10 @@ class TrainConfig:
     """GRPO token-clip upper epsilon (DAPO clip-higher)."""
     router_replay: bool = True
     """Replay the engine's routed experts in every trainer forward (R3)."""
-    eval_every: int = 10
+    eval_every: int = 50
     """RL steps between evals."""
+    eval_samples: int = 4
+    """Completions per held-out prompt for the sampled accuracy (mean@k at the rollout temperature)."""
     eval_batch_rows: int = 512
     """Rows per eval generate call."""
 
@@ -278,33 +280,108 @@ def completion_text(tok, r) -> str:
 
 
 @torch.no_grad()
-def evaluate(engine: NativeEngine, tok, task: TaskMix, items, cfg: TrainConfig) -> tuple[float, float]:
-    """Greedy accuracy on held-out items and its standard error sqrt(p(1-p)/n)."""
-    correct = 0
-    for i in range(0, len(items), cfg.eval_batch_rows):
-        chunk = items[i:i + cfg.eval_batch_rows]
-        outs = engine.generate([encode_prompt(tok, it.question) for it in chunk], n=1,
-                               max_new_tokens=cfg.max_new_tokens, temperature=0.0)
-        correct += sum(task.score(completion_text(tok, r), it) for r, it in zip(outs, chunk))
-    p = correct / len(items)
-    return p, math.sqrt(p * (1 - p) / len(items))
+def evaluate(engine: NativeEngine, tok, task: TaskMix, items, cfg: TrainConfig, *, samples: int,
+             temperature: float) -> torch.Tensor:
+    """Per held-out item, the mean binary reward of `samples` completions at `temperature`, [n] fp32.
+
+    temperature 0 is greedy (use samples=1). Sampling is seeded by cfg.seed, so every
+    eval of a run draws from the same random stream.
+    """
+    scores = []
+    rows = max(1, cfg.eval_batch_rows // samples)
+    for i in range(0, len(items), rows):
+        chunk = items[i:i + rows]
+        outs = engine.generate([encode_prompt(tok, it.question) for it in chunk], n=samples, seed=cfg.seed + i,
+                               max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p)
+        scores += [task.score(completion_text(tok, r), chunk[r.group_id]) for r in outs]
+    return torch.tensor(scores).view(len(items), samples).mean(dim=1)
+
+
+def mean_se(x: torch.Tensor) -> tuple[float, float]:
+    """Mean and its standard error std/sqrt(n) (population std: sqrt(p(1-p)/n) for 0/1 data)."""
+    return x.mean().item(), (x.var(correction=0) / len(x)).sqrt().item()
+
+
+@dataclass
+class TrainBatch:
+    """The kept rollouts of one RL step as trainer inputs (index i = one sequence)."""
+    seqs: list[list[int]]  # prompt + completion ids
+    starts: list[int]  # prompt lengths: the completion starts at seqs[i][starts[i]]
+    routes: list[torch.Tensor]  # [len(seqs[i]) - 1, L, K] routed experts recorded by the engine
+    adv_B: torch.Tensor  # one advantage per sequence
+
+    def micro(self, idx: list[int], cfg: TrainConfig, pad_id: int):
+        """inputs, targets, loss mask [B, T] and routes to replay [B, T, L, K] (or None) for sequences idx."""
+        inputs, targets, mask, routes = sequence_batch([self.seqs[i] for i in idx], [self.starts[i] for i in idx], pad_id,
+                                                       [self.routes[i] for i in idx], cfg.model.num_moe_layers, cfg.model.top_k)
+        dev = cfg.device
+        return inputs.to(dev), targets.to(dev), mask.to(dev), (routes.to(dev) if cfg.router_replay else None)
+
+
+@torch.no_grad()
+def old_policy(model, batch: TrainBatch, engine_logprobs: list[torch.Tensor], cfg: TrainConfig, pad_id: int):
+    """Per sequence: log pi_old and the full-vocabulary entropy under pi_old (unpadded [len - 1]),
+    from the weights the engine sampled with, plus train-inference mismatch metrics."""
+    old_logp, old_ent, deltas = {}, {}, []
+    for idx in pack_microbatches([len(s) for s in batch.seqs], cfg.microbatch_tokens):
+        inputs, targets, _, routes = batch.micro(idx, cfg, pad_id)
+        logits, _ = model(inputs, routed_experts=routes)
+        lp, ent = token_logprobs(logits, targets, cfg.temperature), token_entropy(logits, cfg.temperature)
+        for j, i in enumerate(idx):
+            n, s = len(batch.seqs[i]) - 1, batch.starts[i] - 1
+            old_logp[i], old_ent[i] = lp[j, :n], ent[j, :n]  # unpadded: later micro-batches pad to their own width
+            deltas.append(engine_logprobs[i] - lp[j, s:n].cpu())
+    d = torch.cat(deltas)  # log pi_infer - log pi_old on the sampled tokens
+    # k3 estimate of KL(pi_infer || pi_old) (Schulman 2020, "Approximating KL divergence")
+    metrics = {"mismatch/max_abs_logp": d.abs().max().item(), "mismatch/kl": (d.exp() - 1 - d).mean().item()}
+    return old_logp, old_ent, metrics
+
+
+def policy_update(model, opt, batch: TrainBatch, old_logp, old_ent, cfg: TrainConfig, step: int, pad_id: int) -> dict:
+    """num_minibatches optimizer steps over a random split of the batch, each from packed micro-batches."""
+    perm = torch.randperm(len(batch.seqs), generator=torch.Generator().manual_seed(cfg.seed + step)).tolist()
+    n_mb = min(cfg.num_minibatches, len(perm))
+    losses, lmetrics, m = [], [], {}
+    for mb in range(n_mb):
+        members = perm[mb::n_mb]
+        # the loss of one optimizer step is a mean over the whole mini-batch, not per micro-batch
+        normalizer = len(members) if cfg.loss_type == "espo" else sum(len(batch.seqs[i]) - batch.starts[i] for i in members)
+        total = 0.0
+        for idx in pack_microbatches([len(batch.seqs[i]) for i in members], cfg.microbatch_tokens):
+            idx = [members[i] for i in idx]
+            inputs, targets, mask, routes = batch.micro(idx, cfg, pad_id)
+            T = inputs.shape[1]
+            logits, _ = model(inputs, routed_experts=routes)
+            loss, lm = policy_loss(
+                token_logprobs(logits, targets, cfg.temperature), pad_rows([old_logp[i] for i in idx], T),
+                batch.adv_B[idx].to(cfg.device), mask, loss_type=cfg.loss_type,
+                old_entropy_BT=pad_rows([old_ent[i] for i in idx], T), vocab_size=cfg.model.vocab_size,
+                espo_alpha=cfg.espo_alpha, espo_top_frac=cfg.espo_top_frac, clip_eps_low=cfg.clip_eps_low,
+                clip_eps_high=cfg.clip_eps_high, normalizer=normalizer)
+            loss.backward()
+            total += loss.item()
+            lmetrics.append(lm)
+        m["grad_norm"] = optimizer_step(model, opt, cfg, lr_at(step, cfg.lr, cfg.lr_warmup_steps, cfg.rl_steps, cosine=False))
+        losses.append(total)
+    m["loss"] = sum(losses) / len(losses)
+    m.update({f"loss/{k}": sum(x[k] for x in lmetrics) / len(lmetrics) for k in lmetrics[0]})
+    return m
 
 
 def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, step: int) -> dict:
-    """One RL step over `items` (prompts); returns its metrics."""
+    """One RL step over `items` (prompts): rollout, reward, filter, advantages, update, sync. Returns metrics."""
     t0 = time.perf_counter()
     prompts = [encode_prompt(tok, it.question) for it in items]
     predicted = [len(p) + predictor.predict(it.question) for p, it in zip(prompts, items)]
     rollouts = generate_rollouts(engine, prompts, predicted, cfg, seed=cfg.seed + step)
     t_gen = time.perf_counter() - t0
-    G = cfg.group_size
     rewards = torch.tensor([task.score(completion_text(tok, r), items[r.group_id]) for r in rollouts])
     lengths = torch.tensor([len(r.completion_ids) for r in rollouts])
     for r in rollouts:
         predictor.observe(items[r.group_id].question, len(r.completion_ids))
-    rewards_PG, lengths_PG = rewards.view(-1, G), lengths.view(-1, G)
+    rewards_PG, lengths_PG = rewards.view(-1, cfg.group_size), lengths.view(-1, cfg.group_size)
     keep_P, fstats = post_rollout_filter(rewards_PG, lengths_PG)
-    adv_PG = group_advantages(rewards_PG)
+    adv = group_advantages(rewards_PG).flatten()  # rollouts are group-major, so this lines up with them
     m = {"stage": "rl", "step": step, "reward": rewards.mean().item(), "completion_len": lengths.float().mean().item(),
          "stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts), "t_generate": t_gen,
          **{f"filter/{k}": v for k, v in fstats.items()}}
@@ -312,68 +389,17 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
     if not kept:
         m["skipped_update"] = 1
         return m
-    replay = cfg.router_replay
-    seqs = [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in kept]
-    starts = [len(rollouts[i].prompt_ids) for i in kept]
-    adv_B = adv_PG.flatten()[kept]
-    L, K, pad = cfg.model.num_moe_layers, cfg.model.top_k, tok.encode_single_token(PAD)
-    micro = pack_microbatches([len(s) for s in seqs], cfg.microbatch_tokens)
-
-    def batch(idx):
-        inputs, targets, mask, routes = sequence_batch([seqs[i] for i in idx], [starts[i] for i in idx], pad,
-                                                       [rollouts[kept[i]].routes for i in idx], L, K)
-        dev = cfg.device
-        return inputs.to(dev), targets.to(dev), mask.to(dev), (routes.to(dev) if replay else None)
-
-    # old policy: logprobs and full-vocabulary entropy, same weights the engine sampled with
-    old_logp, old_ent, mismatch = {}, {}, []
-    with torch.no_grad():
-        for idx in micro:
-            inputs, targets, mask, routes = batch(idx)
-            logits, _ = model(inputs, routed_experts=routes)
-            lp, ent = token_logprobs(logits, targets, cfg.temperature), token_entropy(logits, cfg.temperature)
-            for j, i in enumerate(idx):
-                n = len(seqs[i]) - 1  # unpadded, so a later micro-batch can pad it to its own width
-                old_logp[i], old_ent[i] = lp[j, :n], ent[j, :n]
-                r, s = rollouts[kept[i]], starts[i] - 1
-                mismatch.append((r.logprobs - lp[j, s:s + len(r.completion_ids)].cpu()))
-    d = torch.cat(mismatch)  # log pi_infer - log pi_old on sampled tokens
-    m["mismatch/max_abs_logp"] = d.abs().max().item()
-    m["mismatch/kl"] = (d.exp() - 1 - d).mean().item()  # k3 estimate of KL(pi_infer || pi_old)
     t1 = time.perf_counter()
-
-    # mini-batches: a random split of the kept sequences, one optimizer step each
-    perm = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed + step)).tolist()
-    n_mb = min(cfg.num_minibatches, len(seqs))
-    losses, lmetrics = [], []
-    for mb in range(n_mb):
-        members = perm[mb::n_mb]
-        n_tokens = sum(len(seqs[i]) - starts[i] for i in members)
-        normalizer = len(members) if cfg.loss_type == "espo" else n_tokens
-        total = 0.0
-        for idx in pack_microbatches([len(seqs[i]) for i in members], cfg.microbatch_tokens):
-            idx = [members[i] for i in idx]
-            inputs, targets, mask, routes = batch(idx)
-            T = inputs.shape[1]
-            logits, _ = model(inputs, routed_experts=routes)
-            logp = token_logprobs(logits, targets, cfg.temperature)
-            loss, lm = policy_loss(
-                logp, pad_rows([old_logp[i] for i in idx], T), adv_B[idx].to(cfg.device), mask,
-                loss_type=cfg.loss_type, old_entropy_BT=pad_rows([old_ent[i] for i in idx], T),
-                vocab_size=cfg.model.vocab_size, espo_alpha=cfg.espo_alpha, espo_top_frac=cfg.espo_top_frac,
-                clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, normalizer=normalizer)
-            loss.backward()
-            total += loss.item()
-            lmetrics.append(lm)
-        lr = lr_at(step, cfg.lr, cfg.lr_warmup_steps, cfg.rl_steps, cosine=False)
-        m["grad_norm"] = optimizer_step(model, opt, cfg, lr)
-        losses.append(total)
+    pad_id = tok.encode_single_token(PAD)
+    batch = TrainBatch(seqs=[rollouts[i].prompt_ids + rollouts[i].completion_ids for i in kept],
+                       starts=[len(rollouts[i].prompt_ids) for i in kept],
+                       routes=[rollouts[i].routes for i in kept], adv_B=adv[kept])
+    old_logp, old_ent, mismatch = old_policy(model, batch, [rollouts[i].logprobs for i in kept], cfg, pad_id)
+    m.update(mismatch)
+    m.update(policy_update(model, opt, batch, old_logp, old_ent, cfg, step, pad_id))
     engine.update_weights(model.named_parameters(), version=step + 1)
-    m["loss"] = sum(losses) / len(losses)
     m["t_train"] = time.perf_counter() - t1
-    m["trained_sequences"] = len(seqs)
-    for k in lmetrics[0]:
-        m[f"loss/{k}"] = sum(x[k] for x in lmetrics) / len(lmetrics)
+    m["trained_sequences"] = len(kept)
     return m
 
 
@@ -400,8 +426,11 @@ def plot(records: list[dict], path: str):
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
     ax[0].plot([r["step"] for r in rl], [r["reward"] for r in rl])
     ax[0].set(title="training reward (mean over rollouts)", xlabel="RL step")
-    ax[1].errorbar([r["step"] for r in ev], [r["eval_acc"] for r in ev], yerr=[r["eval_se"] for r in ev], marker="o", capsize=3)
-    ax[1].set(title="eval accuracy (greedy, +- 1 SE)", xlabel="RL step")
+    for key, label in (("eval_acc", "sampled (mean@k)"), ("eval_greedy_acc", "greedy")):
+        ax[1].errorbar([r["step"] for r in ev], [r[key] for r in ev], yerr=[r[key.replace("acc", "se")] for r in ev],
+                       marker="o", capsize=3, label=label)
+    ax[1].set(title="held-out accuracy (+- 1 SE)", xlabel="RL step")
+    ax[1].legend()
     ax[2].plot([r["step"] for r in rl], [r["filter/zero_variance_frac"] for r in rl])
     ax[2].set(title="zero-variance group fraction", xlabel="RL step")
     fig.tight_layout()
@@ -452,16 +481,19 @@ def main(argv: list[str]):
     engine.update_weights(model.named_parameters(), version=0)
 
     def run_eval(step):
-        acc, se = evaluate(engine, tok, held_out, eval_items, cfg)
-        log({"stage": "eval", "step": step, "eval_acc": acc, "eval_se": se, "time": time.perf_counter() - t_start})
-        return acc, se
+        """Sampled (mean of eval_samples at the rollout temperature) and greedy accuracy per held-out prompt."""
+        sampled = evaluate(engine, tok, held_out, eval_items, cfg, samples=cfg.eval_samples, temperature=cfg.temperature)
+        greedy = evaluate(engine, tok, held_out, eval_items, cfg, samples=1, temperature=0.0)
+        (acc, se), (g_acc, g_se) = mean_se(sampled), mean_se(greedy)
+        log({"stage": "eval", "step": step, "eval_acc": acc, "eval_se": se, "eval_greedy_acc": g_acc,
+             "eval_greedy_se": g_se, "time": time.perf_counter() - t_start})
+        tqdm.write(f"step {step}: eval accuracy {acc:.3f} +- {se:.3f} sampled, {g_acc:.3f} +- {g_se:.3f} greedy")
+        return sampled, greedy
 
-    sft_acc, sft_se = run_eval(0)
-    tqdm.write(f"after SFT: eval accuracy {sft_acc:.3f} +- {sft_se:.3f}")
+    after_sft = after_rl = run_eval(0)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     predictor = LengthPredictor(prior=cfg.max_new_tokens / 2)
     bar = tqdm(range(cfg.rl_steps), desc="rl", dynamic_ncols=True)
-    acc, se = sft_acc, sft_se
     for step in bar:
         items = [task[order[(used + i) % len(order)]] for i in range(cfg.prompts_per_step)]
         used += cfg.prompts_per_step
@@ -470,17 +502,22 @@ def main(argv: list[str]):
         log(m)
         bar.set_postfix(reward=f"{m['reward']:.2f}", zv=f"{m['filter/zero_variance_frac']:.2f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.rl_steps:
-            acc, se = run_eval(step + 1)
-            tqdm.write(f"step {step + 1}: eval accuracy {acc:.3f} +- {se:.3f}")
+            after_rl = run_eval(step + 1)
     log_file.close()
     save_checkpoint(model, cfg, cfg.out_dir)
     plot(records, os.path.join(cfg.out_dir, "plot.png"))
-    diff_se = math.sqrt(sft_se ** 2 + se ** 2)
-    print(f"eval accuracy after SFT: {sft_acc:.3f} +- {sft_se:.3f} (n={len(eval_items)})")
-    print(f"eval accuracy after RL:  {acc:.3f} +- {se:.3f} (n={len(eval_items)})")
-    print(f"RL gain: {acc - sft_acc:+.3f} +- {diff_se:.3f} ({(acc - sft_acc) / max(diff_se, 1e-9):.1f} standard errors)")
-    print(f"wrote {cfg.out_dir}/: metrics.jsonl, model.safetensors, config.json, tokenizer.tiktoken, plot.png in {time.perf_counter() - t_start:.0f}s")
-    return {"sft_acc": sft_acc, "sft_se": sft_se, "rl_acc": acc, "rl_se": se}
+    print(f"{f'held-out accuracy (n={len(eval_items)} prompts)':<38}{'after SFT':<17}{'after RL':<17}RL gain")
+    summary = {}
+    for k, name in enumerate([f"sampled (mean of {cfg.eval_samples}, T={cfg.temperature})", "greedy"]):
+        (a0, s0), (a1, s1) = mean_se(after_sft[k]), mean_se(after_rl[k])
+        gain, paired_se = mean_se(after_rl[k] - after_sft[k])  # same prompts before and after: a paired difference
+        print(f"{name:<38}{a0:.3f} +- {s0:.3f}   {a1:.3f} +- {s1:.3f}   {gain:+.3f} = {gain / max(paired_se, 1e-9):.1f} "
+              f"paired SE ({gain / max(math.hypot(s0, s1), 1e-9):.1f} unpaired)")
+        summary[["sampled", "greedy"][k]] = {"sft_acc": a0, "sft_se": s0, "rl_acc": a1, "rl_se": s1,
+                                             "gain": gain, "gain_paired_se": paired_se}
+    print(f"wrote {cfg.out_dir}/: metrics.jsonl, model.safetensors, config.json, tokenizer.tiktoken, plot.png "
+          f"in {time.perf_counter() - t_start:.0f}s")
+    return summary
 
 
 if __name__ == "__main__":
