@@ -9,8 +9,12 @@ arXiv 2512.07710, also starts RL from an SFT model), then the RL loop, each step
          micro-batches: policy forward with the engine's routes replayed -> ESPO loss
          -> AdamW step -> weight sync to the engine
 
-with a greedy eval on held-out prompts before RL, every `eval_every` steps and at the
-end. Writes to out_dir: metrics.jsonl, model.safetensors + config.json, plot.png.
+with an eval on held-out prompts before RL, every `eval_every` steps and at the end: the
+sampled accuracy (mean binary reward of `eval_samples` completions per prompt at the
+rollout temperature, i.e. the RL objective on unseen prompts) and the greedy accuracy,
+each with its standard error, and the RL gain with the paired SE (same prompts before
+and after). Writes to out_dir: metrics.jsonl, model.safetensors + config.json,
+tokenizer.tiktoken, plot.png.
 
 Config: `TrainConfig` below holds every default; a config file is plain assignments of
 its fields (deltas only; `model = dict(...)` for ModelConfig fields); `key=value` on the
