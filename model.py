@@ -255,7 +255,8 @@ class Transformer(nn.Module):
         cache / cache_start / mask_B1TS: cached decoding; keys and values of this call are
         written at cache columns [cache_start, cache_start+T); mask_B1TS (bool, True = attend)
         covers all S = cache_start+T columns. Without a mask attention is causal.
-        Raises ValueError on a wrong replay shape or an expert id outside [-1, E).
+        Raises ValueError on a wrong replay shape, an expert id outside [-1, E), a row that
+        mixes -1 with ids, or a row that repeats an expert.
         """
         B, T = tokens_BT.shape
         cfg = self.cfg
@@ -266,6 +267,12 @@ class Transformer(nn.Module):
             lo, hi = int(routed_experts.min()), int(routed_experts.max())
             if lo < -1 or hi >= cfg.num_experts:
                 raise ValueError(f"routed_experts ids span [{lo}, {hi}]; valid ids are -1 (padding) and [0, {cfg.num_experts})")
+            pad = routed_experts < 0
+            if bool((pad.any(-1) & ~pad.all(-1)).any()):
+                raise ValueError("routed_experts has a row mixing -1 and expert ids; a padding row must be all -1")
+            ids = routed_experts.sort(dim=-1).values
+            if bool(((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any()):
+                raise ValueError("routed_experts repeats an expert within a token's top-k; ids in a row must be distinct")
         if pos_BT is None:
             pos_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
         cos, sin = self.rope_cos[pos_BT], self.rope_sin[pos_BT]  # (B, T, d/2)

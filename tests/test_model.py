@@ -5,7 +5,9 @@ import torch.nn.functional as F
 from model import MoE, ModelConfig, Transformer, grouped_mm
 
 
-def test_replaying_own_routes_gives_identical_logits(tiny_cfg):
+@pytest.mark.parametrize("num_shared_experts", [0, 1])
+def test_replaying_own_routes_gives_identical_logits(tiny_cfg, num_shared_experts):
+    tiny_cfg.num_shared_experts = num_shared_experts
     model = Transformer(tiny_cfg)
     tokens = torch.randint(0, tiny_cfg.vocab_size, (3, 11))
     logits, routes = model(tokens, return_routes=True)
@@ -13,6 +15,7 @@ def test_replaying_own_routes_gives_identical_logits(tiny_cfg):
     replayed, routes2 = model(tokens, routed_experts=routes, return_routes=True)
     assert torch.equal(routes, routes2)
     torch.testing.assert_close(replayed, logits, rtol=0, atol=0)
+    assert (model.layers[0].moe.shared is not None) == bool(num_shared_experts)
 
 
 def test_replayed_route_is_used_exactly_with_live_gate_weights(tiny_cfg):
@@ -69,6 +72,20 @@ def test_replay_with_out_of_range_expert_id_is_a_value_error(tiny_cfg, value):
     replay[0, 2, 1, 0] = value
     with pytest.raises(ValueError, match="expert"):
         model(torch.zeros(1, 4, dtype=torch.long), routed_experts=replay)
+
+
+def test_replay_rows_mixing_padding_or_repeating_an_expert_are_value_errors(tiny_cfg):
+    model = Transformer(tiny_cfg)
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    _, routes = model(tokens, return_routes=True)
+    mixed = routes.clone()
+    mixed[0, 1, 0, 0] = -1
+    with pytest.raises(ValueError, match="mixing -1"):
+        model(tokens, routed_experts=mixed)
+    repeated = routes.clone()
+    repeated[0, 2, 1, 1] = repeated[0, 2, 1, 0]
+    with pytest.raises(ValueError, match="repeats an expert"):
+        model(tokens, routed_experts=repeated)
 
 
 def test_grouped_mm_matches_per_expert_loop_with_empty_experts():
