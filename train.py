@@ -442,10 +442,16 @@ def plot(records: list[dict], path: str):
     plt.close(fig)
 
 
-def main(argv: list[str]):
+def parse_args(argv: list[str]) -> TrainConfig:
+    """`[config.py] [key=value ...]` -> TrainConfig. Raises ValueError on a bad key or value."""
     path = argv[0] if argv and "=" not in argv[0] else None
-    cfg = load_config(path, argv[1:] if path else argv)
+    return load_config(path, argv[1:] if path else argv)
+
+
+def main(cfg: TrainConfig) -> dict:
+    """Run SFT then RL as configured; returns the held-out accuracies before and after RL."""
     print(json.dumps(dataclasses.asdict(cfg), default=str))
+    t_start = time.perf_counter()
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     if cfg.eval_seed - cfg.train_seed <= cfg.train_size:
@@ -480,7 +486,6 @@ def main(argv: list[str]):
         log_file.flush()
 
     order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    t_start = time.perf_counter()
     used = sft(model, tok, task, order, cfg, log) if cfg.sft_steps else 0
     engine.update_weights(model.named_parameters(), version=0)
 
@@ -525,4 +530,8 @@ def main(argv: list[str]):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        config = parse_args(sys.argv[1:])
+    except ValueError as e:  # a config mistake: say what is wrong, without a traceback
+        sys.exit(f"config error: {e}")
+    main(config)

@@ -70,7 +70,7 @@ eval_every = 2
 def test_tiny_run_end_to_end_writes_metrics_checkpoint_and_plot(tmp_path):
     out = tmp_path / "run"
     path = write_config(tmp_path, MICRO + f"out_dir = {str(out)!r}\n")
-    result = train.main([path, "sft_lr=1e-3"])
+    result = train.main(train.parse_args([path, "sft_lr=1e-3"]))
     assert set(result) == {"sampled", "greedy"}
     assert set(result["greedy"]) == {"sft_acc", "sft_se", "rl_acc", "rl_se", "gain", "gain_paired_se"}
     for name in ("metrics.jsonl", "model.safetensors", "config.json", "tokenizer.tiktoken", "plot.png"):
