@@ -98,7 +98,7 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
 
     logp_BT: log pi_theta of the completion tokens (grad flows), [B, T] fp32.
     old_logp_BT: log pi_old of the same tokens, [B, T]; treated as constant.
-    adv_B: one advantage per sequence, [B]. mask_BT: 1 on completion tokens, 0 on padding.
+    adv_B: one advantage per sequence, [B], or one per token, [B, T]. mask_BT: 1 on completion tokens, 0 on padding.
     loss_type "espo" needs old_entropy_BT ([B, T] nats) and vocab_size; it aggregates
     token -> entropy group -> sequence -> batch (ESPO, arXiv 2512.00499) and ignores
     `aggregation`. loss_type "grpo" is the token clip with eps_low/eps_high (DAPO,
@@ -110,7 +110,8 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
     """
     mask = mask_BT.to(logp_BT.dtype)
     old = old_logp_BT.detach()
-    adv_B1 = adv_B.detach().to(logp_BT.dtype)[:, None]
+    adv = adv_B.detach().to(logp_BT.dtype)
+    adv_B1 = adv[:, None] if adv.dim() == 1 else adv  # [B, 1], or [B, T] token advantages (RL-ZVP)
     log_w = (logp_BT - old) * mask  # (B, T) log token ratio, 0 on padding
     metrics = {}
     if loss_type == "grpo":
