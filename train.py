@@ -142,7 +142,7 @@ class TrainConfig:
     # zero-variance elimination (filter.py): the defaults run none of stages 1-2 and drop zero-variance groups
     skip_prob: float = 0.0
     """Stage 1: probability of skipping a prompt last seen all-correct or all-wrong, at once (0 = off)."""
-    skip_half_life: float = 20.0
+    skip_half_life: float = 200.0
     """Stage 1: RL steps over which that skip probability halves, so skipped prompts come back."""
     pass_rate_file: str = ""
     """Stage 1: JSONL of {"id": question, "pass_rate": p} (e.g. from a smaller model), read once ("" = none)."""

@@ -117,6 +117,16 @@ def test_history_from_one_step_makes_stage_one_skip_the_next():
     assert counts["stage1_prompts_skipped"] == 1 and counts["stage1_tokens_saved_est"] == 12.0
 
 
+def test_a_prompt_last_seen_informative_is_never_stopped_by_its_probes():
+    script = {"was_mixed": [1.0, 1.0, 0.0, 0.0], "unseen": [1.0, 1.0, 0.0, 0.0]}  # the first two probes agree
+    history = PromptHistory()
+    history.observe("was_mixed", 0.5, step=0)
+    sampler = ScriptedSampler(script)
+    groups, counts = collect_groups(["was_mixed", "unseen"], sampler, history, 1, StageConfig(group_size=4, probe_size=2),
+                                    key=str, predicted_tokens=lambda p: 1.0, rng=random.Random(0))
+    assert [len(g) for _, g in groups] == [4, 2] and counts["stage2_prompts_stopped"] == 1
+
+
 def test_post_rollout_filter_handles_groups_of_different_sizes():
     rewards = [torch.tensor([1.0, 1.0]), torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.tensor([0.0, 0.0, 0.0])]
     lengths = [torch.tensor([3, 4]), torch.tensor([1, 1, 1, 1]), torch.tensor([2, 2, 2])]
