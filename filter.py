@@ -177,6 +177,18 @@ class StageConfig:
     oversample_rounds: int = 0
     keep_zero_variance: bool = False  # Stage 3 keeps them (RL-ZVP): every group counts toward the target
 
+    def __post_init__(self):
+        """Raises ValueError on a setting the stages would reject, before any generation is spent."""
+        if not 0.0 <= self.skip_prob <= 1.0 or self.skip_half_life <= 0:
+            raise ValueError(f"need 0 <= skip_prob <= 1 and skip_half_life > 0; got {self.skip_prob}, {self.skip_half_life}")
+        if self.probe_size and not 2 <= self.probe_size < self.group_size:
+            raise ValueError(f"probe_size={self.probe_size}: use 0 (off) or 2..{self.group_size - 1}")
+        if self.enlarged_group_size and (self.enlarged_group_size < self.group_size or not self.probe_size):
+            raise ValueError(f"enlarged_group_size={self.enlarged_group_size} needs probe_size > 0 and must be "
+                             f">= group_size={self.group_size}")
+        if self.oversample_rounds < 0:
+            raise ValueError(f"oversample_rounds={self.oversample_rounds} must be >= 0")
+
 
 def collect_groups(prompts: list, sample: Sampler, history: PromptHistory, step: int, cfg: StageConfig, *,
                    key: Callable[[Any], Any], predicted_tokens: Callable[[Any], float], rng: random.Random,

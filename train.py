@@ -619,6 +619,10 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.zero_variance not in ("drop", "rl-zvp") or cfg.reward_model not in ("", "stub"):
         raise ValueError(f"zero_variance={cfg.zero_variance!r} (valid: 'drop', 'rl-zvp'), "
                          f"reward_model={cfg.reward_model!r} (valid: '', 'stub')")
+    if not 0 <= cfg.shaping_margin < 0.5 or not 0 <= cfg.overlong_buffer <= cfg.max_new_tokens:
+        raise ValueError(f"need 0 <= shaping_margin < 0.5 and 0 <= overlong_buffer <= max_new_tokens; "
+                         f"got {cfg.shaping_margin}, {cfg.overlong_buffer}")
+    stage_config(cfg)  # raises on bad filter settings now, not after the SFT warm-up
     if cfg.eval_seed - cfg.train_seed <= cfg.train_size:
         raise ValueError(f"eval_seed={cfg.eval_seed} overlaps the training items: it must exceed "
                          f"train_seed + train_size = {cfg.train_seed + cfg.train_size}")

@@ -35,6 +35,17 @@ def test_bad_overrides_are_value_errors_that_say_what_is_valid(override, match):
         train.load_config(None, [override])
 
 
+@pytest.mark.parametrize("override, match", [
+    ("probe_size=1", "probe_size"),
+    ("enlarged_group_size=12", "needs probe_size"),
+    ("zero_variance=keep", "zero_variance"),
+    ("shaping_margin=0.5", "shaping_margin"),
+])
+def test_bad_filter_or_reward_settings_fail_before_any_training(override, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        train.main(train.load_config(None, [override, f"out_dir={tmp_path}"]))
+
+
 def test_unknown_key_in_config_file_names_close_matches(tmp_path):
     path = write_config(tmp_path, "group_sise = 4\n")
     with pytest.raises(ValueError, match="did you mean group_size"):
