@@ -15,12 +15,13 @@ def test_replaying_own_routes_gives_identical_logits(tiny_cfg, num_shared_expert
     replayed, routes2 = model(tokens, routed_experts=routes, return_routes=True)
     assert torch.equal(routes, routes2)
     torch.testing.assert_close(replayed, logits, rtol=0, atol=0)
-    assert (model.layers[0].moe.shared is not None) == bool(num_shared_experts)
+    assert (model.layers[0].mlp.shared is not None) == bool(num_shared_experts)
 
 
 def test_replayed_route_is_used_exactly_with_live_gate_weights(tiny_cfg):
     moe = MoE(tiny_cfg)
-    torch.nn.init.normal_(moe.w1), torch.nn.init.normal_(moe.w2), torch.nn.init.normal_(moe.w3)
+    ex = moe.experts
+    torch.nn.init.normal_(ex.w1), torch.nn.init.normal_(ex.w2), torch.nn.init.normal_(ex.w3)
     torch.nn.init.normal_(moe.gate.weight)
     x = torch.randn(1, 5, tiny_cfg.dim)
     # a route the router would not choose: its two lowest-scoring experts
@@ -30,7 +31,7 @@ def test_replayed_route_is_used_exactly_with_live_gate_weights(tiny_cfg):
     assert torch.equal(ids, replay)
     for t in range(5):
         g = scores[t, replay[0, t]].softmax(-1)  # top-k renormalised softmax over the replayed set
-        want = sum(g[k] * (F.silu(x[0, t] @ moe.w1[e]) * (x[0, t] @ moe.w3[e])) @ moe.w2[e]
+        want = sum(g[k] * (F.silu(x[0, t] @ ex.w1[e]) * (x[0, t] @ ex.w3[e])) @ ex.w2[e]
                    for k, e in enumerate(replay[0, t].tolist()))
         torch.testing.assert_close(y[0, t], want, rtol=1e-5, atol=1e-5)
 
@@ -44,7 +45,7 @@ def test_router_gets_gradient_under_replay(tiny_cfg):
     logits, _ = model(tokens, routed_experts=replay)
     logits.logsumexp(-1).mean().backward()
     for layer in model.layers:
-        assert layer.moe.gate.weight.grad is not None and layer.moe.gate.weight.grad.abs().sum() > 0
+        assert layer.mlp.gate.weight.grad is not None and layer.mlp.gate.weight.grad.abs().sum() > 0
 
 
 def test_padding_rows_of_minus_one_route_like_the_router(tiny_cfg):
