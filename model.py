@@ -301,6 +301,19 @@ def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tenso
     return torch.cat(outs)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `scale` on the way back."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored stacked ([E, D, I], [E, D, I], [E, I, D]) for a grouped GEMM."""
 
@@ -310,9 +323,13 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # up projection
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # down projection
 
+    grad_scale = 1.0  # set by parallelize: expert gradients under EP are divided by ep
+
     def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         """Rows grouped by local expert (counts_e rows each) -> expert outputs, same order."""
         w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         offs = counts_e.cumsum(0).to(torch.int32)
         h = F.silu(grouped_mm(x_RD, w1, offs)) * grouped_mm(x_RD, w3, offs)  # (R, I)
         return grouped_mm(h, w2, offs)
@@ -554,6 +571,7 @@ def _hf_tensors(model: Transformer):
     """(our name, tensor) for every parameter and persistent buffer an HF checkpoint holds."""
     seen = set()
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        name = name.replace("._checkpoint_wrapped_module", "")  # activation-checkpointed blocks
         if name.rsplit(".", 1)[-1] == "expert_bias" and model.cfg.router != "sigmoid":
             continue
         if id(t) in seen:  # tied lm_head: the embedding carries it
@@ -583,7 +601,7 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
     else:
         with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}
-    handles, used = {}, set()
+    handles = {}
 
     def read(key, slices):
         if key not in weight_map:
@@ -591,7 +609,6 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
         file = weight_map[key]
         if file not in handles:
             handles[file] = safe_open(os.path.join(path, file), "pt")
-        used.add(key)
         return handles[file].get_slice(key)[slices]
 
     offsets = getattr(model, "local_offsets", {})  # set by parallelize for sharded tensors
@@ -612,7 +629,8 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
         for name, b in model.named_buffers():  # buffers no checkpoint holds start at zero
             if name.rsplit(".", 1)[-1] == "expert_bias" and model.cfg.router != "sigmoid":
                 b.zero_()
-    skipped = set(weight_map) - used
+    known = {k.format(e=e) for n, _ in _hf_tensors(model) for k in [hf_name(n)] for e in range(model.cfg.num_experts)}
+    skipped = set(weight_map) - known
     if skipped:
         print(f"load_hf: skipped {len(skipped)} checkpoint tensors this model does not use, e.g. {sorted(skipped)[0]}")
     return model
@@ -656,3 +674,66 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
     total = sum(v.numel() * v.element_size() for s in shards for v in s.values())
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+
+
+# ----------------------------------------------------------------------------- parallelism
+
+def parallelize(model: Transformer, dims, *, param_dtype: torch.dtype | None = torch.bfloat16,
+                reduce_dtype: torch.dtype | None = torch.float32, activation_checkpoint: bool = False,
+                compile: bool = False) -> Transformer:
+    """Shard a (meta-device or materialised) model over torchtitan `ParallelDims` meshes, in place.
+
+    Order, as torchtitan applies it: 1. expert parallel: each MoE layer's stacked experts
+    become DTensors sharded on the expert dim over the `ep` mesh, and tokens reach them
+    through torchtitan's `AllToAllTokenDispatcher`; 2. activation checkpointing per
+    block; 3. torch.compile per block; 4. FSDP2 `fully_shard` per block and at the root
+    over the `fsdp` mesh (params in param_dtype, gradients reduced in reduce_dtype),
+    the experts over the `efsdp` mesh. Expert gradients sum the tokens of all EP ranks,
+    so they are divided by ep to stay the data-parallel mean the dense gradients are.
+    Afterwards `model.local_offsets` maps each sharded parameter to the global offset of
+    this rank's slice (what `load_hf` reads).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    moe_blocks = [b for b in model.layers if b.is_moe]
+    if dims.ep > 1:
+        from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+        ep_mesh = dims.get_mesh("ep")
+        if model.cfg.num_experts % dims.ep:
+            raise ValueError(f"num_experts={model.cfg.num_experts} must be divisible by ep={dims.ep}")
+        for block in moe_blocks:
+            experts = block.mlp.experts
+            for name, p in list(experts.named_parameters()):
+                experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
+            dispatcher = AllToAllTokenDispatcher(AllToAllTokenDispatcher.Config(
+                num_experts=model.cfg.num_experts, top_k=model.cfg.top_k))
+            dispatcher.wire_meshes(ep_mesh=ep_mesh)
+            block.mlp.dispatcher = dispatcher
+    if activation_checkpoint:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
+    if compile:
+        for block in model.layers:
+            block.compile()
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fsdp_mesh, efsdp = dims.get_mesh("fsdp"), dims.dp_shard * dims.cp * dims.tp // dims.ep
+    ignored = set()  # EP-only experts (efsdp == 1): kept out of FSDP, gradients divided by ep in forward
+    for block in model.layers:
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        if inner.is_moe and dims.ep > 1:
+            experts = inner.mlp.experts
+            if efsdp > 1:
+                fully_shard(experts, mesh=dims.get_mesh("efsdp"), mp_policy=mp)
+                experts.set_gradient_divide_factor(efsdp * dims.ep)
+            else:
+                experts.grad_scale = 1.0 / dims.ep
+                ignored.update(experts.parameters())
+        fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored or None)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored or None)
+    model.local_offsets = {
+        name.replace("._checkpoint_wrapped_module", ""): compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1]
+        for name, p in model.named_parameters() if isinstance(p, DTensor)}
+    return model

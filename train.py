@@ -191,6 +191,27 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
     return TrainConfig(**values, model=ModelConfig(**model_kw))
 
 
+# ----------------------------------------------------------------------------- distributed
+
+def build_parallel_dims(world_size: int, *, dp_shard: int = -1, ep: int = 1):
+    """torchtitan ParallelDims with its meshes built for (dp_shard x ep) data + expert parallel.
+
+    The process group must already be initialised. On a machine without CUDA the meshes
+    are CPU (gloo) meshes: torchtitan assumes CUDA unless told, and its DTensor-only
+    ("partial_dtensor") SPMD backend is the one that runs there.
+    """
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend torchtitan uses for size-1 mesh dims
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.distributed.utils import set_spmd_backend
+    if not torch.cuda.is_available():
+        titan_dims.device_type = "cpu"
+    set_spmd_backend("partial_dtensor")
+    dims = titan_dims.ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=ep,
+                                   world_size=world_size, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    return dims
+
+
 # ----------------------------------------------------------------------------- batches
 
 def sequence_batch(seqs: list[list[int]], starts: list[int], pad_id: int, routes: list[torch.Tensor] | None = None,
