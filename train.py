@@ -64,6 +64,14 @@ class TrainConfig:
     """torch device for trainer and engine."""
     init_from: str = ""
     """Output folder of an earlier run to start from (its model.safetensors and tokenizer); "" = random init."""
+    dry_run: bool = False
+    """Build the model on the meta device, print parameter counts and the per-GPU memory plan, and exit."""
+    gpus_per_node: int = 8
+    """GPUs per node (the dry-run plan's unit)."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts are split over this many GPUs."""
+    activation_checkpoint: bool = False
+    """Recompute each block's activations in backward instead of keeping them."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model shape; a config file sets it as a dict of deltas."""
     # task
@@ -472,6 +480,11 @@ def parse_args(argv: list[str]) -> TrainConfig:
 def main(cfg: TrainConfig) -> dict:
     """Run SFT then RL as configured; returns the held-out accuracies before and after RL."""
     print(json.dumps(dataclasses.asdict(cfg), default=str))
+    if cfg.dry_run:
+        from plan import print_plan
+        rows = print_plan(cfg.model, gpus_per_node=cfg.gpus_per_node, ep=cfg.ep, microbatch_tokens=cfg.microbatch_tokens,
+                          activation_checkpoint=cfg.activation_checkpoint)
+        return {"plan": rows}
     t_start = time.perf_counter()
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
