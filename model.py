@@ -272,17 +272,22 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
 
 
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for h = [gate | up] along the last dim (arXiv 2002.05202)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x) (arXiv 2002.05202)."""
+    """SwiGLU FFN w2(silu(w1 x) * w3 x), with w1 and w3 fused into one matrix w13 (one GEMM, not two)."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)  # [gate; up] rows
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w13(x)))
 
 
 def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -315,24 +320,22 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored stacked ([E, D, I], [E, D, I], [E, I, D]) for a grouped GEMM."""
+    """E SwiGLU experts stacked for grouped GEMMs: w13 [E, D, 2I] (gate | up), w2 [E, I, D]."""
 
     def __init__(self, num_experts: int, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # gate projection
-        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))  # up projection
+        self.w13 = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden))  # gate and up projections, fused
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # down projection
 
     grad_scale = 1.0  # set by parallelize: expert gradients under EP are divided by ep
 
     def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         """Rows grouped by local expert (counts_e rows each) -> expert outputs, same order."""
-        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        w13, w2 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w13, self.w2))
         if self.grad_scale != 1.0:
-            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+            w13, w2 = _ScaleGrad.apply(w13, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
         offs = counts_e.cumsum(0).to(torch.int32)
-        h = F.silu(grouped_mm(x_RD, w1, offs)) * grouped_mm(x_RD, w3, offs)  # (R, I)
-        return grouped_mm(h, w2, offs)
+        return grouped_mm(swiglu(grouped_mm(x_RD, w13, offs)), w2, offs)  # (R, 2I) -> (R, I) -> (R, D)
 
 
 class MoE(nn.Module):
@@ -540,30 +543,38 @@ def chunked_logprobs(hidden_BTD: torch.Tensor, lm_head_VD: torch.Tensor, targets
 
 # ----------------------------------------------------------------------------- HF checkpoints
 
-_PROJ = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
-_HF_RENAMES = [  # (our name pattern, HF name); {e} marks one key per expert
-    (r"embed\.weight", "model.embed_tokens.weight"),
-    (r"norm\.weight", "model.norm.weight"),
-    (r"lm_head\.weight", "lm_head.weight"),
-    (r"layers\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"layers\.(\d+)\.attn\.w([qkvo])\.(weight|bias)", r"model.layers.\1.self_attn.\2_proj.\3"),
-    (r"layers\.(\d+)\.attn\.([qk])_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight"),
-    (r"layers\.(\d+)\.mlp\.gate\.weight", r"model.layers.\1.mlp.gate.weight"),
-    (r"layers\.(\d+)\.mlp\.expert_bias", r"model.layers.\1.mlp.gate.e_score_correction_bias"),
-    (r"layers\.(\d+)\.mlp\.shared\.w([132])\.weight", r"model.layers.\1.mlp.shared_experts.\2.weight"),
-    (r"layers\.(\d+)\.mlp\.experts\.w([132])", r"model.layers.\1.mlp.experts.{e}.\2.weight"),
-    (r"layers\.(\d+)\.mlp\.w([132])\.weight", r"model.layers.\1.mlp.\2.weight"),
+_HF_RENAMES = [  # (our name pattern, HF names concatenated along our dim `cat`); {e} = one key per expert
+    (r"embed\.weight", ["model.embed_tokens.weight"]),
+    (r"norm\.weight", ["model.norm.weight"]),
+    (r"lm_head\.weight", ["lm_head.weight"]),
+    (r"layers\.(\d+)\.attn_norm\.weight", [r"model.layers.\1.input_layernorm.weight"]),
+    (r"layers\.(\d+)\.ffn_norm\.weight", [r"model.layers.\1.post_attention_layernorm.weight"]),
+    (r"layers\.(\d+)\.attn\.w([qkvo])\.(weight|bias)", [r"model.layers.\1.self_attn.\2_proj.\3"]),
+    (r"layers\.(\d+)\.attn\.([qk])_norm\.weight", [r"model.layers.\1.self_attn.\2_norm.weight"]),
+    (r"layers\.(\d+)\.mlp\.gate\.weight", [r"model.layers.\1.mlp.gate.weight"]),
+    (r"layers\.(\d+)\.mlp\.expert_bias", [r"model.layers.\1.mlp.gate.e_score_correction_bias"]),
+    (r"layers\.(\d+)\.mlp\.shared\.w13\.weight",
+     [r"model.layers.\1.mlp.shared_experts.gate_proj.weight", r"model.layers.\1.mlp.shared_experts.up_proj.weight"]),
+    (r"layers\.(\d+)\.mlp\.shared\.w2\.weight", [r"model.layers.\1.mlp.shared_experts.down_proj.weight"]),
+    (r"layers\.(\d+)\.mlp\.experts\.w13",
+     [r"model.layers.\1.mlp.experts.{e}.gate_proj.weight", r"model.layers.\1.mlp.experts.{e}.up_proj.weight"]),
+    (r"layers\.(\d+)\.mlp\.experts\.w2", [r"model.layers.\1.mlp.experts.{e}.down_proj.weight"]),
+    (r"layers\.(\d+)\.mlp\.w13\.weight", [r"model.layers.\1.mlp.gate_proj.weight", r"model.layers.\1.mlp.up_proj.weight"]),
+    (r"layers\.(\d+)\.mlp\.w2\.weight", [r"model.layers.\1.mlp.down_proj.weight"]),
 ]
 
 
-def hf_name(name: str) -> str:
-    """Our parameter name -> its HF hub name ('{e}' stands for the expert index of stacked experts)."""
+def hf_names(name: str) -> list[str]:
+    """Our parameter name -> the HF hub names it concatenates ('{e}' = expert index of stacked experts).
+
+    Fused gate|up weights concatenate HF's gate_proj and up_proj: along rows for a Linear
+    weight [2H, D], along the last dim for stacked experts [E, D, 2I], whose per-expert
+    matrices are the transposes of HF's [out, in] ones.
+    """
     for pattern, repl in _HF_RENAMES:
         m = re.fullmatch(pattern, name)
         if m:
-            out = m.expand(repl)
-            return re.sub(r"\.([132])\.weight$", lambda g: f".{_PROJ[g.group(1)]}.weight", out)
+            return [m.expand(r) for r in repl]
     raise KeyError(f"no HF name for parameter {name!r}")
 
 
@@ -603,13 +614,27 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
             weight_map = {k: "model.safetensors" for k in f.keys()}
     handles = {}
 
-    def read(key, slices):
+    def tensor(key):
         if key not in weight_map:
             raise ValueError(f"load_hf: tensor {key!r} is missing from {path}")
         file = weight_map[key]
         if file not in handles:
             handles[file] = safe_open(os.path.join(path, file), "pt")
-        return handles[file].get_slice(key)[slices]
+        return handles[file].get_slice(key)
+
+    def read_concat(keys, sl, transpose):
+        """Slice `sl` of the parts concatenated along our dim 0, or, transposed, of their
+        transposes along dim 1; only the rows of each part that fall in the slice are read."""
+        cat_dim, out, start = (1 if transpose else 0), [], 0
+        for key in keys:
+            part = tensor(key)
+            n = part.get_shape()[0]
+            lo, hi = max(sl[cat_dim].start, start), min(sl[cat_dim].stop, start + n)
+            if lo < hi:
+                rows = slice(lo - start, hi - start)
+                out.append(part[rows, sl[0]].T if transpose else part[(rows, *sl[1:])])
+            start += n
+        return torch.cat(out, dim=cat_dim)
 
     offsets = getattr(model, "local_offsets", {})  # set by parallelize for sharded tensors
     with torch.no_grad():
@@ -617,19 +642,20 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
             local = t.to_local() if hasattr(t, "to_local") else t
             start = offsets.get(name, (0,) * local.dim())
             sl = tuple(slice(o, o + n) for o, n in zip(start, local.shape))
-            key = hf_name(name)
-            if "{e}" in key:  # stacked experts: HF stores each expert's [out, in] matrix
-                parts = [read(key.format(e=e), (sl[2], sl[1])).T for e in range(sl[0].start, sl[0].stop)]
+            keys = hf_names(name)
+            if "{e}" in keys[0]:  # stacked experts: HF stores each expert's [out, in] matrices
+                parts = [read_concat([k.format(e=e) for k in keys], sl[1:], transpose=True)
+                         for e in range(sl[0].start, sl[0].stop)]
                 src = torch.stack(parts) if parts else local.new_empty(local.shape)
             else:
-                src = read(key, sl)
+                src = read_concat(keys, sl, transpose=False)
             if tuple(src.shape) != tuple(local.shape):
-                raise ValueError(f"load_hf: {key} gives shape {tuple(src.shape)}, the model wants {tuple(local.shape)}")
+                raise ValueError(f"load_hf: {keys} give shape {tuple(src.shape)}, the model wants {tuple(local.shape)}")
             local.copy_(src)
         for name, b in model.named_buffers():  # buffers no checkpoint holds start at zero
             if name.rsplit(".", 1)[-1] == "expert_bias" and model.cfg.router != "sigmoid":
                 b.zero_()
-    known = {k.format(e=e) for n, _ in _hf_tensors(model) for k in [hf_name(n)] for e in range(model.cfg.num_experts)}
+    known = {k.format(e=e) for n, _ in _hf_tensors(model) for k in hf_names(n) for e in range(model.cfg.num_experts)}
     skipped = set(weight_map) - known
     if skipped:
         print(f"load_hf: skipped {len(skipped)} checkpoint tensors this model does not use, e.g. {sorted(skipped)[0]}")
@@ -647,8 +673,12 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
     shards, current, size = [], {}, 0
     for name, t in _hf_tensors(model):
         full = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
-        key = hf_name(name)
-        items = [(key.format(e=e), full[e].T) for e in range(full.shape[0])] if "{e}" in key else [(key, full)]
+        keys = hf_names(name)
+        if "{e}" in keys[0]:  # per expert, each fused part transposed back to HF's [out, in]
+            items = [(k.format(e=e), p.T) for e in range(full.shape[0])
+                     for k, p in zip(keys, full[e].chunk(len(keys), dim=1))]
+        else:
+            items = list(zip(keys, full.chunk(len(keys), dim=0)))
         for k, v in items:
             if current and size + v.numel() * v.element_size() > max_shard_bytes:
                 shards.append(current)

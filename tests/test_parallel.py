@@ -29,7 +29,7 @@ def step(model, tokens, targets):
     return loss
 
 
-def worker(rank, world, port, ep, ckpt, out):
+def worker(rank, world, port, ep, ac, ckpt, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -37,7 +37,7 @@ def worker(rank, world, port, ep, ckpt, out):
         dims = train.build_parallel_dims(world, dp_shard=world, ep=ep)
         with torch.device("meta"):
             model = Transformer(ModelConfig(**CFG))
-        parallelize(model, dims, param_dtype=None, reduce_dtype=None)  # fp32 end to end
+        parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=ac)  # fp32 end to end
         model.to_empty(device="cpu")
         load_hf(ckpt, model)  # each rank reads only its slice
         tokens, targets = batch()
@@ -72,11 +72,11 @@ def reference(tmp_path_factory):
     return ckpt, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("ep", [1, 2], ids=["fsdp2", "fsdp2_ep2"])
-def test_two_process_step_equals_one_process_step(reference, tmp_path, ep):
+@pytest.mark.parametrize("ep, ac", [(1, False), (2, False), (2, True)], ids=["fsdp2", "fsdp2_ep2", "fsdp2_ep2_ac"])
+def test_two_process_step_equals_one_process_step(reference, tmp_path, ep, ac):
     ckpt, want_loss, want_grads = reference
     out = str(tmp_path / "result.pt")
-    mp.start_processes(worker, args=(2, free_port(), ep, ckpt, out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(worker, args=(2, free_port(), ep, ac, ckpt, out), nprocs=2, join=True, start_method="spawn")
     got = torch.load(out)
     assert abs(float(got["loss"] - want_loss)) <= 1e-6
     assert set(got["grads"]) == set(want_grads)
