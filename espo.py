@@ -205,8 +205,11 @@ def aggregate(obj_BT: torch.Tensor, mask_BT: torch.Tensor, *, aggregation: str, 
 
 
 # ----------------------------------------------------------------------------- per-token objectives
-# Each returns obj_BT (grad flows through logp), the ratio it clips (for metrics), and the
-# tokens clipped on the low and high side.
+# Inputs: logp_BT [B, T] log pi_theta (grad flows), log_w_BT [B, T] log pi_theta - log pi_old
+# (0 on padding), mask_BT [B, T] 1 on completion tokens, adv_B1 [B, 1] constant advantages, all
+# one float dtype. Each returns obj_BT [B, T], the objective to maximise per token (any value on
+# padding: the aggregation masks it), the ratio it clips [B, T] (detached, for metrics), and
+# bool [B, T] masks of the tokens clipped on the low and on the high side.
 
 def token_clip_objective(log_w_BT, adv_B1, *, eps_low: float, eps_high: float):
     """GRPO/DAPO: min(w A, clip(w, 1 - eps_low, 1 + eps_high) A) (arXiv 2503.14476 eq. 8)."""

@@ -117,7 +117,7 @@ class TrainConfig:
     loss_type: str = "espo"
     """'espo', 'grpo' (DAPO token clip), 'drgrpo', 'gspo', 'gspo-token', 'gmpo' or 'cispo' (espo.py)."""
     aggregation: str = ""
-    """'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm'; "" = the loss's paper form."""
+    """'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' or 'seq-mean-token-sum-norm'; "" = the paper's."""
     adv_scale_by_std: bool = True
     """Divide advantages by the reward std (GRPO); false for Dr.GRPO."""
     adv_std_over: str = "group"
@@ -342,7 +342,7 @@ class TrainBatch:
         return inputs.to(dev), targets.to(dev), mask.to(dev), (routes.to(dev) if cfg.router_replay else None)
 
     def engine_logp(self, idx: list[int], T: int) -> torch.Tensor:
-        """The engine's logprobs of sequences idx as [B, T], where the loss mask is 1 (as old_policy aligns them); 0 elsewhere."""
+        """The engine's logprobs of sequences idx, [B, T], where the loss mask is 1 (as in old_policy); 0 elsewhere."""
         rows = [torch.zeros(len(self.seqs[i]) - 1) for i in idx]
         for row, i in zip(rows, idx):
             row[self.starts[i] - 1:] = self.infer_logp[i]
@@ -428,7 +428,8 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
         predictor.observe(items[r.group_id].question, len(r.completion_ids))
     rewards_PG, lengths_PG = rewards.view(-1, cfg.group_size), lengths.view(-1, cfg.group_size)
     keep_P, fstats = post_rollout_filter(rewards_PG, lengths_PG)
-    adv = group_advantages(rewards_PG, scale_by_std=cfg.adv_scale_by_std, std_over=cfg.adv_std_over).flatten()  # rollouts are group-major, so this lines up with them
+    # rollouts are group-major, so the flattened advantages line up with them
+    adv = group_advantages(rewards_PG, scale_by_std=cfg.adv_scale_by_std, std_over=cfg.adv_std_over).flatten()
     m = {"stage": "rl", "step": step, "reward": rewards.mean().item(), "completion_len": lengths.float().mean().item(),
          "stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts), "t_generate": t_gen,
          **{f"filter/{k}": v for k, v in fstats.items()}}
