@@ -1,13 +1,30 @@
-"""Policy losses and advantages as pure functions: ESPO, with a plain GRPO token-clip mode.
+"""Policy losses and advantages as pure functions: ESPO and the GRPO family it builds on.
 
-Group-relative advantage (GRPO, arXiv 2402.03300 sec. 4.1.2): for the G rollouts of one
-prompt with rewards r_1..r_G, A_i = (r_i - mean(r)) / (std(r) + eps), or without the std
-(Dr.GRPO, arXiv 2503.20783).
+Every loss is a per-token objective obj_t (to maximise), optionally weighted for the
+train-inference mismatch and penalised by a KL to a reference, then aggregated to a
+scalar; `policy_loss` returns minus that scalar and a dict of float metrics.
 
-GRPO / DAPO token clip (arXiv 2402.03300 eq. 3; DAPO arXiv 2503.14476 eq. 8-10): token
-ratio w_t = pi_theta(y_t) / pi_old(y_t); per token min(w_t A, clip(w_t, 1 - eps_low,
-1 + eps_high) A), averaged over all tokens of the batch (DAPO's token-mean) or per
-sequence then over sequences (seq-mean-token-mean, the GRPO paper's form).
+Advantages (GRPO, arXiv 2402.03300 sec. 4.1.2): for the G rollouts of one prompt with
+rewards r_1..r_G, A_i = (r_i - mean(r)) / (std(r) + eps); without the std (Dr.GRPO,
+arXiv 2503.20783 sec. 3.2); or with the std taken over the whole batch.
+
+Token ratio w_t = pi_theta(y_t) / pi_old(y_t). The losses (A = A_i of the token's sequence):
+- grpo: GRPO / DAPO token clip, min(w_t A, clip(w_t, 1 - eps_low, 1 + eps_high) A)
+  (arXiv 2402.03300 eq. 3; DAPO arXiv 2503.14476 eq. 8, clip-higher eps_high > eps_low).
+- drgrpo: the same token clip, aggregated by a constant: sum over tokens / max_tokens,
+  mean over sequences (Dr.GRPO, arXiv 2503.20783 sec. 3.2; the constant is the
+  generation budget in the paper's released code).
+- gspo: sequence ratio s_i = exp(mean_t log w_t), min(s_i A, clip(s_i, 1 - eps_low,
+  1 + eps_high) A) (GSPO, arXiv 2507.18071 eq. 5 and 7).
+- gspo-token: s_t = sg[s_i] pi_theta(y_t) / sg[pi_theta(y_t)], clipped per token
+  (arXiv 2507.18071 eq. 13-14); its value and gradient equal GSPO's when A is per sequence.
+- gmpo: geometric mean of the token terms, sgn(A) (prod_t |min(w_t A, clip(w_t, e^-eps_low,
+  e^eps_high) A)|)^(1/|y|) (GMPO, arXiv 2507.20673 sec. 3), computed in log space as
+  A exp(mean_t sgn(A) min(sgn(A) log w_t, sgn(A) clip(log w_t, -eps_low, eps_high))).
+- cispo: sg[clip(w_t, 1 - eps_low, 1 + eps_high)] A log pi_theta(y_t) (MiniMax-M1,
+  arXiv 2506.13585 eq. 4-5): the clipped IS weight is a constant coefficient, so a
+  clipped token still gets a gradient.
+- espo: below.
 
 ESPO (arXiv 2512.00499): the tokens of each sequence are split by their entropy under
 the old policy, e_t = -sum_v pi_old(v) log pi_old(v), into entropy groups (default two:
@@ -19,10 +36,23 @@ eps_tau = alpha * mean_{t in tau} e_t / log|V| (alpha = 0.02). The objective is 
 over tokens in a group, then over the non-empty groups of a sequence, then over
 sequences, of min(s_t A, clip(s_t, 1 - eps_tau, 1 + eps_tau) A). The loss is its negative.
 
+Optional terms: a KL penalty to a reference policy, obj_t - kl_coef * k_t, with k1 =
+log pi_theta - log pi_ref or k3 = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1 (GRPO
+arXiv 2402.03300 eq. 4; Schulman 2020, "Approximating KL divergence"). Train-inference
+corrections from the engine's logprobs, k_t = pi_old(y_t) / pi_infer(y_t): TIS multiplies
+obj_t by min(k_t, C) (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+Off-Policy RL Training", fengyao.notion.site/off-policy-rl); IcePop by M(k_t) = k_t if
+a <= k_t <= b else 0 (Ring-1T, arXiv 2510.18855 sec. 4, a = 0.5, b = 5).
+
+Aggregations (names as in verl): token-mean (sum / all tokens of the batch, DAPO),
+seq-mean-token-mean (per-sequence mean, then mean over sequences: GRPO, GSPO),
+seq-mean-token-sum (per-sequence sum, then mean), seq-mean-token-sum-norm (per-sequence
+sum / max_tokens, then mean: Dr.GRPO), seq-mean-group-mean-token-mean (ESPO only).
+
 Readings chosen where the printed ESPO paper is ambiguous:
 1. Token-ratio denominator: pi_old is the trainer's own recomputation of the rollout
    policy (a no-grad forward with the engine's routes replayed), not the engine's
-   logprobs; those only feed train-inference mismatch metrics.
+   logprobs; those only feed train-inference mismatch metrics and TIS / IcePop.
 2. Advantage mask: every completion token of a sequence carries that sequence's A_i in
    every entropy group; only padding (mask 0) is excluded. No token is dropped for low
    entropy; low-entropy tokens form their own group with a tighter clip.
@@ -30,6 +60,22 @@ Readings chosen where the printed ESPO paper is ambiguous:
    remaining ranks split evenly into num_groups - 1 groups; empty groups are skipped in
    the mean over groups. Ties in entropy are broken by position (stable sort).
 4. |V| in eps_tau is the model's full vocabulary size (the maximum possible entropy is log|V|).
+5. ESPO's own aggregation is the group mean; under another aggregation the entropy
+   groups still set each token's ratio and clip range but no longer weight the tokens.
+
+Other choices:
+6. Sequence-level losses (gspo, gmpo) place the sequence's objective on each of its tokens,
+   so every aggregation applies: seq-mean-token-mean is the papers' form, token-mean
+   weights a sequence by its length.
+7. Batch-level std (std_over="batch") is the std of the group-centred rewards over the
+   whole batch (REINFORCE++-baseline, arXiv 2501.03262): prompt difficulty, already
+   removed by the group mean, does not inflate it.
+8. TIS / IcePop weights multiply the policy term only, not the KL term (as in the IcePop
+   objective); tokens IcePop zeroes still count in every denominator (its 1/|y_i|).
+9. CISPO's value is the paper's literal sg[w] A log pi, so it is not comparable with the
+   other losses' values; only its gradient is. The paper sets no lower bound and does not
+   give its upper one: the defaults are eps_low = 1 (weight >= 0) and DAPO's 0.28.
+10. KL estimators are evaluated on tokens sampled from pi_old, as GRPO does.
 
 Legend: B sequences, T completion tokens (padded), G rollouts per prompt, P prompts,
 Q entropy groups.
@@ -41,37 +87,53 @@ import math
 
 import torch
 
+LOSS_TYPES = ("grpo", "drgrpo", "gspo", "gspo-token", "gmpo", "cispo", "espo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                "seq-mean-group-mean-token-mean")
+# Each loss's aggregation in its paper, used when `aggregation` is None.
+PAPER_AGGREGATION = {"grpo": "token-mean", "drgrpo": "seq-mean-token-sum-norm", "gspo": "seq-mean-token-mean",
+                     "gspo-token": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean", "cispo": "token-mean",
+                     "espo": "seq-mean-group-mean-token-mean"}
+# (eps_low, eps_high) from each paper, used when a clip eps is None: DAPO sec. 3.1; Dr.GRPO's
+# PPO clip; GSPO sec. 5.1 (sequence ratios sit orders of magnitude closer to 1); GMPO's
+# (e^-0.4, e^0.4), in log space; CISPO: no lower bound, upper bound undisclosed (reading 9).
+PAPER_CLIP_EPS = {"grpo": (0.2, 0.28), "drgrpo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4),
+                  "gmpo": (0.4, 0.4), "cispo": (1.0, 0.28)}
+KL_ESTIMATORS = ("k1", "k3")
 
-def group_advantages(rewards_PG: torch.Tensor, *, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """A [P, G] fp32 = (r - mean_g r) / (std_g r + eps); without the std if scale_by_std is False.
 
-    std is the unbiased sample std, as in the GRPO reference code. A group whose rewards are
-    all equal gets all-zero advantages. Raises ValueError unless rewards are 2-D with G >= 2.
+# ----------------------------------------------------------------------------- advantages
+
+def group_advantages(rewards_PG: torch.Tensor, *, scale_by_std: bool = True, std_over: str = "group",
+                     eps: float = 1e-6) -> torch.Tensor:
+    """A [P, G] fp32 = (r - mean_g r) / (std + eps); without the std if scale_by_std is False.
+
+    std_over "group": the std of each prompt's G rewards (GRPO, arXiv 2402.03300 sec. 4.1.2);
+    "batch": the std of all P*G group-centred rewards (reading 7). std is the unbiased
+    sample std, as in the GRPO reference code. Each group's advantages sum to zero, and a
+    group whose rewards are all equal gets all-zero advantages.
+    Raises ValueError unless rewards are 2-D with G >= 2, or on an unknown std_over.
     """
     if rewards_PG.dim() != 2 or rewards_PG.shape[1] < 2:
         raise ValueError(f"rewards must be [P, G] with G >= 2, got shape {tuple(rewards_PG.shape)}")
+    if std_over not in ("group", "batch"):
+        raise ValueError(f"std_over={std_over!r}; valid: 'group', 'batch'")
     r = rewards_PG.float()
     adv = r - r.mean(dim=1, keepdim=True)
     if scale_by_std:
-        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+        std = r.std(dim=1, keepdim=True) if std_over == "group" else adv.std()
+        adv = adv / (std + eps)
     return adv
 
 
-def _aggregate(obj_BT, mask_BT, aggregation: str, normalizer: float | None):
-    """Mean of the per-token objective over tokens (token-mean) or tokens then sequences."""
-    if aggregation == "token-mean":
-        return (obj_BT * mask_BT).sum() / (normalizer if normalizer is not None else mask_BT.sum().clamp(min=1))
-    if aggregation == "seq-mean-token-mean":
-        per_seq = (obj_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)
-        return per_seq.sum() / (normalizer if normalizer is not None else obj_BT.shape[0])
-    raise ValueError(f"aggregation={aggregation!r}; valid: 'token-mean', 'seq-mean-token-mean'")
-
+# ----------------------------------------------------------------------------- entropy groups
 
 def entropy_groups(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, *, top_frac: float, num_groups: int) -> torch.Tensor:
     """Entropy-group index [B, T] int64 per token (0 = highest entropy); -1 on padding.
 
     Group 0 holds the ceil(top_frac * n_valid) highest-entropy valid tokens of each
-    sequence; the rest of the ranks are split evenly into num_groups - 1 groups.
+    sequence; the rest of the ranks are split evenly into num_groups - 1 groups (ESPO,
+    arXiv 2512.00499; readings 3). Raises ValueError unless num_groups >= 1 and 0 < top_frac <= 1.
     """
     if num_groups < 1 or not 0.0 < top_frac <= 1.0:
         raise ValueError(f"need num_groups >= 1 and top_frac in (0, 1]; got {num_groups}, {top_frac}")
@@ -80,84 +142,274 @@ def entropy_groups(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, *, top_frac:
     if num_groups == 1:
         return torch.where(valid, 0, -1)
     # rank 0 = highest entropy; padding sorts last
-    order = entropy_BT.masked_fill(~valid, -math.inf).argsort(dim=-1, descending=True, stable=True)
-    rank_BT = order.argsort(dim=-1)  # (B, T) inverse permutation: each token's rank
+    order_BT = entropy_BT.masked_fill(~valid, -math.inf).argsort(dim=-1, descending=True, stable=True)
+    rank_BT = order_BT.argsort(dim=-1)  # (B, T) inverse permutation: each token's rank
     top_B1 = (n_valid_B1 * top_frac).ceil().clamp(min=1)
     rest_B1 = (n_valid_B1 - top_B1).clamp(min=1)
-    group = 1 + ((rank_BT - top_B1) * (num_groups - 1)).div(rest_B1, rounding_mode="floor")
-    group = torch.where(rank_BT < top_B1, 0, group)
-    return torch.where(valid, group.long(), -1)
+    group_BT = 1 + ((rank_BT - top_B1) * (num_groups - 1)).div(rest_B1, rounding_mode="floor")
+    group_BT = torch.where(rank_BT < top_B1, 0, group_BT)
+    return torch.where(valid, group_BT.long(), -1)
 
+
+# ----------------------------------------------------------------------------- aggregation
+
+def resolve_aggregation(loss_type: str, aggregation: str | None) -> str:
+    """The aggregation `policy_loss` will use: `aggregation`, or the loss's paper default if None.
+
+    Raises ValueError on an unknown loss_type or aggregation, or the ESPO group mean for a
+    loss without entropy groups.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
+    agg = PAPER_AGGREGATION[loss_type] if aggregation is None else aggregation
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"aggregation={agg!r}; valid: {', '.join(AGGREGATIONS)}")
+    if agg == "seq-mean-group-mean-token-mean" and loss_type != "espo":
+        raise ValueError(f"aggregation={agg!r} needs entropy groups: only loss_type='espo' has them")
+    return agg
+
+
+def aggregate(obj_BT: torch.Tensor, mask_BT: torch.Tensor, *, aggregation: str, normalizer: float | None = None,
+              max_tokens: int | None = None, group_BT: torch.Tensor | None = None, num_groups: int = 1) -> torch.Tensor:
+    """Scalar mean of the per-token objective [B, T] over the valid tokens, as `aggregation` names.
+
+    normalizer replaces this batch's own count in the outermost mean (tokens for
+    token-mean, sequences otherwise), so micro-batches of one optimizer step add up to the
+    step's mean. max_tokens is seq-mean-token-sum-norm's constant; group_BT (from
+    `entropy_groups`) and num_groups serve the ESPO group mean.
+    Raises ValueError when seq-mean-token-sum-norm lacks max_tokens.
+    """
+    if aggregation == "token-mean":
+        return (obj_BT * mask_BT).sum() / (normalizer if normalizer is not None else mask_BT.sum().clamp(min=1))
+    num_seqs = normalizer if normalizer is not None else obj_BT.shape[0]
+    if aggregation == "seq-mean-group-mean-token-mean":
+        assert group_BT is not None, "the ESPO group mean needs group_BT"
+        idx_BT = group_BT.clamp(min=0)  # padding parked in group 0 with zero weight
+        zeros_BQ = obj_BT.new_zeros(obj_BT.shape[0], num_groups)
+        count_BQ = zeros_BQ.scatter_add(1, idx_BT, mask_BT)
+        group_obj_BQ = zeros_BQ.scatter_add(1, idx_BT, obj_BT * mask_BT) / count_BQ.clamp(min=1)
+        nonempty_BQ = (count_BQ > 0).to(mask_BT.dtype)
+        seq_obj_B = (group_obj_BQ * nonempty_BQ).sum(-1) / nonempty_BQ.sum(-1).clamp(min=1)
+        return seq_obj_B.sum() / num_seqs
+    seq_sum_B = (obj_BT * mask_BT).sum(-1)
+    if aggregation == "seq-mean-token-mean":
+        return (seq_sum_B / mask_BT.sum(-1).clamp(min=1)).sum() / num_seqs
+    if aggregation == "seq-mean-token-sum":
+        return seq_sum_B.sum() / num_seqs
+    if aggregation == "seq-mean-token-sum-norm":
+        if max_tokens is None or max_tokens <= 0:
+            raise ValueError(f"aggregation='seq-mean-token-sum-norm' needs max_tokens > 0 (the generation budget), "
+                             f"got {max_tokens}")
+        return (seq_sum_B / max_tokens).sum() / num_seqs
+    raise ValueError(f"aggregation={aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+
+
+# ----------------------------------------------------------------------------- per-token objectives
+# Inputs: logp_BT [B, T] log pi_theta (grad flows), log_w_BT [B, T] log pi_theta - log pi_old
+# (0 on padding), mask_BT [B, T] 1 on completion tokens, adv_B1 [B, 1] sequence advantages (or
+# [B, T] token advantages, for the token-level objectives only), all
+# one float dtype. Each returns obj_BT [B, T], the objective to maximise per token (any value on
+# padding: the aggregation masks it), the ratio it clips [B, T] (detached, for metrics), and
+# bool [B, T] masks of the tokens clipped on the low and on the high side.
+
+def token_clip_objective(log_w_BT, adv_B1, *, eps_low: float, eps_high: float):
+    """GRPO/DAPO: min(w A, clip(w, 1 - eps_low, 1 + eps_high) A) (arXiv 2503.14476 eq. 8)."""
+    ratio_BT = log_w_BT.exp()
+    clipped_BT = ratio_BT.clamp(1 - eps_low, 1 + eps_high)
+    obj_BT = torch.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1)
+    return obj_BT, ratio_BT.detach(), (ratio_BT < 1 - eps_low) & (adv_B1 < 0), (ratio_BT > 1 + eps_high) & (adv_B1 > 0)
+
+
+def gspo_objective(logp_BT, log_w_BT, mask_BT, adv_B1, *, eps_low: float, eps_high: float, token_level: bool):
+    """GSPO (arXiv 2507.18071 eq. 5, 7) or, if token_level, GSPO-token (eq. 13-14)."""
+    log_s_B1 = log_w_BT.sum(-1, keepdim=True) / mask_BT.sum(-1, keepdim=True).clamp(min=1)
+    if token_level:  # value s_i on every token, gradient s_i * grad log pi_theta(y_t)
+        s_BT = (log_s_B1.detach() + logp_BT - logp_BT.detach()).exp()
+    else:
+        s_BT = log_s_B1.exp().expand_as(logp_BT)
+    obj_BT = torch.minimum(s_BT * adv_B1, s_BT.clamp(1 - eps_low, 1 + eps_high) * adv_B1)
+    return obj_BT, s_BT.detach(), (s_BT < 1 - eps_low) & (adv_B1 < 0), (s_BT > 1 + eps_high) & (adv_B1 > 0)
+
+
+def gmpo_objective(log_w_BT, mask_BT, adv_B1, *, eps_low: float, eps_high: float):
+    """GMPO (arXiv 2507.20673 sec. 3): A * geometric mean of the token-clipped ratios, clip in log space."""
+    sign_B1 = adv_B1.sign()
+    # sgn(A) min(sgn(A) log w, sgn(A) clip(log w)): the min branch for A > 0, the max for A < 0
+    log_term_BT = sign_B1 * torch.minimum(sign_B1 * log_w_BT, sign_B1 * log_w_BT.clamp(-eps_low, eps_high))
+    log_g_B1 = (log_term_BT * mask_BT).sum(-1, keepdim=True) / mask_BT.sum(-1, keepdim=True).clamp(min=1)
+    obj_BT = (adv_B1 * log_g_B1.exp()).expand_as(log_w_BT)
+    return obj_BT, log_w_BT.detach().exp(), (log_w_BT < -eps_low) & (adv_B1 < 0), (log_w_BT > eps_high) & (adv_B1 > 0)
+
+
+def cispo_objective(logp_BT, log_w_BT, adv_B1, *, eps_low: float, eps_high: float):
+    """CISPO (arXiv 2506.13585 eq. 4-5): sg[clip(w, 1 - eps_low, 1 + eps_high)] A log pi_theta."""
+    ratio_BT = log_w_BT.detach().exp()
+    obj_BT = ratio_BT.clamp(1 - eps_low, 1 + eps_high) * adv_B1 * logp_BT
+    return obj_BT, ratio_BT, ratio_BT < 1 - eps_low, ratio_BT > 1 + eps_high
+
+
+def espo_objective(logp_BT, log_w_BT, mask_BT, adv_B1, entropy_BT, group_BT, *, alpha: float, vocab_size: int,
+                   num_groups: int):
+    """ESPO (arXiv 2512.00499): GSPO-token form with a ratio and a clip range per entropy group.
+
+    Also returns the tokens [B, Q] and clip eps [B, Q] of each sequence's groups.
+    """
+    idx_BT = group_BT.clamp(min=0)  # padding parked in group 0 with zero weight
+    zeros_BQ = logp_BT.new_zeros(logp_BT.shape[0], num_groups)
+    count_BQ = zeros_BQ.scatter_add(1, idx_BT, mask_BT)
+    safe_BQ = count_BQ.clamp(min=1)
+    mean_logw_BQ = zeros_BQ.scatter_add(1, idx_BT, log_w_BT.detach()) / safe_BQ
+    mean_ent_BQ = zeros_BQ.scatter_add(1, idx_BT, entropy_BT.detach().to(mask_BT.dtype) * mask_BT) / safe_BQ
+    eps_BQ = alpha * mean_ent_BQ / math.log(vocab_size)
+    # GSPO-token form: value s_tau, gradient s_tau * grad log pi_theta(y_t)
+    s_BT = (mean_logw_BQ.gather(1, idx_BT) + logp_BT - logp_BT.detach()).exp()
+    eps_BT = eps_BQ.gather(1, idx_BT)
+    obj_BT = torch.minimum(s_BT * adv_B1, torch.maximum(torch.minimum(s_BT, 1 + eps_BT), 1 - eps_BT) * adv_B1)
+    low_BT, high_BT = (s_BT < 1 - eps_BT) & (adv_B1 < 0), (s_BT > 1 + eps_BT) & (adv_B1 > 0)
+    return obj_BT, s_BT.detach(), low_BT, high_BT, count_BQ, eps_BQ
+
+
+# ----------------------------------------------------------------------------- penalties and corrections
+
+def kl_penalty(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, mask_BT: torch.Tensor, *, estimator: str) -> torch.Tensor:
+    """Per-token estimate [B, T] of KL(pi_theta || pi_ref), grad through logp; 0 on padding.
+
+    k1 = log pi_theta - log pi_ref; k3 = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1, always >= 0
+    (GRPO arXiv 2402.03300 eq. 4; Schulman 2020). Raises ValueError on an unknown estimator.
+    """
+    log_r_BT = (ref_logp_BT.detach() - logp_BT) * mask_BT  # log(pi_ref / pi_theta)
+    if estimator == "k1":
+        return -log_r_BT
+    if estimator == "k3":
+        return log_r_BT.exp() - log_r_BT - 1
+    raise ValueError(f"kl_estimator={estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+
+
+def mismatch_weights(old_logp_BT: torch.Tensor, infer_logp_BT: torch.Tensor, mask_BT: torch.Tensor, *,
+                     tis_cap: float | None = None, icepop_bounds: tuple[float, float] | None = None):
+    """Constant per-token weight [B, T] correcting for the engine's sampling policy, and metrics.
+
+    k = pi_old / pi_infer per token. TIS: min(k, tis_cap) (Yao et al. 2025); IcePop:
+    k inside [a, b], 0 outside (arXiv 2510.18855 sec. 4). Exactly one must be given.
+    Raises ValueError on both or neither, tis_cap <= 0, or bounds not 0 <= a < b.
+    """
+    if (tis_cap is None) == (icepop_bounds is None):
+        raise ValueError("give exactly one of tis_cap and icepop_bounds")
+    log_k_BT = (old_logp_BT.detach() - infer_logp_BT.detach().to(old_logp_BT.dtype)) * mask_BT
+    k_BT = log_k_BT.exp()
+    n_tok = mask_BT.sum().clamp(min=1)
+    if tis_cap is not None:
+        if tis_cap <= 0:
+            raise ValueError(f"tis_cap={tis_cap}; must be > 0")
+        weight_BT = k_BT.clamp(max=tis_cap)
+        metrics = {"mismatch/tis_truncated_frac": float(((k_BT > tis_cap) * mask_BT).sum() / n_tok)}
+    else:
+        lo, hi = icepop_bounds
+        if not 0 <= lo < hi:
+            raise ValueError(f"icepop_bounds={icepop_bounds}; need 0 <= a < b")
+        inside_BT = (k_BT >= lo) & (k_BT <= hi)
+        weight_BT = k_BT * inside_BT
+        metrics = {"mismatch/icepop_masked_frac": float((~inside_BT * mask_BT).sum() / n_tok)}
+    metrics["mismatch/is_weight_mean"] = float((weight_BT * mask_BT).sum() / n_tok)
+    return weight_BT, metrics
+
+
+# ----------------------------------------------------------------------------- the loss
 
 def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.Tensor, mask_BT: torch.Tensor, *,
                 loss_type: str = "espo", old_entropy_BT: torch.Tensor | None = None, vocab_size: int | None = None,
                 espo_alpha: float = 0.02, espo_top_frac: float = 0.2, espo_num_groups: int = 2,
-                clip_eps_low: float = 0.2, clip_eps_high: float = 0.28, aggregation: str = "token-mean",
-                normalizer: float | None = None):
+                clip_eps_low: float | None = None, clip_eps_high: float | None = None,
+                aggregation: str | None = None, normalizer: float | None = None, max_tokens: int | None = None,
+                ref_logp_BT: torch.Tensor | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
+                infer_logp_BT: torch.Tensor | None = None, tis_cap: float | None = None,
+                icepop_bounds: tuple[float, float] | None = None):
     """Policy-gradient loss (a scalar to minimise) and a dict of float metrics.
 
-    logp_BT: log pi_theta of the completion tokens (grad flows), [B, T] fp32.
+    logp_BT: log pi_theta of the completion tokens (grad flows), [B, T] fp32 or fp64.
     old_logp_BT: log pi_old of the same tokens, [B, T]; treated as constant.
-    adv_B: one advantage per sequence, [B], or one per token, [B, T]. mask_BT: 1 on completion tokens, 0 on padding.
-    loss_type "espo" needs old_entropy_BT ([B, T] nats) and vocab_size; it aggregates
-    token -> entropy group -> sequence -> batch (ESPO, arXiv 2512.00499) and ignores
-    `aggregation`. loss_type "grpo" is the token clip with eps_low/eps_high (DAPO,
-    arXiv 2503.14476 eq. 10) aggregated per `aggregation`.
-    normalizer: divide the summed objective by this (sequences for seq-level means,
-    tokens for token-mean) instead of this batch's own count, so micro-batches of one
-    optimizer step add up to the step's mean.
-    Raises ValueError on an unknown loss_type/aggregation or missing ESPO inputs.
+    adv_B: one advantage per sequence, [B], or one per token, [B, T] (RL-ZVP, arXiv 2509.21880).
+    mask_BT: 1 on completion tokens, 0 on padding.
+    loss_type: one of LOSS_TYPES (module docstring). "espo" needs old_entropy_BT ([B, T]
+    nats under pi_old) and vocab_size; espo_num_groups entropy groups, the first holding
+    the espo_top_frac highest-entropy tokens, clip eps_tau = espo_alpha * mean e / log|V|.
+    clip_eps_low / clip_eps_high: the clip range of the other losses (GMPO: in log space;
+    CISPO: of the IS weight); None = the paper's value (PAPER_CLIP_EPS).
+    aggregation: one of AGGREGATIONS; None = the loss's paper form (PAPER_AGGREGATION).
+    normalizer: divide by this (tokens for token-mean, sequences otherwise) instead of this
+    batch's own count, so micro-batches of one optimizer step add up to the step's mean.
+    max_tokens: seq-mean-token-sum-norm's constant (the generation budget).
+    ref_logp_BT, kl_coef, kl_estimator: subtract kl_coef * k1/k3 per token (see `kl_penalty`).
+    infer_logp_BT with tis_cap or icepop_bounds: the engine's logprobs [B, T] aligned with
+    the mask, and the TIS or IcePop correction (see `mismatch_weights`).
+    Metrics: clip_frac_low/high (valid tokens on the clipped side), ratio_mean/min/max (of
+    the ratio the loss clips), approx_kl (k3 of KL(pi_old || pi_theta)), kl_ref,
+    espo/group{q}_tokens and espo/group{q}_clip_eps, and the mismatch weights'.
+    Raises ValueError on an unknown loss_type, aggregation or kl_estimator, a negative clip
+    eps, a missing input an option needs, or token advantages with gmpo.
     """
+    aggregation = resolve_aggregation(loss_type, aggregation)
+    if loss_type != "espo":
+        default_low, default_high = PAPER_CLIP_EPS[loss_type]
+        eps_low = default_low if clip_eps_low is None else clip_eps_low
+        eps_high = default_high if clip_eps_high is None else clip_eps_high
+        if eps_low < 0 or eps_high < 0:
+            raise ValueError(f"clip eps must be >= 0, got clip_eps_low={eps_low}, clip_eps_high={eps_high}")
     mask = mask_BT.to(logp_BT.dtype)
     old = old_logp_BT.detach()
     adv = adv_B.detach().to(logp_BT.dtype)
-    adv_B1 = adv[:, None] if adv.dim() == 1 else adv  # [B, 1], or [B, T] token advantages (RL-ZVP)
-    log_w = (logp_BT - old) * mask  # (B, T) log token ratio, 0 on padding
-    metrics = {}
-    if loss_type == "grpo":
-        ratio = log_w.exp()
-        clipped = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
-        obj = torch.minimum(ratio * adv_B1, clipped * adv_B1)
-        loss = -_aggregate(obj, mask, aggregation, normalizer)
-        low = (ratio < 1 - clip_eps_low) & (adv_B1 < 0)
-        high = (ratio > 1 + clip_eps_high) & (adv_B1 > 0)
-    elif loss_type == "espo":
+    if adv.dim() == 2 and loss_type == "gmpo":
+        raise ValueError("token advantages [B, T] need a token-level loss; loss_type='gmpo' takes one per sequence")
+    adv_B1 = adv[:, None] if adv.dim() == 1 else adv  # [B, 1], or [B, T] token advantages
+    log_w_BT = (logp_BT - old) * mask  # (B, T) log token ratio, 0 on padding
+    metrics, group_BT = {}, None
+    if loss_type in ("grpo", "drgrpo"):
+        obj_BT, ratio_BT, low_BT, high_BT = token_clip_objective(log_w_BT, adv_B1, eps_low=eps_low, eps_high=eps_high)
+    elif loss_type in ("gspo", "gspo-token"):
+        obj_BT, ratio_BT, low_BT, high_BT = gspo_objective(logp_BT, log_w_BT, mask, adv_B1, eps_low=eps_low,
+                                                           eps_high=eps_high, token_level=loss_type == "gspo-token")
+    elif loss_type == "gmpo":
+        obj_BT, ratio_BT, low_BT, high_BT = gmpo_objective(log_w_BT, mask, adv_B1, eps_low=eps_low, eps_high=eps_high)
+    elif loss_type == "cispo":
+        obj_BT, ratio_BT, low_BT, high_BT = cispo_objective(logp_BT, log_w_BT, adv_B1, eps_low=eps_low, eps_high=eps_high)
+    else:  # espo
         if old_entropy_BT is None or vocab_size is None:
             raise ValueError("loss_type='espo' needs old_entropy_BT and vocab_size")
         group_BT = entropy_groups(old_entropy_BT, mask, top_frac=espo_top_frac, num_groups=espo_num_groups)
-        Q = espo_num_groups
-        idx = group_BT.clamp(min=0)  # padding parked in group 0 with zero weight
-        zeros = torch.zeros(logp_BT.shape[0], Q, dtype=logp_BT.dtype, device=logp_BT.device)
-        count_BQ = zeros.scatter_add(1, idx, mask)
-        safe = count_BQ.clamp(min=1)
-        mean_logw_BQ = zeros.scatter_add(1, idx, log_w.detach()) / safe
-        eps_BQ = espo_alpha * (zeros.scatter_add(1, idx, old_entropy_BT.detach().to(mask.dtype) * mask) / safe) / math.log(vocab_size)
-        # GSPO-token form: value s_tau, gradient s_tau * grad log pi_theta(y_t)
-        log_s = mean_logw_BQ.gather(1, idx) + logp_BT - logp_BT.detach()
-        s = log_s.exp()
-        eps = eps_BQ.gather(1, idx)
-        obj = torch.minimum(s * adv_B1, torch.maximum(torch.minimum(s, 1 + eps), 1 - eps) * adv_B1) * mask
-        group_obj_BQ = zeros.scatter_add(1, idx, obj) / safe
-        nonempty_BQ = (count_BQ > 0).to(mask.dtype)
-        seq_obj_B = (group_obj_BQ * nonempty_BQ).sum(-1) / nonempty_BQ.sum(-1).clamp(min=1)
-        loss = -seq_obj_B.sum() / (normalizer if normalizer is not None else logp_BT.shape[0])
-        ratio = s.detach()
-        low = (s < 1 - eps) & (adv_B1 < 0)
-        high = (s > 1 + eps) & (adv_B1 > 0)
-        metrics["espo/top_group_tokens"] = float(count_BQ[:, 0].sum())
-        metrics["espo/clip_eps_top"] = float((eps_BQ[:, 0] * (count_BQ[:, 0] > 0)).sum() / (count_BQ[:, 0] > 0).sum().clamp(min=1))
-    else:
-        raise ValueError(f"loss_type={loss_type!r}; valid: 'espo', 'grpo'")
+        obj_BT, ratio_BT, low_BT, high_BT, count_BQ, eps_BQ = espo_objective(
+            logp_BT, log_w_BT, mask, adv_B1, old_entropy_BT, group_BT, alpha=espo_alpha, vocab_size=vocab_size,
+            num_groups=espo_num_groups)
+        for q in range(espo_num_groups):
+            nonempty_B = count_BQ[:, q] > 0
+            metrics[f"espo/group{q}_tokens"] = float(count_BQ[:, q].sum())
+            metrics[f"espo/group{q}_clip_eps"] = float((eps_BQ[:, q] * nonempty_B).sum() / nonempty_B.sum().clamp(min=1))
+    if tis_cap is not None or icepop_bounds is not None:
+        if infer_logp_BT is None:
+            raise ValueError("tis_cap / icepop_bounds need infer_logp_BT (the engine's logprobs)")
+        weight_BT, mismatch = mismatch_weights(old, infer_logp_BT, mask, tis_cap=tis_cap, icepop_bounds=icepop_bounds)
+        obj_BT = obj_BT * weight_BT
+        metrics.update(mismatch)
     n_tok = mask.sum().clamp(min=1)
+    if kl_coef != 0.0:
+        if ref_logp_BT is None:
+            raise ValueError(f"kl_coef={kl_coef} needs ref_logp_BT (the reference policy's logprobs)")
+        kl_BT = kl_penalty(logp_BT, ref_logp_BT, mask, estimator=kl_estimator)
+        obj_BT = obj_BT - kl_coef * kl_BT
+        metrics["kl_ref"] = float((kl_BT.detach() * mask).sum() / n_tok)
+    elif kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator={kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    loss = -aggregate(obj_BT, mask, aggregation=aggregation, normalizer=normalizer, max_tokens=max_tokens,
+                      group_BT=group_BT, num_groups=espo_num_groups)
     with torch.no_grad():
-        r = ratio[mask.bool()]
+        r = ratio_BT[mask.bool()]
+        log_w = log_w_BT.detach()
         metrics.update({
-            "clip_frac_low": float((low * mask).sum() / n_tok),
-            "clip_frac_high": float((high * mask).sum() / n_tok),
+            "clip_frac_low": float((low_BT * mask).sum() / n_tok),
+            "clip_frac_high": float((high_BT * mask).sum() / n_tok),
             "ratio_mean": float(r.mean()) if r.numel() else 1.0,
             "ratio_min": float(r.min()) if r.numel() else 1.0,
             "ratio_max": float(r.max()) if r.numel() else 1.0,
             # k3 estimator of KL(pi_old || pi_theta) per token (Schulman 2020, "Approximating KL divergence")
-            "approx_kl": float(((log_w.detach().exp() - 1 - log_w.detach()) * mask).sum() / n_tok),
+            "approx_kl": float(((log_w.exp() - 1 - log_w) * mask).sum() / n_tok),
         })
     return loss, metrics

@@ -1,33 +1,46 @@
-"""A native mixture-of-experts decoder with replayable routing.
+"""A native mixture-of-experts decoder (Qwen3-MoE and GLM-4.5 families) with replayable routing.
 
 One `Transformer` serves training (full causal forward) and cached decoding (a static
 KV cache addressed by position, gpt-fast style). Each block is pre-norm attention plus a
-mixture-of-experts FFN:
+dense SwiGLU FFN (the first `first_k_dense_replace` blocks) or a mixture of experts:
 
-- RMSNorm, rotary position embeddings (RoPE, arXiv 2104.09864), grouped-query
-  attention (GQA, arXiv 2305.13245) through `F.scaled_dot_product_attention`.
-- Top-k routed experts with a softmax router and top-k renormalisation (the Qwen3-MoE
-  form): g_i = I_i exp(s_i) / sum_j I_j exp(s_j), I the top-k indicator; SwiGLU experts;
-  an optional always-on shared expert.
-- Router replay (R3, arXiv 2510.11370): `forward` can return the top-k expert ids each
-  MoE layer chose for every token, and can take such ids back. Replayed ids replace the
-  router's own top-k; the gate weights are recomputed from the live router scores over
-  the given ids (the softmax above with I the replayed set), so the router still gets a
-  gradient. A replayed row of -1 (padding) falls back to the router's own choice.
+- RMSNorm; rotary position embeddings (RoPE, arXiv 2104.09864) on all of each head
+  (Qwen3) or its first half (GLM-4.5's partial rotary); grouped-query attention (GQA,
+  arXiv 2305.13245) through `F.scaled_dot_product_attention`, with optional per-head q/k
+  RMSNorm (Qwen3) and q/k/v bias (GLM-4.5).
+- Routers. softmax (Qwen3-MoE): p = softmax(s), top-k of p, weights p_i over the chosen
+  set, renormalised to sum 1 when norm_topk_prob: g_i = I_i exp(s_i) / sum_j I_j exp(s_j).
+  sigmoid (GLM-4.5, DeepSeek-V3 arXiv 2412.19437 eq. 15-16): p = sigmoid(s); the
+  choice uses p + b (b the aux-loss-free expert bias, never in the weights), limited to
+  the topk_group best of n_group expert groups; weights p_i, renormalised when
+  norm_topk_prob, times routed_scaling_factor. Experts are SwiGLU, computed by a grouped
+  GEMM; an optional shared expert sees every token.
+- Router replay (R3, arXiv 2510.11370): `forward` can return the expert ids each MoE
+  layer chose for every token and can take such ids back: replayed ids replace the
+  router's own choice, the weights are recomputed from the live scores at those ids
+  (so the router still gets a gradient). A replayed row of -1 (padding) routes freely.
 
-Notable choices: the router runs in fp32 whatever the model dtype (routing is where
-precision flips discrete decisions); experts run through `torch._grouped_mm` where it
-applies, else a per-expert loop with the same result.
+HF checkpoints load and save in the hub's on-disk layout (`load_hf`, `save_hf`);
+`parallelize` applies expert parallel and FSDP2; they are the only code here that
+touches torch.distributed, imported inside them.
+
+Notable choices: the router always runs in fp32 (routing is where precision flips
+discrete decisions; HF Qwen3 computes its router logits in the model dtype); RMSNorm
+and RoPE follow the HF arithmetic (fp32 inside, fp32 frequency table) so fp32 logits
+match HF to float rounding.
 
 Shape legend: B batch, T tokens in this call, S cache length, D model dim, H query heads,
-G kv heads, d head dim, E routed experts, K experts per token, I expert hidden dim,
-L MoE layers, V vocabulary, N flattened tokens (B*T).
+G kv heads, d head dim, r rotary dims, E routed experts, K experts per token, I expert
+hidden dim, L MoE layers, V vocabulary, N flattened tokens (B*T).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import os
+import re
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -41,13 +54,13 @@ class ModelConfig:
     dim: int = 256
     """Residual stream width D."""
     n_layers: int = 4
-    """Decoder blocks; every block has a MoE FFN."""
+    """Decoder blocks."""
     n_heads: int = 8
     """Query heads H."""
     n_kv_heads: int = 2
     """Key/value heads G (GQA); must divide n_heads."""
     head_dim: int = 32
-    """Per-head width d; must be even for RoPE."""
+    """Per-head width d."""
     num_experts: int = 16
     """Routed experts E per MoE layer."""
     top_k: int = 4
@@ -56,16 +69,38 @@ class ModelConfig:
     """Hidden width I of each routed expert (SwiGLU)."""
     num_shared_experts: int = 0
     """Always-on shared experts, fused into one SwiGLU of width num * moe_inter_dim; 0 = none."""
+    first_k_dense_replace: int = 0
+    """The first k blocks use a dense SwiGLU FFN instead of experts (GLM-4.5: 1)."""
+    dense_inter_dim: int = 0
+    """Hidden width of the dense FFN blocks (HF intermediate_size); needed when first_k_dense_replace > 0."""
+    router: str = "softmax"
+    """'softmax' (Qwen3-MoE) or 'sigmoid' with an expert bias for selection (GLM-4.5, DeepSeek-V3)."""
+    norm_topk_prob: bool = True
+    """Renormalise the chosen experts' weights to sum to 1."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed weights (sigmoid router)."""
+    n_group: int = 1
+    """Expert groups for group-limited routing (sigmoid router)."""
+    topk_group: int = 1
+    """Groups a token may route into (sigmoid router)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
+    attention_bias: bool = False
+    """Bias on the q, k, v projections (GLM-4.5)."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head that RoPE rotates (GLM-4.5: 0.5)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     max_seq_len: int = 1024
-    """Longest position the RoPE table covers (prompt + completion)."""
+    """Longest prompt + completion an engine may cache."""
     tie_embeddings: bool = False
     """Share the embedding matrix with lm_head."""
     init_std: float = 0.02
     """Std of the normal init of every weight matrix (GPT-2's value)."""
+    hf_model_type: str = "qwen3_moe"
+    """HF model_type `save_hf` writes: 'qwen3_moe' or 'glm4_moe'."""
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -74,29 +109,122 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ValueError(f"head_dim * partial_rotary_factor = {self.rotary_dim} must be even and positive")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router={self.router!r}; valid: 'softmax', 'sigmoid'")
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} and "
+                             f"1 <= topk_group={self.topk_group} <= n_group")
+        if not 0 <= self.first_k_dense_replace <= self.n_layers:
+            raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, n_layers={self.n_layers}]")
+        if self.first_k_dense_replace and self.dense_inter_dim <= 0:
+            raise ValueError("dense_inter_dim must be positive when first_k_dense_replace > 0")
+        if self.hf_model_type not in HF_FAMILIES:
+            raise ValueError(f"hf_model_type={self.hf_model_type!r}; valid: {sorted(HF_FAMILIES)}")
 
     @property
     def num_moe_layers(self) -> int:
-        return self.n_layers
+        return self.n_layers - self.first_k_dense_replace
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_hf(cls, config: str | dict) -> ModelConfig:
+        """From an HF config.json (path or dict) of model_type qwen3_moe or glm4_moe.
+
+        Raises ValueError on another model_type or a feature this model lacks.
+        """
+        if isinstance(config, str):
+            with open(config) as f:
+                config = json.load(f)
+        c = dict(config)
+        kind = c.get("model_type")
+        if kind not in HF_FAMILIES:
+            raise ValueError(f"model_type={kind!r} is not supported; valid: {sorted(HF_FAMILIES)}")
+        rope = c.get("rope_parameters") or {}
+        common = dict(
+            vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
+            n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            top_k=c["num_experts_per_tok"], moe_inter_dim=c["moe_intermediate_size"],
+            dense_inter_dim=c["intermediate_size"], norm_topk_prob=c.get("norm_topk_prob", True),
+            attention_bias=c.get("attention_bias", False), rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+            norm_eps=c["rms_norm_eps"], max_seq_len=c.get("max_position_embeddings", 4096),
+            tie_embeddings=c.get("tie_word_embeddings", False), hf_model_type=kind)
+        if kind == "qwen3_moe":
+            if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
+                raise ValueError("qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not supported")
+            if c.get("use_sliding_window"):
+                raise ValueError("qwen3_moe with use_sliding_window is not supported")
+            return cls(**common, num_experts=c.get("num_experts", c.get("num_local_experts")), qk_norm=True, router="softmax")
+        return cls(**common, num_experts=c["n_routed_experts"], num_shared_experts=c.get("n_shared_experts", 0),
+                   first_k_dense_replace=c.get("first_k_dense_replace", 0), router="sigmoid",
+                   routed_scaling_factor=c.get("routed_scaling_factor", 1.0), n_group=c.get("n_group", 1),
+                   topk_group=c.get("topk_group", 1), qk_norm=c.get("use_qk_norm", False),
+                   partial_rotary_factor=rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
+
+    def to_hf(self) -> dict:
+        """The HF config.json of this model (inverse of from_hf)."""
+        c = dict(model_type=self.hf_model_type, architectures=[HF_FAMILIES[self.hf_model_type]],
+                 vocab_size=self.vocab_size, hidden_size=self.dim, num_hidden_layers=self.n_layers,
+                 num_attention_heads=self.n_heads, num_key_value_heads=self.n_kv_heads, head_dim=self.head_dim,
+                 num_experts_per_tok=self.top_k, moe_intermediate_size=self.moe_inter_dim,
+                 intermediate_size=self.dense_inter_dim or self.moe_inter_dim, norm_topk_prob=self.norm_topk_prob,
+                 attention_bias=self.attention_bias, rms_norm_eps=self.norm_eps,
+                 max_position_embeddings=self.max_seq_len, tie_word_embeddings=self.tie_embeddings,
+                 hidden_act="silu", torch_dtype="float32",
+                 rope_parameters=dict(rope_type="default", rope_theta=self.rope_theta,
+                                      partial_rotary_factor=self.partial_rotary_factor))
+        if self.hf_model_type == "qwen3_moe":
+            if self.router != "softmax" or self.first_k_dense_replace or self.num_shared_experts or not self.qk_norm:
+                raise ValueError("qwen3_moe needs router='softmax', qk_norm, no dense layers and no shared experts")
+            c.update(num_experts=self.num_experts, decoder_sparse_step=1, mlp_only_layers=[])
+        else:
+            if self.router != "sigmoid":
+                raise ValueError("glm4_moe needs router='sigmoid'")
+            c.update(n_routed_experts=self.num_experts, n_shared_experts=self.num_shared_experts,
+                     first_k_dense_replace=self.first_k_dense_replace, routed_scaling_factor=self.routed_scaling_factor,
+                     n_group=self.n_group, topk_group=self.topk_group, use_qk_norm=self.qk_norm, num_nextn_predict_layers=0)
+        return c
 
 
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each [max_seq_len, head_dim // 2] fp32 (arXiv 2104.09864 eq. 34)."""
-    inv_freq = cfg.rope_theta ** -(torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+HF_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 
 
-def apply_rope(x_BHTd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
-    """Rotate halves (the HF/Llama "rotate_half" layout, so HF checkpoints load as they are)."""
-    x1, x2 = x_BHTd.float().chunk(2, dim=-1)
-    cos, sin = cos_BTd[:, None], sin_BTd[:, None]  # (B, 1, T, d/2) broadcast over heads
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.type_as(x_BHTd)
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), normalised in fp32 and cast back before the weight (HF order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def rope(pos_BT: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, T, r] fp32 (arXiv 2104.09864 eq. 34; frequencies in fp32 as HF computes them)."""
+    r = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float, device=pos_BT.device) / r))
+    freqs = pos_BT[..., None].float() * inv_freq  # (B, T, r/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, r)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x_BHTd: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor) -> torch.Tensor:
+    """Rotate the first r dims of each head by halves (HF "rotate_half" layout); the rest pass."""
+    r = cos_BTr.shape[-1]
+    rot, rest = x_BHTd[..., :r], x_BHTd[..., r:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    cos, sin = cos_BTr[:, None].to(x_BHTd.dtype), sin_BTr[:, None].to(x_BHTd.dtype)  # (B, 1, T, r)
+    rotated = rot * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
 
 
 class KVCache:
@@ -119,24 +247,45 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        H, G, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, (H + 2 * G) * d, bias=cfg.attention_bias)  # q, k, v fused: one GEMM
+        self.wo = nn.Linear(H * d, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x_BTD, cos_BTd, sin_BTd, cache: KVCache | None, cache_start: int, mask_B1TS):
+    def forward(self, x_BTD, cos, sin, cache: KVCache | None, cache_start: int, mask_B1TS):
         B, T, _ = x_BTD.shape
         cfg = self.cfg
-        q = self.wq(x_BTD).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)  # (B, H, T, d)
-        k = self.wk(x_BTD).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, G, T, d)
-        v = self.wv(x_BTD).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, G, T, d)
-        q, k = apply_rope(q, cos_BTd, sin_BTd), apply_rope(k, cos_BTd, sin_BTd)
+        qkv = self.wqkv(x_BTD).view(B, T, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)  # (B, T, H+2G, d)
+        q, k, v = qkv.split([cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads], dim=2)  # (B, T, H|G|G, d)
+        v = v.transpose(1, 2)  # (B, G, T, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)  # (B, H|G, T, d)
         if cache is not None:
             k, v = cache.update(self.layer, cache_start, k, v)  # (B, G, S, d)
         # mask None means plain causal over this call's tokens (training, no padding on the left)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS, is_causal=mask_B1TS is None,
                                            enable_gqa=cfg.n_heads != cfg.n_kv_heads)  # (B, H, T, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for h = [gate | up] along the last dim (arXiv 2002.05202)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class FeedForward(nn.Module):
+    """SwiGLU FFN w2(silu(w1 x) * w3 x), with w1 and w3 fused into one matrix w13 (one GEMM, not two)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)  # [gate; up] rows
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(swiglu(self.w13(x)))
 
 
 def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -155,67 +304,114 @@ def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tenso
     return torch.cat(outs)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `scale` on the way back."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stacked for grouped GEMMs: w13 [E, D, 2I] (gate | up), w2 [E, I, D]."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden))  # gate and up projections, fused
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # down projection
+
+    grad_scale = 1.0  # set by parallelize: expert gradients under EP are divided by ep
+
+    def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by local expert (counts_e rows each) -> expert outputs, same order."""
+        w13, w2 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w13, self.w2))
+        if self.grad_scale != 1.0:
+            w13, w2 = _ScaleGrad.apply(w13, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
+        offs = counts_e.cumsum(0).to(torch.int32)
+        return grouped_mm(swiglu(grouped_mm(x_RD, w13, offs)), w2, offs)  # (R, 2I) -> (R, I) -> (R, D)
+
+
 class MoE(nn.Module):
-    """Softmax-routed top-k SwiGLU experts plus an optional shared expert."""
+    """Routed top-k SwiGLU experts plus an optional shared expert."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        E, D, I = cfg.num_experts, cfg.dim, cfg.moe_inter_dim
-        self.gate = nn.Linear(D, E, bias=False)  # router
-        self.w1 = nn.Parameter(torch.empty(E, D, I))  # gate projection, per expert
-        self.w3 = nn.Parameter(torch.empty(E, D, I))  # up projection
-        self.w2 = nn.Parameter(torch.empty(E, I, D))  # down projection
-        self.shared = None
-        if cfg.num_shared_experts:
-            Is = cfg.num_shared_experts * I
-            self.shared = nn.ModuleDict(dict(w1=nn.Linear(D, Is, bias=False), w3=nn.Linear(D, Is, bias=False),
-                                             w2=nn.Linear(Is, D, bias=False)))
+        self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)  # router
+        # aux-loss-free selection bias (sigmoid router); loaded, never trained by gradient
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=cfg.router == "sigmoid")
+        self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.moe_inter_dim)
+        self.shared = FeedForward(cfg.dim, cfg.num_shared_experts * cfg.moe_inter_dim) if cfg.num_shared_experts else None
+        self.dispatcher = None  # expert-parallel token dispatch, set by parallelize()
 
     def route(self, x_ND: torch.Tensor, replay_NK: torch.Tensor | None):
         """Expert ids [N, K] int64 and gate weights [N, K] fp32 (R3: replayed ids, live scores)."""
-        scores_NE = F.linear(x_ND.float(), self.gate.weight.float())
-        own_NK = scores_NE.topk(self.cfg.top_k, dim=-1).indices
+        cfg = self.cfg
+        logits_NE = F.linear(x_ND.float(), self.gate.weight.float())
+        if cfg.router == "softmax":
+            scores_NE = logits_NE.softmax(dim=-1)
+            choice_NE = scores_NE
+        else:
+            scores_NE = logits_NE.sigmoid()
+            choice_NE = scores_NE + self.expert_bias.float()
+            if cfg.n_group > 1:  # keep the topk_group groups whose best two experts score highest
+                N, E = choice_NE.shape
+                group_NG = choice_NE.view(N, cfg.n_group, E // cfg.n_group).topk(2, dim=-1).values.sum(-1)
+                keep_NG = torch.zeros_like(group_NG).scatter_(1, group_NG.topk(cfg.topk_group, dim=-1).indices, 1.0)
+                keep_NE = keep_NG[:, :, None].expand(N, cfg.n_group, E // cfg.n_group).reshape(N, E)
+                choice_NE = choice_NE.masked_fill(keep_NE == 0, float("-inf"))
+        own_NK = choice_NE.topk(cfg.top_k, dim=-1).indices
         if replay_NK is None:
             ids_NK = own_NK
         else:
             pad_N1 = (replay_NK < 0).all(dim=-1, keepdim=True)  # padding rows route as the router would
             ids_NK = torch.where(pad_N1, own_NK, replay_NK.long())
-        # softmax over the chosen scores == top-k renormalised softmax over all E
-        weights_NK = scores_NE.gather(-1, ids_NK).softmax(dim=-1)
-        return ids_NK, weights_NK
+        weights_NK = scores_NE.gather(-1, ids_NK)
+        if cfg.norm_topk_prob:
+            # the sigmoid router's epsilon is HF GLM-4.5's; softmax scores always sum above zero
+            weights_NK = weights_NK / (weights_NK.sum(-1, keepdim=True) + (1e-20 if cfg.router == "sigmoid" else 0.0))
+        return ids_NK, weights_NK * cfg.routed_scaling_factor
 
     def forward(self, x_BTD: torch.Tensor, replay_BTK: torch.Tensor | None):
         B, T, D = x_BTD.shape
-        K = self.cfg.top_k
+        K, E = self.cfg.top_k, self.cfg.num_experts
         x_ND = x_BTD.reshape(B * T, D)
         ids_NK, weights_NK = self.route(x_ND, None if replay_BTK is None else replay_BTK.reshape(B * T, K))
-        # dispatch: sort the N*K (token, expert) pairs by expert so each expert's rows are contiguous
-        order = ids_NK.flatten().argsort(stable=True)  # (N*K,)
-        token_of = order // K
-        counts_E = torch.bincount(ids_NK.flatten(), minlength=self.cfg.num_experts)
-        offs_E = counts_E.cumsum(0).to(torch.int32)
-        xs = x_ND[token_of]  # (N*K, D) rows grouped by expert
-        h = F.silu(grouped_mm(xs, self.w1, offs_E)) * grouped_mm(xs, self.w3, offs_E)  # (N*K, I)
-        ys = grouped_mm(h, self.w2, offs_E) * weights_NK.flatten()[order, None].to(h.dtype)  # (N*K, D)
-        y_ND = torch.zeros_like(x_ND).index_add_(0, token_of, ys)
+        counts_E = torch.bincount(ids_NK.flatten(), minlength=E)
+        if self.dispatcher is not None:  # expert parallel: all-to-all to the ranks that own the experts
+            x_RD, counts_e, meta = self.dispatcher.dispatch(x_ND, weights_NK, ids_NK, counts_E)
+            y_ND = self.dispatcher.combine(self.experts(x_RD, counts_e), meta, x_ND)
+        else:
+            # sort the N*K (token, expert) pairs by expert so each expert's rows are contiguous
+            order = ids_NK.flatten().argsort(stable=True)  # (N*K,)
+            token_of = order // K
+            out = self.experts(x_ND[token_of], counts_E)  # (N*K, D)
+            out = (out.float() * weights_NK.flatten()[order, None]).to(out.dtype)
+            y_ND = torch.zeros_like(x_ND).index_add_(0, token_of, out)
         if self.shared is not None:
-            s = self.shared
-            y_ND = y_ND + s.w2(F.silu(s.w1(x_ND)) * s.w3(x_ND))
+            y_ND = y_ND + self.shared(x_ND)
         return y_ND.view(B, T, D), ids_NK.view(B, T, K)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg, layer)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.moe = MoE(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.is_moe = layer >= cfg.first_k_dense_replace
+        self.mlp = MoE(cfg) if self.is_moe else FeedForward(cfg.dim, cfg.dense_inter_dim)
 
     def forward(self, x_BTD, cos, sin, cache, cache_start, mask, replay_BTK):
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, cache, cache_start, mask)
-        y_BTD, ids_BTK = self.moe(self.ffn_norm(x_BTD), replay_BTK)
+        if not self.is_moe:
+            return x_BTD + self.mlp(self.ffn_norm(x_BTD)), None
+        y_BTD, ids_BTK = self.mlp(self.ffn_norm(x_BTD), replay_BTK)
         return x_BTD + y_BTD, ids_BTK
 
 
@@ -225,65 +421,84 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None):
+        """Normal(0, init_std) matrices, residual-branch outputs scaled by 1/sqrt(2 n_layers)
+        (GPT-2, Radford et al. 2019); norms 1; biases and the expert bias 0."""
         std = self.cfg.init_std
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)  # norm weights
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.zero_()
             else:
-                # residual-branch outputs scaled down by depth (GPT-2, Radford et al. 2019)
                 out_proj = name.endswith(("wo.weight", "w2", "w2.weight"))
                 p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers) if out_proj else std, generator=generator)
+        for name, b in self.named_buffers():
+            if name.endswith("expert_bias"):
+                b.zero_()
 
-    def forward(self, tokens_BT: torch.Tensor, *, pos_BT: torch.Tensor | None = None,
-                routed_experts: torch.Tensor | None = None, return_routes: bool = False,
-                cache: KVCache | None = None, cache_start: int = 0, mask_B1TS: torch.Tensor | None = None):
+    def hidden(self, tokens_BT: torch.Tensor, *, pos_BT: torch.Tensor | None = None,
+               routed_experts: torch.Tensor | None = None, return_routes: bool = False,
+               cache: KVCache | None = None, cache_start: int = 0, mask_B1TS: torch.Tensor | None = None):
+        """Final-norm hidden states [B, T, D] and, if return_routes, ids [B, T, L, K] (else None).
+
+        Arguments as in `forward`.
+        """
+        B, T = tokens_BT.shape
+        if routed_experts is not None:
+            check_routes(routed_experts, (B, T, self.cfg.num_moe_layers, self.cfg.top_k), self.cfg.num_experts)
+        if pos_BT is None:
+            pos_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
+        cos, sin = rope(pos_BT, self.cfg)
+        x = self.embed(tokens_BT)
+        routes, moe_i = [], 0
+        for layer in self.layers:
+            replay = None
+            if layer.is_moe and routed_experts is not None:
+                replay = routed_experts[:, :, moe_i]
+            x, ids_BTK = layer(x, cos, sin, cache, cache_start, mask_B1TS, replay)
+            if layer.is_moe:
+                routes.append(ids_BTK)
+                moe_i += 1
+        return self.norm(x), (torch.stack(routes, dim=2) if return_routes and routes else None)
+
+    def forward(self, tokens_BT: torch.Tensor, **kwargs):
         """Logits [B, T, V] fp32 and, if `return_routes`, expert ids [B, T, L, K] int64 (else None).
 
         tokens_BT: int64 token ids. pos_BT: RoPE positions (default 0..T-1 per row).
-        routed_experts: int [B, T, L, K] ids to replay (R3, arXiv 2510.11370); rows of -1 route freely.
+        routed_experts: int [B, T, L, K] ids to replay (R3, arXiv 2510.11370), L = MoE
+        layers only; rows of -1 route freely.
         cache / cache_start / mask_B1TS: cached decoding; keys and values of this call are
         written at cache columns [cache_start, cache_start+T); mask_B1TS (bool, True = attend)
         covers all S = cache_start+T columns. Without a mask attention is causal.
         Raises ValueError on a wrong replay shape, an expert id outside [-1, E), a row that
         mixes -1 with ids, or a row that repeats an expert.
         """
-        B, T = tokens_BT.shape
-        cfg = self.cfg
-        if routed_experts is not None:
-            want = (B, T, cfg.num_moe_layers, cfg.top_k)
-            if tuple(routed_experts.shape) != want:
-                raise ValueError(f"routed_experts has shape {tuple(routed_experts.shape)}, expected {want} (B, T, L, K)")
-            lo, hi = int(routed_experts.min()), int(routed_experts.max())
-            if lo < -1 or hi >= cfg.num_experts:
-                raise ValueError(f"routed_experts ids span [{lo}, {hi}]; valid ids are -1 (padding) and [0, {cfg.num_experts})")
-            pad = routed_experts < 0
-            if bool((pad.any(-1) & ~pad.all(-1)).any()):
-                raise ValueError("routed_experts has a row mixing -1 and expert ids; a padding row must be all -1")
-            ids = routed_experts.sort(dim=-1).values
-            if bool(((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any()):
-                raise ValueError("routed_experts repeats an expert within a token's top-k; ids in a row must be distinct")
-        if pos_BT is None:
-            pos_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
-        cos, sin = self.rope_cos[pos_BT], self.rope_sin[pos_BT]  # (B, T, d/2)
-        x = self.embed(tokens_BT)
-        routes = []
-        for i, layer in enumerate(self.layers):
-            replay = None if routed_experts is None else routed_experts[:, :, i]
-            x, ids_BTK = layer(x, cos, sin, cache, cache_start, mask_B1TS, replay)
-            routes.append(ids_BTK)
-        logits = self.lm_head(self.norm(x)).float()
-        return logits, (torch.stack(routes, dim=2) if return_routes else None)
+        h, routes = self.hidden(tokens_BT, **kwargs)
+        return self.lm_head(h).float(), routes
+
+
+def check_routes(routed_experts: torch.Tensor, want: tuple, num_experts: int):
+    """Validate replayed expert ids; raises ValueError naming what is wrong."""
+    if tuple(routed_experts.shape) != want:
+        raise ValueError(f"routed_experts has shape {tuple(routed_experts.shape)}, expected {want} (B, T, L, K)")
+    lo, hi = int(routed_experts.min()), int(routed_experts.max())
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"routed_experts ids span [{lo}, {hi}]; valid ids are -1 (padding) and [0, {num_experts})")
+    pad = routed_experts < 0
+    if bool((pad.any(-1) & ~pad.all(-1)).any()):
+        raise ValueError("routed_experts has a row mixing -1 and expert ids; a padding row must be all -1")
+    ids = routed_experts.sort(dim=-1).values
+    if bool(((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any()):
+        raise ValueError("routed_experts repeats an expert within a token's top-k; ids in a row must be distinct")
 
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -296,3 +511,263 @@ def token_entropy(logits_BTV: torch.Tensor, temperature: float = 1.0) -> torch.T
     """Full-vocabulary entropy -sum_v p log p [B, T] fp32, in nats."""
     logp = (logits_BTV.float() / temperature).log_softmax(dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
+
+
+def _logprobs_entropy_chunk(h_BCD, w_VD, targets_BC, temperature: float):
+    logp = (F.linear(h_BCD, w_VD).float() / temperature).log_softmax(dim=-1)  # (B, C, V) fp32, one chunk
+    return logp.gather(-1, targets_BC.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(dim=-1)
+
+
+def chunked_logprobs(hidden_BTD: torch.Tensor, lm_head_VD: torch.Tensor, targets_BT: torch.Tensor, *,
+                     temperature: float = 1.0, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(target) and full-vocabulary entropy, both [B, T] fp32, from final hidden states.
+
+    The lm_head and log-softmax run `chunk` positions at a time, each under activation
+    checkpointing, so the [B, T, V] fp32 logits are never held at once, in forward or
+    backward: peak extra memory is one [B, chunk, V] block.
+    """
+    from torch.utils.checkpoint import checkpoint
+    logps, ents = [], []
+    for s in range(0, hidden_BTD.shape[1], chunk):
+        h, t = hidden_BTD[:, s:s + chunk], targets_BT[:, s:s + chunk]
+        if torch.is_grad_enabled() and (h.requires_grad or lm_head_VD.requires_grad):
+            lp, ent = checkpoint(_logprobs_entropy_chunk, h, lm_head_VD, t, temperature, use_reentrant=False)
+        else:
+            lp, ent = _logprobs_entropy_chunk(h, lm_head_VD, t, temperature)
+        logps.append(lp)
+        ents.append(ent)
+    return torch.cat(logps, dim=1), torch.cat(ents, dim=1)
+
+
+# ----------------------------------------------------------------------------- HF checkpoints
+
+_HF_RENAMES = [  # (our name pattern, HF names concatenated along our dim `cat`); {e} = one key per expert
+    (r"embed\.weight", ["model.embed_tokens.weight"]),
+    (r"norm\.weight", ["model.norm.weight"]),
+    (r"lm_head\.weight", ["lm_head.weight"]),
+    (r"layers\.(\d+)\.attn_norm\.weight", [r"model.layers.\1.input_layernorm.weight"]),
+    (r"layers\.(\d+)\.ffn_norm\.weight", [r"model.layers.\1.post_attention_layernorm.weight"]),
+    (r"layers\.(\d+)\.attn\.wqkv\.(weight|bias)", [r"model.layers.\1.self_attn.q_proj.\2",
+                                                    r"model.layers.\1.self_attn.k_proj.\2",
+                                                    r"model.layers.\1.self_attn.v_proj.\2"]),
+    (r"layers\.(\d+)\.attn\.wo\.weight", [r"model.layers.\1.self_attn.o_proj.weight"]),
+    (r"layers\.(\d+)\.attn\.([qk])_norm\.weight", [r"model.layers.\1.self_attn.\2_norm.weight"]),
+    (r"layers\.(\d+)\.mlp\.gate\.weight", [r"model.layers.\1.mlp.gate.weight"]),
+    (r"layers\.(\d+)\.mlp\.expert_bias", [r"model.layers.\1.mlp.gate.e_score_correction_bias"]),
+    (r"layers\.(\d+)\.mlp\.shared\.w13\.weight",
+     [r"model.layers.\1.mlp.shared_experts.gate_proj.weight", r"model.layers.\1.mlp.shared_experts.up_proj.weight"]),
+    (r"layers\.(\d+)\.mlp\.shared\.w2\.weight", [r"model.layers.\1.mlp.shared_experts.down_proj.weight"]),
+    (r"layers\.(\d+)\.mlp\.experts\.w13",
+     [r"model.layers.\1.mlp.experts.{e}.gate_proj.weight", r"model.layers.\1.mlp.experts.{e}.up_proj.weight"]),
+    (r"layers\.(\d+)\.mlp\.experts\.w2", [r"model.layers.\1.mlp.experts.{e}.down_proj.weight"]),
+    (r"layers\.(\d+)\.mlp\.w13\.weight", [r"model.layers.\1.mlp.gate_proj.weight", r"model.layers.\1.mlp.up_proj.weight"]),
+    (r"layers\.(\d+)\.mlp\.w2\.weight", [r"model.layers.\1.mlp.down_proj.weight"]),
+]
+
+
+def hf_names(name: str) -> list[str]:
+    """Our parameter name -> the HF hub names it concatenates ('{e}' = expert index of stacked experts).
+
+    Fused weights concatenate HF's: q|k|v and gate|up along rows of a Linear weight (and
+    bias), gate|up along the last dim of stacked experts [E, D, 2I], whose per-expert
+    matrices are the transposes of HF's [out, in] ones.
+    """
+    for pattern, repl in _HF_RENAMES:
+        m = re.fullmatch(pattern, name)
+        if m:
+            return [m.expand(r) for r in repl]
+    raise KeyError(f"no HF name for parameter {name!r}")
+
+
+def _hf_tensors(model: Transformer):
+    """(our name, tensor) for every parameter and persistent buffer an HF checkpoint holds."""
+    seen = set()
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        name = name.replace("._checkpoint_wrapped_module", "")  # activation-checkpointed blocks
+        if name.rsplit(".", 1)[-1] == "expert_bias" and model.cfg.router != "sigmoid":
+            continue
+        if id(t) in seen:  # tied lm_head: the embedding carries it
+            continue
+        seen.add(id(t))
+        yield name, t
+
+
+def load_hf(path: str, model: Transformer | None = None) -> Transformer:
+    """Load an HF checkpoint folder (config.json + model.safetensors or a sharded index).
+
+    Tensors are read lazily with `safe_open`; for a model that `parallelize` sharded, each
+    rank reads only its own slice of each tensor (its experts, its rows). Without a model,
+    one is built from config.json, on the CPU. Checkpoint tensors this model has no place
+    for (e.g. GLM-4.5's multi-token-prediction layers) are skipped and counted.
+    Raises ValueError if a tensor the model needs is missing or has another shape.
+    """
+    from safetensors import safe_open
+    if model is None:
+        with torch.device("meta"):
+            model = Transformer(ModelConfig.from_hf(os.path.join(path, "config.json")))
+        model.to_empty(device="cpu")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    else:
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    handles = {}
+
+    def tensor(key):
+        if key not in weight_map:
+            raise ValueError(f"load_hf: tensor {key!r} is missing from {path}")
+        file = weight_map[key]
+        if file not in handles:
+            handles[file] = safe_open(os.path.join(path, file), "pt")
+        return handles[file].get_slice(key)
+
+    def read_concat(keys, sl, transpose):
+        """Slice `sl` of the parts concatenated along our dim 0, or, transposed, of their
+        transposes along dim 1; only the rows of each part that fall in the slice are read."""
+        cat_dim, out, start = (1 if transpose else 0), [], 0
+        for key in keys:
+            part = tensor(key)
+            n = part.get_shape()[0]
+            lo, hi = max(sl[cat_dim].start, start), min(sl[cat_dim].stop, start + n)
+            if lo < hi:
+                rows = slice(lo - start, hi - start)
+                out.append(part[rows, sl[0]].T if transpose else part[(rows, *sl[1:])])
+            start += n
+        return torch.cat(out, dim=cat_dim)
+
+    offsets = getattr(model, "local_offsets", {})  # set by parallelize for sharded tensors
+    with torch.no_grad():
+        for name, t in _hf_tensors(model):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            start = offsets.get(name, (0,) * local.dim())
+            sl = tuple(slice(o, o + n) for o, n in zip(start, local.shape))
+            keys = hf_names(name)
+            if "{e}" in keys[0]:  # stacked experts: HF stores each expert's [out, in] matrices
+                parts = [read_concat([k.format(e=e) for k in keys], sl[1:], transpose=True)
+                         for e in range(sl[0].start, sl[0].stop)]
+                src = torch.stack(parts) if parts else local.new_empty(local.shape)
+            else:
+                src = read_concat(keys, sl, transpose=False)
+            if tuple(src.shape) != tuple(local.shape):
+                raise ValueError(f"load_hf: {keys} give shape {tuple(src.shape)}, the model wants {tuple(local.shape)}")
+            local.copy_(src)
+        for name, b in model.named_buffers():  # buffers no checkpoint holds start at zero
+            if name.rsplit(".", 1)[-1] == "expert_bias" and model.cfg.router != "sigmoid":
+                b.zero_()
+    known = {k.format(e=e) for n, _ in _hf_tensors(model) for k in hf_names(n) for e in range(model.cfg.num_experts)}
+    skipped = set(weight_map) - known
+    if skipped:
+        print(f"load_hf: skipped {len(skipped)} checkpoint tensors this model does not use, e.g. {sorted(skipped)[0]}")
+    return model
+
+
+def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_bytes: int = 4 << 30):
+    """Write the model as an HF checkpoint: config.json plus safetensors in the hub layout
+    (one key per expert), sharded with model.safetensors.index.json above max_shard_bytes.
+
+    Sharded (DTensor) parameters are gathered one at a time, so every rank must call this;
+    only the ranks with write=True (rank 0) touch the disk.
+    """
+    from safetensors.torch import save_file
+    shards, current, size = [], {}, 0
+    for name, t in _hf_tensors(model):
+        full = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+        keys = hf_names(name)
+        if "{e}" in keys[0]:  # per expert, each fused part transposed back to HF's [out, in]
+            items = [(k.format(e=e), p.T) for e in range(full.shape[0])
+                     for k, p in zip(keys, full[e].chunk(len(keys), dim=1))]
+        else:
+            cfg = model.cfg
+            sizes = ([cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2 if ".wqkv." in name
+                     else [full.shape[0] // len(keys)] * len(keys))
+            items = list(zip(keys, full.split(sizes, dim=0)))
+        for k, v in items:
+            if current and size + v.numel() * v.element_size() > max_shard_bytes:
+                shards.append(current)
+                current, size = {}, 0
+            current[k] = v.contiguous()
+            size += v.numel() * v.element_size()
+    shards.append(current)
+    if not write:
+        return
+    os.makedirs(path, exist_ok=True)
+    config = model.cfg.to_hf()
+    config["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in shard})
+    total = sum(v.numel() * v.element_size() for s in shards for v in s.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+
+
+# ----------------------------------------------------------------------------- parallelism
+
+def parallelize(model: Transformer, dims, *, param_dtype: torch.dtype | None = torch.bfloat16,
+                reduce_dtype: torch.dtype | None = torch.float32, activation_checkpoint: bool = False,
+                compile: bool = False) -> Transformer:
+    """Shard a (meta-device or materialised) model over torchtitan `ParallelDims` meshes, in place.
+
+    Order, as torchtitan applies it: 1. expert parallel: each MoE layer's stacked experts
+    become DTensors sharded on the expert dim over the `ep` mesh, and tokens reach them
+    through torchtitan's `AllToAllTokenDispatcher`; 2. activation checkpointing per
+    block; 3. torch.compile per block; 4. FSDP2 `fully_shard` per block and at the root
+    over the `fsdp` mesh (params in param_dtype, gradients reduced in reduce_dtype),
+    the experts over the `efsdp` mesh. Expert gradients sum the tokens of all EP ranks,
+    so they are divided by ep to stay the data-parallel mean the dense gradients are.
+    Afterwards `model.local_offsets` maps each sharded parameter to the global offset of
+    this rank's slice (what `load_hf` reads).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    moe_blocks = [b for b in model.layers if b.is_moe]
+    if dims.ep > 1:
+        from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+        ep_mesh = dims.get_mesh("ep")
+        if model.cfg.num_experts % dims.ep:
+            raise ValueError(f"num_experts={model.cfg.num_experts} must be divisible by ep={dims.ep}")
+        for block in moe_blocks:
+            experts = block.mlp.experts
+            for name, p in list(experts.named_parameters()):
+                experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
+            dispatcher = AllToAllTokenDispatcher(AllToAllTokenDispatcher.Config(
+                num_experts=model.cfg.num_experts, top_k=model.cfg.top_k))
+            dispatcher.wire_meshes(ep_mesh=ep_mesh)
+            block.mlp.dispatcher = dispatcher
+    if activation_checkpoint:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
+    if compile:
+        for block in model.layers:
+            block.compile()
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fsdp_mesh, efsdp = dims.get_mesh("fsdp"), dims.dp_shard * dims.cp * dims.tp // dims.ep
+    ignored = set()  # EP-only experts (efsdp == 1): kept out of FSDP, gradients divided by ep in forward
+    for block in model.layers:
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        if inner.is_moe and dims.ep > 1:
+            experts = inner.mlp.experts
+            if efsdp > 1:
+                fully_shard(experts, mesh=dims.get_mesh("efsdp"), mp_policy=mp)
+                experts.set_gradient_divide_factor(efsdp * dims.ep)
+            else:
+                experts.grad_scale = 1.0 / dims.ep
+                ignored.update(experts.parameters())
+        fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored or None)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored or None)
+    model.local_offsets = {
+        name.replace("._checkpoint_wrapped_module", ""): compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1]
+        for name, p in model.named_parameters() if isinstance(p, DTensor)}
+    return model

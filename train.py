@@ -33,6 +33,7 @@ Legend: B sequences, T tokens, P prompts, G rollouts per prompt, L MoE layers, K
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import itertools
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from espo import group_advantages, policy_loss
+from espo import group_advantages, policy_loss, resolve_aggregation
 from filter import PromptHistory, Scored, StageConfig, collect_groups, post_rollout_filter, zvp_token_advantages
 from model import ModelConfig, Transformer, token_entropy, token_logprobs
 from reward import (RewardPool, StubRewardModel, TaskMix, adjust_rewards, demonstration, overlong_penalty,
@@ -78,6 +79,14 @@ class TrainConfig:
     """torch device for trainer and engine."""
     init_from: str = ""
     """Output folder of an earlier run to start from (its model.safetensors and tokenizer); "" = random init."""
+    dry_run: bool = False
+    """Build the model on the meta device, print parameter counts and the per-GPU memory plan, and exit."""
+    gpus_per_node: int = 8
+    """GPUs per node (the dry-run plan's unit)."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts are split over this many GPUs."""
+    activation_checkpoint: bool = False
+    """Recompute each block's activations in backward instead of keeping them."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model shape; a config file sets it as a dict of deltas."""
     # task
@@ -128,15 +137,33 @@ class TrainConfig:
     microbatch_tokens: int = 8192
     """Padded-token budget of one forward/backward."""
     loss_type: str = "espo"
-    """'espo' or 'grpo' (token clip)."""
+    """'espo', 'grpo' (DAPO token clip), 'drgrpo', 'gspo', 'gspo-token', 'gmpo' or 'cispo' (espo.py)."""
+    aggregation: str = ""
+    """'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' or 'seq-mean-token-sum-norm'; "" = the paper's."""
+    adv_scale_by_std: bool = True
+    """Divide advantages by the reward std (GRPO); false for Dr.GRPO."""
+    adv_std_over: str = "group"
+    """Std of each prompt's group ('group') or of the whole batch ('batch')."""
     espo_alpha: float = 0.02
     """ESPO clip scale: eps_tau = alpha * mean entropy / log|V| (arXiv 2512.00499)."""
     espo_top_frac: float = 0.2
     """Fraction of highest-entropy tokens in ESPO's first entropy group."""
-    clip_eps_low: float = 0.2
-    """GRPO token-clip lower epsilon."""
-    clip_eps_high: float = 0.28
-    """GRPO token-clip upper epsilon (DAPO clip-higher)."""
+    espo_num_groups: int = 2
+    """ESPO entropy groups per sequence: the top fraction, then the rest split evenly."""
+    clip_eps_low: float = -1.0
+    """Lower clip epsilon of the non-ESPO losses; < 0 = the loss's paper value (espo.PAPER_CLIP_EPS, DAPO's 0.2)."""
+    clip_eps_high: float = -1.0
+    """Upper clip epsilon; < 0 = the loss's paper value (DAPO's clip-higher 0.28, GSPO's 4e-4)."""
+    kl_coef: float = 0.0
+    """KL-to-reference penalty weight (reference = the policy as RL starts); 0 = none, no reference kept."""
+    kl_estimator: str = "k3"
+    """'k1' or 'k3' (Schulman's estimators)."""
+    tis_cap: float = 0.0
+    """TIS cap C on pi_old/pi_infer per token (2.0 in Yao et al.); 0 = off."""
+    icepop_low: float = 0.0
+    """IcePop lower bound a on pi_old/pi_infer (0.5 in Ring-1T); icepop_high > 0 turns IcePop on."""
+    icepop_high: float = 0.0
+    """IcePop upper bound b (5.0 in Ring-1T); 0 = off."""
     router_replay: bool = True
     """Replay the engine's routed experts in every trainer forward (R3)."""
     # zero-variance elimination (filter.py): the defaults run none of stages 1-2 and drop zero-variance groups
@@ -235,6 +262,27 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
         else:
             raise _unknown(key, fields)
     return TrainConfig(**values, model=ModelConfig(**model_kw))
+
+
+# ----------------------------------------------------------------------------- distributed
+
+def build_parallel_dims(world_size: int, *, dp_shard: int = -1, ep: int = 1):
+    """torchtitan ParallelDims with its meshes built for (dp_shard x ep) data + expert parallel.
+
+    The process group must already be initialised. On a machine without CUDA the meshes
+    are CPU (gloo) meshes: torchtitan assumes CUDA unless told, and its DTensor-only
+    ("partial_dtensor") SPMD backend is the one that runs there.
+    """
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend torchtitan uses for size-1 mesh dims
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.distributed.utils import set_spmd_backend
+    if not torch.cuda.is_available():
+        titan_dims.device_type = "cpu"
+    set_spmd_backend("partial_dtensor")
+    dims = titan_dims.ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=ep,
+                                   world_size=world_size, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    return dims
 
 
 # ----------------------------------------------------------------------------- batches
@@ -390,6 +438,7 @@ class TrainBatch:
     starts: list[int]  # prompt lengths: the completion starts at seqs[i][starts[i]]
     routes: list[torch.Tensor]  # [len(seqs[i]) - 1, L, K] routed experts recorded by the engine
     adv_B: torch.Tensor  # one advantage per sequence
+    infer_logp: list[torch.Tensor] | None = None  # [len(completion)] the engine's log pi_infer of each completion token
     adv_tokens: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] token advantages (RL-ZVP)
 
     def advantages(self, idx: list[int], T: int) -> torch.Tensor:
@@ -411,6 +460,13 @@ class TrainBatch:
         dev = cfg.device
         return inputs.to(dev), targets.to(dev), mask.to(dev), (routes.to(dev) if cfg.router_replay else None)
 
+    def engine_logp(self, idx: list[int], T: int) -> torch.Tensor:
+        """The engine's logprobs of sequences idx, [B, T], where the loss mask is 1 (as in old_policy); 0 elsewhere."""
+        rows = [torch.zeros(len(self.seqs[i]) - 1) for i in idx]
+        for row, i in zip(rows, idx):
+            row[self.starts[i] - 1:] = self.infer_logp[i]
+        return pad_rows(rows, T)
+
 
 @torch.no_grad()
 def old_policy(model, batch: TrainBatch, engine_logprobs: list[torch.Tensor], cfg: TrainConfig, pad_id: int):
@@ -431,27 +487,43 @@ def old_policy(model, batch: TrainBatch, engine_logprobs: list[torch.Tensor], cf
     return old_logp, old_ent, metrics
 
 
-def policy_update(model, opt, batch: TrainBatch, old_logp, old_ent, cfg: TrainConfig, step: int, pad_id: int) -> dict:
-    """num_minibatches optimizer steps over a random split of the batch, each from packed micro-batches."""
+def policy_update(model, opt, batch: TrainBatch, old_logp, old_ent, cfg: TrainConfig, step: int, pad_id: int,
+                  ref_model=None) -> dict:
+    """num_minibatches optimizer steps over a random split of the batch, each from packed micro-batches.
+
+    ref_model: the frozen reference policy of the KL penalty (needed when cfg.kl_coef != 0).
+    """
     perm = torch.randperm(len(batch.seqs), generator=torch.Generator().manual_seed(cfg.seed + step)).tolist()
     n_mb = min(cfg.num_minibatches, len(perm))
     losses, lmetrics, m = [], [], {}
+    aggregation = resolve_aggregation(cfg.loss_type, cfg.aggregation or None)
+    icepop = (cfg.icepop_low, cfg.icepop_high) if cfg.icepop_high > 0 else None
     for mb in range(n_mb):
         members = perm[mb::n_mb]
         # the loss of one optimizer step is a mean over the whole mini-batch, not per micro-batch
-        normalizer = len(members) if cfg.loss_type == "espo" else sum(len(batch.seqs[i]) - batch.starts[i] for i in members)
+        normalizer = (sum(len(batch.seqs[i]) - batch.starts[i] for i in members) if aggregation == "token-mean"
+                      else len(members))
         total = 0.0
         for idx in pack_microbatches([len(batch.seqs[i]) for i in members], cfg.microbatch_tokens):
             idx = [members[i] for i in idx]
             inputs, targets, mask, routes = batch.micro(idx, cfg, pad_id)
             T = inputs.shape[1]
             logits, _ = model(inputs, routed_experts=routes)
+            ref_logp = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref_logp = token_logprobs(ref_model(inputs, routed_experts=routes)[0], targets, cfg.temperature)
             loss, lm = policy_loss(
                 token_logprobs(logits, targets, cfg.temperature), pad_rows([old_logp[i] for i in idx], T),
                 batch.advantages(idx, T).to(cfg.device), mask, loss_type=cfg.loss_type,
                 old_entropy_BT=pad_rows([old_ent[i] for i in idx], T), vocab_size=cfg.model.vocab_size,
-                espo_alpha=cfg.espo_alpha, espo_top_frac=cfg.espo_top_frac, clip_eps_low=cfg.clip_eps_low,
-                clip_eps_high=cfg.clip_eps_high, normalizer=normalizer)
+                espo_alpha=cfg.espo_alpha, espo_top_frac=cfg.espo_top_frac, espo_num_groups=cfg.espo_num_groups,
+                clip_eps_low=cfg.clip_eps_low if cfg.clip_eps_low >= 0 else None,
+                clip_eps_high=cfg.clip_eps_high if cfg.clip_eps_high >= 0 else None,
+                aggregation=aggregation, normalizer=normalizer, max_tokens=cfg.max_new_tokens,
+                ref_logp_BT=ref_logp, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+                infer_logp_BT=batch.engine_logp(idx, T).to(cfg.device) if cfg.tis_cap > 0 or icepop else None,
+                tis_cap=cfg.tis_cap if cfg.tis_cap > 0 else None, icepop_bounds=icepop)
             loss.backward()
             total += loss.item()
             lmetrics.append(lm)
@@ -497,20 +569,22 @@ def final_rewards(groups, correct: list[torch.Tensor], cfg: TrainConfig, rm, tok
     return out
 
 
-def group_advantages_ragged(rewards: list[torch.Tensor]) -> list[torch.Tensor]:
+def group_advantages_ragged(rewards: list[torch.Tensor], cfg: TrainConfig) -> list[torch.Tensor]:
     """group_advantages of groups that may differ in size: one batched call per size."""
     adv = [None] * len(rewards)
     for size in sorted({len(r) for r in rewards}):
         idx = [i for i, r in enumerate(rewards) if len(r) == size]
-        for i, a in zip(idx, group_advantages(torch.stack([rewards[i] for i in idx]))):
+        for i, a in zip(idx, group_advantages(torch.stack([rewards[i] for i in idx]), scale_by_std=cfg.adv_scale_by_std,
+                                                         std_over=cfg.adv_std_over)):
             adv[i] = a
     return adv
 
 
 def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, step: int, state: RLState | None = None,
-            draw=None) -> dict:
+            draw=None, ref_model=None) -> dict:
     """One RL step over `items` (prompts): stages 1-2 of the filter while generating and scoring (with
-    over-sampling from draw(n) if configured), stage 3, advantages, update, sync. Returns metrics."""
+    over-sampling from draw(n) if configured), stage 3, advantages, update, sync. Returns metrics.
+    ref_model: the frozen reference policy of the KL penalty (needed when cfg.kl_coef != 0)."""
     t0 = time.perf_counter()
     state = state or RLState()
     streams, reasons = itertools.count(), Counter()
@@ -536,7 +610,7 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
     if cfg.zero_variance == "rl-zvp":  # nothing is dropped: zero-variance groups are reshaped instead
         keep_P = torch.ones_like(keep_P)
         fstats.update(zvp_groups=fstats["groups_dropped"], groups_dropped=0, rollouts_dropped=0, tokens_dropped=0)
-    adv = torch.cat(group_advantages_ragged(rewards))  # rollouts are group-major, so this lines up with them
+    adv = torch.cat(group_advantages_ragged(rewards, cfg))  # rollouts are group-major, so this lines up with them
     group_of = [p for p, (_, g) in enumerate(groups) for _ in g]
     correct_flat = torch.cat(correct)
     m = {"stage": "rl", "step": step, "reward": correct_flat.mean().item(), "completion_len": torch.cat(lengths).float().mean().item(),
@@ -552,7 +626,8 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
     pad_id = tok.encode_single_token(PAD)
     batch = TrainBatch(seqs=[rollouts[i].prompt_ids + rollouts[i].completion_ids for i in kept],
                        starts=[len(rollouts[i].prompt_ids) for i in kept],
-                       routes=[rollouts[i].routes for i in kept], adv_B=adv[kept])
+                       routes=[rollouts[i].routes for i in kept], adv_B=adv[kept],
+                       infer_logp=[rollouts[i].logprobs for i in kept])
     old_logp, old_ent, mismatch = old_policy(model, batch, [rollouts[i].logprobs for i in kept], cfg, pad_id)
     for j, i in enumerate(kept):  # RL-ZVP: zero-variance groups learn from token entropy instead
         if zero_var_P[group_of[i]]:
@@ -562,7 +637,7 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
             batch.adv_tokens[j] = a
     m["filter/zvp_sequences"] = len(batch.adv_tokens)
     m.update(mismatch)
-    m.update(policy_update(model, opt, batch, old_logp, old_ent, cfg, step, pad_id))
+    m.update(policy_update(model, opt, batch, old_logp, old_ent, cfg, step, pad_id, ref_model=ref_model))
     engine.update_weights(model.named_parameters(), version=step + 1)
     m["t_train"] = time.perf_counter() - t1
     m["trained_sequences"] = len(kept)
@@ -613,6 +688,11 @@ def parse_args(argv: list[str]) -> TrainConfig:
 def main(cfg: TrainConfig) -> dict:
     """Run SFT then RL as configured; returns the held-out accuracies before and after RL."""
     print(json.dumps(dataclasses.asdict(cfg), default=str))
+    if cfg.dry_run:
+        from plan import print_plan
+        rows = print_plan(cfg.model, gpus_per_node=cfg.gpus_per_node, ep=cfg.ep, microbatch_tokens=cfg.microbatch_tokens,
+                          activation_checkpoint=cfg.activation_checkpoint)
+        return {"plan": rows}
     t_start = time.perf_counter()
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -670,6 +750,8 @@ def main(cfg: TrainConfig) -> dict:
 
     after_sft = after_rl = run_eval(0)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    # the KL penalty's reference: a frozen copy of the policy as RL starts, kept only when used
+    ref_model = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef != 0 else None
     predictor = LengthPredictor(prior=cfg.max_new_tokens / 2)
     state = RLState(rng=random.Random(cfg.seed), reward_model=StubRewardModel() if cfg.reward_model == "stub" else None,
                     pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
@@ -686,7 +768,7 @@ def main(cfg: TrainConfig) -> dict:
 
     bar = tqdm(range(cfg.rl_steps), desc="rl", dynamic_ncols=True)
     for step in bar:
-        m = rl_step(model, opt, engine, tok, task, draw(cfg.prompts_per_step), predictor, cfg, step, state, draw)
+        m = rl_step(model, opt, engine, tok, task, draw(cfg.prompts_per_step), predictor, cfg, step, state, draw, ref_model=ref_model)
         m["time"] = time.perf_counter() - t_start
         log(m)
         bar.set_postfix(reward=f"{m['reward']:.2f}", zv=f"{m['filter/zero_variance_frac']:.2f}")

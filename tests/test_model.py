@@ -15,12 +15,14 @@ def test_replaying_own_routes_gives_identical_logits(tiny_cfg, num_shared_expert
     replayed, routes2 = model(tokens, routed_experts=routes, return_routes=True)
     assert torch.equal(routes, routes2)
     torch.testing.assert_close(replayed, logits, rtol=0, atol=0)
-    assert (model.layers[0].moe.shared is not None) == bool(num_shared_experts)
+    assert (model.layers[0].mlp.shared is not None) == bool(num_shared_experts)
 
 
 def test_replayed_route_is_used_exactly_with_live_gate_weights(tiny_cfg):
     moe = MoE(tiny_cfg)
-    torch.nn.init.normal_(moe.w1), torch.nn.init.normal_(moe.w2), torch.nn.init.normal_(moe.w3)
+    ex = moe.experts
+    torch.nn.init.normal_(ex.w13), torch.nn.init.normal_(ex.w2)
+    I = tiny_cfg.moe_inter_dim
     torch.nn.init.normal_(moe.gate.weight)
     x = torch.randn(1, 5, tiny_cfg.dim)
     # a route the router would not choose: its two lowest-scoring experts
@@ -30,7 +32,7 @@ def test_replayed_route_is_used_exactly_with_live_gate_weights(tiny_cfg):
     assert torch.equal(ids, replay)
     for t in range(5):
         g = scores[t, replay[0, t]].softmax(-1)  # top-k renormalised softmax over the replayed set
-        want = sum(g[k] * (F.silu(x[0, t] @ moe.w1[e]) * (x[0, t] @ moe.w3[e])) @ moe.w2[e]
+        want = sum(g[k] * (F.silu(x[0, t] @ ex.w13[e, :, :I]) * (x[0, t] @ ex.w13[e, :, I:])) @ ex.w2[e]
                    for k, e in enumerate(replay[0, t].tolist()))
         torch.testing.assert_close(y[0, t], want, rtol=1e-5, atol=1e-5)
 
@@ -44,7 +46,7 @@ def test_router_gets_gradient_under_replay(tiny_cfg):
     logits, _ = model(tokens, routed_experts=replay)
     logits.logsumexp(-1).mean().backward()
     for layer in model.layers:
-        assert layer.moe.gate.weight.grad is not None and layer.moe.gate.weight.grad.abs().sum() > 0
+        assert layer.mlp.gate.weight.grad is not None and layer.mlp.gate.weight.grad.abs().sum() > 0
 
 
 def test_padding_rows_of_minus_one_route_like_the_router(tiny_cfg):
@@ -101,3 +103,31 @@ def test_model_config_rejects_bad_values():
         ModelConfig(n_heads=6, n_kv_heads=4)
     with pytest.raises(ValueError, match="top_k"):
         ModelConfig(num_experts=4, top_k=5)
+
+
+def test_chunked_logprobs_equal_full_logprobs_and_entropy_with_gradients(tiny_cfg):
+    from model import chunked_logprobs, token_entropy, token_logprobs
+    model = Transformer(tiny_cfg)
+    tokens = torch.randint(0, tiny_cfg.vocab_size, (2, 13))
+    targets = torch.randint(0, tiny_cfg.vocab_size, (2, 13))
+    h, _ = model.hidden(tokens)
+    lp, ent = chunked_logprobs(h, model.lm_head.weight, targets, temperature=0.7, chunk=4)
+    (lp.sum() + ent.sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits, _ = model(tokens)
+    want_lp, want_ent = token_logprobs(logits, targets, 0.7), token_entropy(logits, 0.7)
+    (want_lp.sum() + want_ent.sum()).backward()
+    torch.testing.assert_close(lp, want_lp)
+    torch.testing.assert_close(ent, want_ent)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
+def test_bf16_model_runs_and_replays_its_own_routes(tiny_cfg):
+    model = Transformer(tiny_cfg).to(torch.bfloat16)
+    tokens = torch.randint(0, tiny_cfg.vocab_size, (2, 8))
+    logits, routes = model(tokens, return_routes=True)
+    again, _ = model(tokens, routed_experts=routes)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    torch.testing.assert_close(again, logits, rtol=0, atol=0)

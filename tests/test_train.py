@@ -184,3 +184,34 @@ def test_policy_loss_with_constant_token_advantages_equals_sequence_advantages(l
     seq, _ = policy_loss(logp, old, adv, mask, **kw)
     tok, _ = policy_loss(logp, old, adv[:, None].expand(B, T), mask, **kw)
     assert torch.allclose(seq, tok, atol=0, rtol=1e-6)
+
+
+def test_engine_logprobs_line_up_with_the_loss_mask():
+    batch = train.TrainBatch(seqs=[[1, 2, 3, 4, 5], [6, 7, 8]], starts=[3, 1], routes=[None, None], adv_B=torch.zeros(2),
+                             infer_logp=[torch.tensor([-0.1, -0.2]), torch.tensor([-0.3, -0.4])])
+    _, _, mask, _ = train.sequence_batch(batch.seqs, batch.starts, pad_id=0)
+    assert torch.equal(batch.engine_logp([0, 1], T=4), torch.tensor([[0, 0, -0.1, -0.2], [-0.3, -0.4, 0, 0]]))
+    assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 0, 0]]
+
+
+def test_rl_step_passes_loss_options_through_with_a_frozen_reference(tmp_path):
+    import copy
+
+    from reward import Item
+    from rollout import NativeEngine
+    from scheduler import LengthPredictor
+    from tokenizer import EOS, PAD, build_tokenizer
+
+    cfg = train.load_config(write_config(tmp_path, MICRO), ["temperature=1.5", "loss_type=gspo", "kl_coef=0.1",
+                                                            "kl_estimator=k1", "tis_cap=2.0", "aggregation=token-mean"])
+    tok = build_tokenizer(cfg.model.vocab_size)
+    model = Transformer(cfg.model)
+    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
+    engine.update_weights(model.named_parameters(), version=0)
+    ref_model = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    items = [Item(f"question {i}", "0", 0, i) for i in range(4)]
+    m = train.rl_step(model, opt, engine, tok, ParityTask(), items, LengthPredictor(4.0), cfg, step=0, ref_model=ref_model)
+    assert "skipped_update" not in m and "loss/kl_ref" in m
+    # under router replay the engine's logprobs equal pi_old, so aligned TIS weights are all 1
+    assert m["loss/mismatch/tis_truncated_frac"] == 0 and abs(m["loss/mismatch/is_weight_mean"] - 1) <= 1e-4

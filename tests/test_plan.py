@@ -1,0 +1,35 @@
+import glob
+import os
+
+import pytest
+import torch
+
+import train
+from plan import param_counts
+
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "*.py")))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
+def test_every_config_passes_the_dry_run_plan(path, capsys):
+    result = train.main(train.parse_args([path, "dry_run=True"]))
+    assert len(result["plan"]) >= 1 and all(row["total"] > 0 for row in result["plan"])
+    assert "parameters:" in capsys.readouterr().out
+
+
+def test_100b_param_count_equals_transformers_on_meta():
+    transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency")
+    cfg = train.parse_args([os.path.join(os.path.dirname(CONFIGS[0]), "100b.py")]).model
+    with torch.device("meta"):
+        ref = transformers.AutoModelForCausalLM.from_config(transformers.Glm4MoeConfig(**cfg.to_hf()))
+    counts = param_counts(cfg)
+    assert counts["total"] == sum(p.numel() for p in ref.parameters())
+    assert 105e9 < counts["total"] < 108e9 and 11.5e9 < counts["active"] - counts["embed_lm_head"] < 12.5e9  # "106B / 12B active"
+
+
+def test_qwen3_30b_a3b_param_count_equals_transformers_on_meta():
+    transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency")
+    cfg = train.parse_args([os.path.join(os.path.dirname(CONFIGS[0]), "qwen3_30b_a3b.py")]).model
+    with torch.device("meta"):
+        ref = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**cfg.to_hf()))
+    assert param_counts(cfg)["total"] == sum(p.numel() for p in ref.parameters())
