@@ -73,6 +73,14 @@ class PromptHistory:
     def observe(self, key, pass_rate: float, step: int):
         self.records[key] = PromptRecord(pass_rate, step)
 
+    def state_dict(self) -> dict:
+        """Plain data for a checkpoint: {"records": {key: (pass_rate, last_step)}}."""
+        return {"records": {k: (r.pass_rate, r.last_step) for k, r in self.records.items()}}
+
+    def load_state_dict(self, state: dict):
+        """Replace the history with a `state_dict()`'s (insertion order kept)."""
+        self.records = {k: PromptRecord(p, s) for k, (p, s) in state["records"].items()}
+
     def load_offline(self, path: str, *, step: int = 0) -> int:
         """Record pass rates from a JSONL file of {"id": ..., "pass_rate": p}; returns the rows read.
 

@@ -87,6 +87,17 @@ class TrainConfig:
     """Expert-parallel degree: each MoE layer's experts are split over this many GPUs."""
     activation_checkpoint: bool = False
     """Recompute each block's activations in backward instead of keeping them."""
+    dist_timeout_s: float = 600.0
+    """Seconds a collective may wait for the other ranks before the job fails (a dead rank must not hang it)."""
+    # checkpoints and logging
+    ckpt_every: int = 100
+    """Optimizer steps (SFT and RL counted together) between checkpoints under out_dir/ckpt (0 = none)."""
+    ckpt_keep: int = 2
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    resume: str = ""
+    """"" = start afresh; "auto" = the newest complete checkpoint in out_dir/ckpt if any; or a checkpoint folder."""
+    logger: str = "none"
+    """Metrics sink besides metrics.jsonl and the console: 'none', 'tensorboard' or 'wandb' (imported lazily)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model shape; a config file sets it as a dict of deltas."""
     # task
@@ -285,6 +296,109 @@ def build_parallel_dims(world_size: int, *, dp_shard: int = -1, ep: int = 1):
     return dims
 
 
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, or (0, 1) when not distributed."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def setup_distributed(cfg: TrainConfig):
+    """Join the torchrun job if launched by one (WORLD_SIZE > 1); returns torchtitan ParallelDims or None.
+
+    Backend nccl with CUDA, else gloo; every collective fails after cfg.dist_timeout_s
+    instead of waiting for a dead rank forever. The mesh is dp_shard = world size, ep =
+    cfg.ep (experts sharded over ep ranks, FSDP over all). Sets cfg.device to this rank's GPU.
+    Raises ValueError if world size is not a multiple of ep.
+    """
+    import datetime
+
+    import torch.distributed as dist
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return None
+    if world % cfg.ep:
+        raise ValueError(f"ep={cfg.ep} must divide the world size {world}")
+    if torch.cuda.is_available():
+        cfg.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(cfg.device)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                            timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
+    return build_parallel_dims(world, dp_shard=world, ep=cfg.ep)
+
+
+def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> Transformer:
+    """The policy: a plain Transformer, or (dims given) built on meta, parallelized, then filled.
+
+    Weights come from init_state (a full state dict) or, absent it, from a full model
+    initialised on CPU under the current torch seed, so N ranks start from exactly the
+    weights one process would (every rank builds the same full model, then keeps its slice).
+    fp32 throughout, so multi-rank losses match the 1-process run.
+    """
+    if dims is None:
+        model = Transformer(cfg.model).to(cfg.device)
+        if init_state is not None:
+            model.load_state_dict(init_state)
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from model import parallelize
+    full = Transformer(cfg.model)
+    if init_state is not None:
+        full.load_state_dict(init_state)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint)
+    model.to_empty(device=cfg.device)
+    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():  # non-persistent buffers are not in a state dict
+        for (name, b), (_, src) in zip(model.named_buffers(), full.named_buffers()):
+            b.copy_(src)
+    return model
+
+
+def full_named_parameters(model):
+    """(name, full tensor) per parameter: DTensor shards gathered (a collective: every rank must call it)."""
+    for name, p in model.named_parameters():
+        t = p.detach()
+        yield name.replace("._checkpoint_wrapped_module", ""), (t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+def all_gather_list(items: list) -> list:
+    """Concatenation over ranks (in rank order) of each rank's list of picklable objects."""
+    rank, world = rank_world()
+    if world == 1:
+        return items
+    import torch.distributed as dist
+    out = [None] * world
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+def all_reduce_float(x: float, op: str = "sum") -> float:
+    """Sum (or max) of a float over ranks."""
+    if rank_world()[1] == 1:
+        return x
+    import torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t.item()
+
+
+def padded_microbatches(micro: list[list[int]]) -> list[list[int]]:
+    """This rank's micro-batches, padded with empty ones to the most any rank has:
+    FSDP and the EP all-to-all are collectives, so every rank runs the same number of forwards."""
+    most = int(all_reduce_float(float(len(micro)), "max"))
+    return micro + [[] for _ in range(most - len(micro))]
+
+
+def idle_forward(model, cfg: TrainConfig, backward: bool):
+    """A one-token forward (and zero-loss backward) that joins the ranks' collectives without data."""
+    logits, _ = model(torch.zeros(1, 1, dtype=torch.long, device=cfg.device))
+    if backward:
+        (logits.sum() * 0.0).backward()
+
+
 # ----------------------------------------------------------------------------- batches
 
 def sequence_batch(seqs: list[list[int]], starts: list[int], pad_id: int, routes: list[torch.Tensor] | None = None,
@@ -329,7 +443,11 @@ def lr_at(step: int, peak: float, warmup: int, total: int, cosine: bool) -> floa
 def optimizer_step(model, opt, cfg: TrainConfig, lr: float) -> float:
     for g in opt.param_groups:
         g["lr"] = lr
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if rank_world()[1] > 1:  # DTensor grads on two meshes (dense and expert): torchtitan's norm spans both
+        from torchtitan.distributed.utils import clip_grad_norm_
+        norm = clip_grad_norm_(list(model.parameters()), cfg.grad_clip, ep_enabled=cfg.ep > 1)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return float(norm)
@@ -337,27 +455,51 @@ def optimizer_step(model, opt, cfg: TrainConfig, lr: float) -> float:
 
 # ----------------------------------------------------------------------------- stages
 
-def sft(model, tok, task: TaskMix, order: list[int], cfg: TrainConfig, log) -> int:
-    """Cold-start SFT on demonstrations; returns how many items of `order` it consumed."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+def sft_optimizer(model, cfg: TrainConfig):
+    return torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+
+def sft(model, tok, task: TaskMix, order: list[int], cfg: TrainConfig, log, *, opt=None, start: int = 0, used: int = 0,
+        after_step=None) -> int:
+    """Cold-start SFT on demonstrations, steps start..sft_steps-1; returns how many items of `order` it consumed.
+
+    Multi-rank: rank r trains rows r, r + world, ... of each batch, its loss divided by the
+    whole batch's token count (times world: FSDP averages gradients), so the step equals
+    the 1-process step. after_step(step, used, opt) runs after each optimizer step (checkpoints).
+    """
+    opt = opt or sft_optimizer(model, cfg)
     eos, pad = tok.encode_single_token(EOS), tok.encode_single_token(PAD)
-    used = 0
-    bar = tqdm(range(cfg.sft_steps), desc="sft", dynamic_ncols=True)
+    rank, world = rank_world()
+    if cfg.sft_batch_size < world:
+        raise ValueError(f"sft_batch_size={cfg.sft_batch_size} must be >= the world size {world}")
+    bar = tqdm(range(start, cfg.sft_steps), desc="sft", dynamic_ncols=True, initial=start, total=cfg.sft_steps,
+               disable=rank != 0)
     for step in bar:
         items = [task[order[(used + i) % len(order)]] for i in range(cfg.sft_batch_size)]
         used += cfg.sft_batch_size
         prompts = [encode_prompt(tok, it.question) for it in items]
         seqs = [p + tok.encode_ordinary(demonstration(it)) + [eos] for p, it in zip(prompts, items)]
+        if world > 1:
+            num_tokens = sum(len(s) - len(p) for s, p in zip(seqs, prompts))  # the whole batch's loss tokens
+            seqs, prompts = seqs[rank::world], prompts[rank::world]
         inputs, targets, mask, _ = sequence_batch(seqs, [len(p) for p in prompts], pad)
         logits, _ = model(inputs.to(cfg.device))
         nll = -token_logprobs(logits, targets.to(cfg.device))
         mask = mask.to(cfg.device)
-        loss = (nll * mask).sum() / mask.sum()
-        loss.backward()
+        if world > 1:
+            loss = (nll * mask).sum() / num_tokens
+            (loss * world).backward()
+            loss_value = all_reduce_float(loss.item())
+        else:
+            loss = (nll * mask).sum() / mask.sum()
+            loss.backward()
+            loss_value = loss.item()
         lr = lr_at(step, cfg.sft_lr, cfg.lr_warmup_steps, cfg.sft_steps, cosine=True)
         optimizer_step(model, opt, cfg, lr)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        log({"stage": "sft", "step": step, "loss": loss.item(), "lr": lr})
+        bar.set_postfix(loss=f"{loss_value:.3f}")
+        log({"stage": "sft", "step": step, "loss": loss_value, "lr": lr})
+        if after_step is not None:
+            after_step(step, used, opt)
     return used
 
 
@@ -368,11 +510,16 @@ def generate_rollouts(engine: NativeEngine, prompts: list[list[int]], predicted:
     stream: which of a step's generate rounds this is (probes, the rest, over-sampling),
     so each draws its own random numbers. on_rollouts(batch) sees each batch as it is
     generated (to start scoring it while the next one is generated).
+    Multi-rank: rank r generates only batches r, r + world, ... (so only their rollouts are
+    returned), each with the prompts and seed it has in a 1-process run: the same rollouts.
     """
     n = cfg.group_size if n is None else n
     per_batch = max(1, cfg.gen_batch_rows // n)
     rollouts = []
+    rank, world = rank_world()
     for b, bucket in enumerate(length_buckets(predicted, per_batch)):
+        if b % world != rank:
+            continue
         batch = engine.generate([prompts[i] for i in bucket], n=n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                 top_p=cfg.top_p, seed=seed * 1000 + b + stream * STREAM_SEED_STRIDE, group_ids=bucket)
         if on_rollouts is not None:
@@ -396,9 +543,15 @@ def sample_groups(engine, tok, task, items, n: int, predictor, cfg: TrainConfig,
                 pool.submit((stream, r.group_id, j % n), completion_text(tok, r), items[r.group_id])
     rollouts = generate_rollouts(engine, prompts, predicted, cfg, seed=cfg.seed + step, n=n, stream=stream, on_rollouts=submit)
     if pool is not None:
-        rewards, reasons = pool.gather([(stream, i, j) for i in range(len(items)) for j in range(n)])
+        mine = sorted({r.group_id for r in rollouts})
+        rewards, reasons = pool.gather([(stream, i, j) for i in mine for j in range(n)])
     else:
         rewards, reasons = [task.score(completion_text(tok, r), items[r.group_id]) for r in rollouts], []
+    if rank_world()[1] > 1:  # every rank gets every scored rollout: the filter, advantages and history stay in step
+        gathered = all_gather_list([(r, w) for r, w in zip(rollouts, rewards)])
+        gathered.sort(key=lambda rw: rw[0].group_id)  # stable: a group is generated whole on one rank
+        rollouts, rewards = [r for r, _ in gathered], [w for _, w in gathered]
+        reasons = all_gather_list(list(reasons))
     scored = [Scored(w, len(r.completion_ids), r) for w, r in zip(rewards, rollouts)]
     return [scored[i * n:(i + 1) * n] for i in range(len(items))], reasons
 
@@ -418,11 +571,15 @@ def evaluate(engine: NativeEngine, tok, task: TaskMix, items, cfg: TrainConfig, 
     """
     scores = []
     rows = max(1, cfg.eval_batch_rows // samples)
-    for i in range(0, len(items), rows):
+    rank, world = rank_world()
+    for c, i in enumerate(range(0, len(items), rows)):
+        if c % world != rank:  # multi-rank: rank r takes chunks r, r + world, ...: the 1-process chunks and seeds
+            continue
         chunk = items[i:i + rows]
         outs = engine.generate([encode_prompt(tok, it.question) for it in chunk], n=samples, seed=cfg.seed + i,
                                max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p)
-        scores += [task.score(completion_text(tok, r), chunk[r.group_id]) for r in outs]
+        scores.append((i, [task.score(completion_text(tok, r), chunk[r.group_id]) for r in outs]))
+    scores = [x for _, part in sorted(all_gather_list(scores)) for x in part]
     return torch.tensor(scores).view(len(items), samples).mean(dim=1)
 
 
@@ -468,12 +625,35 @@ class TrainBatch:
         return pad_rows(rows, T)
 
 
+def minibatches(num_seqs: int, cfg: TrainConfig, step: int) -> list[list[int]]:
+    """The step's random split of sequence indices into num_minibatches mini-batches (one optimizer step each)."""
+    perm = torch.randperm(num_seqs, generator=torch.Generator().manual_seed(cfg.seed + step)).tolist()
+    n_mb = min(cfg.num_minibatches, len(perm))
+    return [perm[mb::n_mb] for mb in range(n_mb)]
+
+
+def local_sequences(num_seqs: int, cfg: TrainConfig, step: int) -> list[int]:
+    """The sequences this rank trains on: members r, r + world, ... of each mini-batch (all of them on 1 rank)."""
+    rank, world = rank_world()
+    return sorted(i for members in minibatches(num_seqs, cfg, step) for i in members[rank::world])
+
+
 @torch.no_grad()
-def old_policy(model, batch: TrainBatch, engine_logprobs: list[torch.Tensor], cfg: TrainConfig, pad_id: int):
+def old_policy(model, batch: TrainBatch, engine_logprobs: list[torch.Tensor], cfg: TrainConfig, pad_id: int,
+               seqs: list[int] | None = None):
     """Per sequence: log pi_old and the full-vocabulary entropy under pi_old (unpadded [len - 1]),
-    from the weights the engine sampled with, plus train-inference mismatch metrics."""
+    from the weights the engine sampled with, plus train-inference mismatch metrics (over all ranks).
+
+    seqs: the sequences to compute (default all; multi-rank: this rank's, see local_sequences).
+    """
     old_logp, old_ent, deltas = {}, {}, []
-    for idx in pack_microbatches([len(s) for s in batch.seqs], cfg.microbatch_tokens):
+    seqs = list(range(len(batch.seqs))) if seqs is None else seqs
+    micro = [[seqs[j] for j in idx] for idx in pack_microbatches([len(batch.seqs[i]) for i in seqs], cfg.microbatch_tokens)]
+    world = rank_world()[1]
+    for idx in (padded_microbatches(micro) if world > 1 else micro):
+        if not idx:
+            idle_forward(model, cfg, backward=False)
+            continue
         inputs, targets, _, routes = batch.micro(idx, cfg, pad_id)
         logits, _ = model(inputs, routed_experts=routes)
         lp, ent = token_logprobs(logits, targets, cfg.temperature), token_entropy(logits, cfg.temperature)
@@ -481,9 +661,13 @@ def old_policy(model, batch: TrainBatch, engine_logprobs: list[torch.Tensor], cf
             n, s = len(batch.seqs[i]) - 1, batch.starts[i] - 1
             old_logp[i], old_ent[i] = lp[j, :n], ent[j, :n]  # unpadded: later micro-batches pad to their own width
             deltas.append(engine_logprobs[i] - lp[j, s:n].cpu())
-    d = torch.cat(deltas)  # log pi_infer - log pi_old on the sampled tokens
+    d = torch.cat(deltas) if deltas else torch.zeros(0)  # log pi_infer - log pi_old on the sampled tokens
     # k3 estimate of KL(pi_infer || pi_old) (Schulman 2020, "Approximating KL divergence")
-    metrics = {"mismatch/max_abs_logp": d.abs().max().item(), "mismatch/kl": (d.exp() - 1 - d).mean().item()}
+    if world == 1:
+        metrics = {"mismatch/max_abs_logp": d.abs().max().item(), "mismatch/kl": (d.exp() - 1 - d).mean().item()}
+    else:
+        metrics = {"mismatch/max_abs_logp": all_reduce_float(d.abs().max().item() if len(d) else 0.0, "max"),
+                   "mismatch/kl": all_reduce_float((d.exp() - 1 - d).sum().item()) / all_reduce_float(float(len(d)))}
     return old_logp, old_ent, metrics
 
 
@@ -492,20 +676,25 @@ def policy_update(model, opt, batch: TrainBatch, old_logp, old_ent, cfg: TrainCo
     """num_minibatches optimizer steps over a random split of the batch, each from packed micro-batches.
 
     ref_model: the frozen reference policy of the KL penalty (needed when cfg.kl_coef != 0).
+    Multi-rank: rank r trains members r, r + world, ... of each mini-batch (old_logp and
+    old_ent need only those); the normaliser counts the whole mini-batch and the loss is
+    scaled by world (FSDP averages gradients), so the step equals the 1-process step.
     """
-    perm = torch.randperm(len(batch.seqs), generator=torch.Generator().manual_seed(cfg.seed + step)).tolist()
-    n_mb = min(cfg.num_minibatches, len(perm))
+    rank, world = rank_world()
     losses, lmetrics, m = [], [], {}
     aggregation = resolve_aggregation(cfg.loss_type, cfg.aggregation or None)
     icepop = (cfg.icepop_low, cfg.icepop_high) if cfg.icepop_high > 0 else None
-    for mb in range(n_mb):
-        members = perm[mb::n_mb]
+    for members in minibatches(len(batch.seqs), cfg, step):
         # the loss of one optimizer step is a mean over the whole mini-batch, not per micro-batch
         normalizer = (sum(len(batch.seqs[i]) - batch.starts[i] for i in members) if aggregation == "token-mean"
                       else len(members))
         total = 0.0
-        for idx in pack_microbatches([len(batch.seqs[i]) for i in members], cfg.microbatch_tokens):
-            idx = [members[i] for i in idx]
+        local = members[rank::world]
+        micro = [[local[i] for i in idx] for idx in pack_microbatches([len(batch.seqs[i]) for i in local], cfg.microbatch_tokens)]
+        for idx in (padded_microbatches(micro) if world > 1 else micro):
+            if not idx:
+                idle_forward(model, cfg, backward=True)
+                continue
             inputs, targets, mask, routes = batch.micro(idx, cfg, pad_id)
             T = inputs.shape[1]
             logits, _ = model(inputs, routed_experts=routes)
@@ -524,11 +713,12 @@ def policy_update(model, opt, batch: TrainBatch, old_logp, old_ent, cfg: TrainCo
                 ref_logp_BT=ref_logp, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                 infer_logp_BT=batch.engine_logp(idx, T).to(cfg.device) if cfg.tis_cap > 0 or icepop else None,
                 tis_cap=cfg.tis_cap if cfg.tis_cap > 0 else None, icepop_bounds=icepop)
-            loss.backward()
+            (loss * world if world > 1 else loss).backward()
             total += loss.item()
             lmetrics.append(lm)
         m["grad_norm"] = optimizer_step(model, opt, cfg, lr_at(step, cfg.lr, cfg.lr_warmup_steps, cfg.rl_steps, cosine=False))
-        losses.append(total)
+        losses.append(all_reduce_float(total))
+    lmetrics = all_gather_list(lmetrics)
     m["loss"] = sum(losses) / len(losses)
     m.update({f"loss/{k}": sum(x[k] for x in lmetrics) / len(lmetrics) for k in lmetrics[0]})
     return m
@@ -628,33 +818,221 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
                        starts=[len(rollouts[i].prompt_ids) for i in kept],
                        routes=[rollouts[i].routes for i in kept], adv_B=adv[kept],
                        infer_logp=[rollouts[i].logprobs for i in kept])
-    old_logp, old_ent, mismatch = old_policy(model, batch, [rollouts[i].logprobs for i in kept], cfg, pad_id)
+    mine = local_sequences(len(kept), cfg, step) if rank_world()[1] > 1 else None
+    old_logp, old_ent, mismatch = old_policy(model, batch, [rollouts[i].logprobs for i in kept], cfg, pad_id, seqs=mine)
     for j, i in enumerate(kept):  # RL-ZVP: zero-variance groups learn from token entropy instead
-        if zero_var_P[group_of[i]]:
+        if zero_var_P[group_of[i]] and j in old_ent:
             n, s = len(batch.seqs[j]) - 1, batch.starts[j] - 1
             a = torch.zeros(n)
             a[s:] = zvp_token_advantages(old_ent[j][s:n].cpu(), correct=bool(correct_flat[i] > 0), alpha=cfg.zvp_alpha)
             batch.adv_tokens[j] = a
-    m["filter/zvp_sequences"] = len(batch.adv_tokens)
+    m["filter/zvp_sequences"] = int(all_reduce_float(len(batch.adv_tokens)))
     m.update(mismatch)
     m.update(policy_update(model, opt, batch, old_logp, old_ent, cfg, step, pad_id, ref_model=ref_model))
-    engine.update_weights(model.named_parameters(), version=step + 1)
+    engine.update_weights(full_named_parameters(model), version=step + 1)
     m["t_train"] = time.perf_counter() - t1
     m["trained_sequences"] = len(kept)
     return m
 
 
+# ----------------------------------------------------------------------------- checkpoints
+
+CKPT_SUBDIR = "ckpt"  # under out_dir: one folder per checkpoint, step_<position>
+COMPLETE_MARKER = "COMPLETE"  # written last inside the temporary folder: its presence means every file is there
+
+
+def _barrier():
+    if rank_world()[1] > 1:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def _fsync_dir(path: str):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_trainer_state(path: str, state: dict):
+    torch.save(state, path)
+
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    """The newest complete checkpoint folder under out_dir/ckpt (by position), or None.
+
+    Temporary folders (a save that crashed) and folders without the marker are ignored.
+    """
+    root = os.path.join(out_dir, CKPT_SUBDIR)
+    if not os.path.isdir(root):
+        return None
+    names = sorted(n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp")
+                   and os.path.exists(os.path.join(root, n, COMPLETE_MARKER)))
+    return os.path.join(root, names[-1]) if names else None
+
+
+def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dict, cfg: TrainConfig) -> str:
+    """Save model and optimizer (torch.distributed.checkpoint, each rank its shards) and the
+    replicated trainer state (RNGs, data position, filter history, length predictor; rank 0)
+    to out_dir/ckpt/step_<position>, atomically: all is written to a `.tmp` folder, the
+    completeness marker last, then the folder is renamed. A crash at any point leaves the
+    previous checkpoints as they were. Keeps the newest cfg.ckpt_keep. Collective.
+    Returns the checkpoint folder.
+    """
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    rank, _ = rank_world()
+    root = os.path.join(out_dir, CKPT_SUBDIR)
+    final = os.path.join(root, f"step_{position:08d}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        os.makedirs(tmp)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    if rank == 0:
+        _write_trainer_state(os.path.join(tmp, "trainer_state.pt"), trainer_state)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            f.write(json.dumps(dataclasses.asdict(cfg), default=str, indent=1))
+    _barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
+            f.write(f"{position}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # a run resumed from an older checkpoint passes this position again
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        done = sorted(n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp"))
+        for name in done[:-cfg.ckpt_keep] if cfg.ckpt_keep > 0 else []:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    _barrier()
+    return final
+
+
+def read_checkpoint(path: str, model, opt) -> dict:
+    """Load model and optimizer from a write_checkpoint folder (in place; any world size's
+    shards) and return its trainer state. Raises ValueError if the folder is not complete."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    if not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
+        raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+
+
+def rng_state() -> dict:
+    """torch (CPU and CUDA) and python `random` generator states."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def resume_path(cfg: TrainConfig) -> str | None:
+    """The checkpoint to resume from: cfg.resume "" (none), "auto" (newest complete in out_dir, if any) or a folder."""
+    if not cfg.resume:
+        return None
+    if cfg.resume == "auto":
+        return latest_checkpoint(cfg.out_dir)
+    if not os.path.exists(os.path.join(cfg.resume, COMPLETE_MARKER)):
+        raise ValueError(f"resume={cfg.resume!r}: not a complete checkpoint folder (valid: '', 'auto', or a folder "
+                         f"under {os.path.join(cfg.out_dir, CKPT_SUBDIR)} holding {COMPLETE_MARKER})")
+    return cfg.resume
+
+
 # ----------------------------------------------------------------------------- outputs
 
+class MetricsLog:
+    """metrics.jsonl, plus TensorBoard or Weights & Biases when cfg.logger asks; only rank 0 writes.
+
+    keep: on resume, how many records of the existing metrics.jsonl to keep (those the
+    checkpoint had seen); later ones are dropped and written again by the resumed run.
+    Raises ValueError on an unknown logger, or one whose package is not installed.
+    """
+
+    def __init__(self, cfg: TrainConfig, keep: int | None = None):
+        self.records, self.backend = [], None
+        self.enabled = rank_world()[0] == 0
+        path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        if keep is not None and os.path.exists(path):
+            with open(path) as f:
+                self.records = [json.loads(line) for line in itertools.islice(f, keep)]
+        if cfg.logger not in ("none", "tensorboard", "wandb"):
+            raise ValueError(f"logger={cfg.logger!r}; valid: 'none', 'tensorboard', 'wandb'")
+        if not self.enabled:
+            return
+        self.file = open(path, "w")
+        for rec in self.records:
+            self.file.write(json.dumps(rec) + "\n")
+        try:
+            if cfg.logger == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+                self.backend = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
+            elif cfg.logger == "wandb":
+                import wandb
+                self.backend = wandb.init(project="everyprompt", name=os.path.basename(os.path.abspath(cfg.out_dir)),
+                                          dir=cfg.out_dir, config=dataclasses.asdict(cfg))
+        except ImportError as e:
+            raise ValueError(f"logger={cfg.logger!r} needs its package ({e}); pip install {cfg.logger}, "
+                             f"or set logger=none") from None
+
+    def __call__(self, rec: dict):
+        self.records.append(rec)
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        nums = {f"{rec.get('stage', 'run')}/{k}": v for k, v in rec.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        if self.backend is not None and hasattr(self.backend, "add_scalar"):
+            for k, v in nums.items():
+                self.backend.add_scalar(k, v, global_step=rec.get("step", 0))
+        elif self.backend is not None:
+            self.backend.log(nums)
+
+    def close(self):
+        if self.enabled:
+            self.file.close()
+            if self.backend is not None:
+                (self.backend.close if hasattr(self.backend, "add_scalar") else self.backend.finish)()
+
+
 def save_checkpoint(model, cfg: TrainConfig, out_dir: str):
-    """model.safetensors (config JSON in its metadata) and config.json, written atomically."""
-    from safetensors.torch import save_model
+    """model.safetensors (config JSON in its metadata) and config.json, written atomically.
+
+    Multi-rank: every rank gathers the full tensors (a collective), rank 0 writes.
+    """
+    from safetensors.torch import save_file, save_model
     cfg_json = json.dumps(dataclasses.asdict(cfg), default=str, indent=1)
     tmp = os.path.join(out_dir, "model.safetensors.tmp")
-    save_model(model, tmp, metadata={"config": cfg_json})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        f.write(cfg_json)
+    rank, world = rank_world()
+    if world > 1:
+        tensors = {n: t.contiguous() for n, t in full_named_parameters(model)}
+        if rank == 0:
+            save_file(tensors, tmp, metadata={"config": cfg_json})
+    else:
+        save_model(model, tmp, metadata={"config": cfg_json})
+    if rank == 0:
+        os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            f.write(cfg_json)
 
 
 def plot(records: list[dict], path: str):
@@ -686,16 +1064,19 @@ def parse_args(argv: list[str]) -> TrainConfig:
 
 
 def main(cfg: TrainConfig) -> dict:
-    """Run SFT then RL as configured; returns the held-out accuracies before and after RL."""
-    print(json.dumps(dataclasses.asdict(cfg), default=str))
+    """Run SFT then RL as configured; returns the held-out accuracies before and after RL.
+
+    Under torchrun (WORLD_SIZE > 1) every rank runs this: see setup_distributed. With
+    cfg.resume it continues from a checkpoint exactly where that run was (same weights,
+    optimizer, data position, RNGs, filter history and length predictor), so a resumed run
+    ends with the weights an uninterrupted one would have.
+    """
     if cfg.dry_run:
+        print(json.dumps(dataclasses.asdict(cfg), default=str))
         from plan import print_plan
         rows = print_plan(cfg.model, gpus_per_node=cfg.gpus_per_node, ep=cfg.ep, microbatch_tokens=cfg.microbatch_tokens,
                           activation_checkpoint=cfg.activation_checkpoint)
         return {"plan": rows}
-    t_start = time.perf_counter()
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.manual_seed(cfg.seed)
     if cfg.zero_variance not in ("drop", "rl-zvp") or cfg.reward_model not in ("", "stub"):
         raise ValueError(f"zero_variance={cfg.zero_variance!r} (valid: 'drop', 'rl-zvp'), "
                          f"reward_model={cfg.reward_model!r} (valid: '', 'stub')")
@@ -706,37 +1087,60 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.eval_seed - cfg.train_seed <= cfg.train_size:
         raise ValueError(f"eval_seed={cfg.eval_seed} overlaps the training items: it must exceed "
                          f"train_seed + train_size = {cfg.train_seed + cfg.train_size}")
+    dims = setup_distributed(cfg)
+    try:
+        return run(cfg, dims)
+    finally:
+        if dims is not None:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def run(cfg: TrainConfig, dims=None) -> dict:
+    """main's body once the config is checked and the process group (if any) is up."""
+    rank, world = rank_world()
+    if world > 1 and cfg.kl_coef != 0:
+        raise ValueError("kl_coef != 0 (a reference model) is not supported with more than one rank yet")
+    if rank == 0:
+        print(json.dumps(dataclasses.asdict(cfg), default=str))  # the resolved config
+    t_start = time.perf_counter()
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    ckpt = resume_path(cfg)
+    resumed = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False) if ckpt else None
     task = TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size)
     if cfg.init_from:  # start from an earlier run's weights and tokenizer (e.g. its SFT warm-up)
         tok = load_tokenizer(os.path.join(cfg.init_from, "tokenizer.tiktoken"), cfg.model.vocab_size)
     else:
         tok = train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
                               vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges)
-    save_tokenizer(tok, os.path.join(cfg.out_dir, "tokenizer.tiktoken"))
+    if rank == 0:
+        save_tokenizer(tok, os.path.join(cfg.out_dir, "tokenizer.tiktoken"))
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            f.write(json.dumps(dataclasses.asdict(cfg), default=str, indent=1))
     held_out = TaskMix(cfg.tasks, seed=cfg.eval_seed, size=4 * cfg.eval_size)
     eval_items = held_out.exclude({it.question for it in task.items})[:cfg.eval_size]
     if len(eval_items) < cfg.eval_size:
         raise ValueError(f"only {len(eval_items)} held-out prompts are unseen in training; need eval_size={cfg.eval_size}")
 
-    model = Transformer(cfg.model).to(cfg.device)
+    init_state = None
     if cfg.init_from:
-        from safetensors.torch import load_model
-        load_model(model, os.path.join(cfg.init_from, "model.safetensors"))
+        from safetensors.torch import load_file
+        init_state = load_file(os.path.join(cfg.init_from, "model.safetensors"))
+    model = build_model(cfg, dims, init_state)
     engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD), device=cfg.device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M params; {len(task)} train prompts, {len(eval_items)} held-out prompts")
-
-    records = []
-    log_file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w")
-
-    def log(rec):
-        records.append(rec)
-        log_file.write(json.dumps(rec) + "\n")
-        log_file.flush()
-
+    if rank == 0:
+        print(f"model: {n_params / 1e6:.2f}M params; {len(task)} train prompts, {len(eval_items)} held-out prompts"
+              + (f"; {world} ranks (ep={cfg.ep})" if world > 1 else "")
+              + (f"; resuming from {ckpt} ({resumed['phase']} step {resumed['step']})" if ckpt else ""))
+    log = MetricsLog(cfg, keep=resumed["num_records"] if resumed else None)
     order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    used = sft(model, tok, task, order, cfg, log) if cfg.sft_steps else 0
-    engine.update_weights(model.named_parameters(), version=0)
+    predictor = LengthPredictor(prior=cfg.max_new_tokens / 2)
+    state = RLState(rng=random.Random(cfg.seed), reward_model=StubRewardModel() if cfg.reward_model == "stub" else None,
+                    pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+                    if cfg.reward_workers else None)
+    evals = {}
 
     def run_eval(step):
         """Sampled (mean of eval_samples at the rollout temperature) and greedy accuracy per held-out prompt."""
@@ -745,19 +1149,53 @@ def main(cfg: TrainConfig) -> dict:
         (acc, se), (g_acc, g_se) = mean_se(sampled), mean_se(greedy)
         log({"stage": "eval", "step": step, "eval_acc": acc, "eval_se": se, "eval_greedy_acc": g_acc,
              "eval_greedy_se": g_se, "time": time.perf_counter() - t_start})
-        tqdm.write(f"step {step}: eval accuracy {acc:.3f} +- {se:.3f} sampled, {g_acc:.3f} +- {g_se:.3f} greedy")
+        if rank == 0:
+            tqdm.write(f"step {step}: eval accuracy {acc:.3f} +- {se:.3f} sampled, {g_acc:.3f} +- {g_se:.3f} greedy")
         return sampled, greedy
 
-    after_sft = after_rl = run_eval(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    # the KL penalty's reference: a frozen copy of the policy as RL starts, kept only when used
-    ref_model = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef != 0 else None
-    predictor = LengthPredictor(prior=cfg.max_new_tokens / 2)
-    state = RLState(rng=random.Random(cfg.seed), reward_model=StubRewardModel() if cfg.reward_model == "stub" else None,
-                    pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
-                    if cfg.reward_workers else None)
-    if cfg.pass_rate_file:
-        print(f"stage 1: {state.history.load_offline(cfg.pass_rate_file)} offline pass rates from {cfg.pass_rate_file}")
+    def checkpoint(position: int, opt, phase: str, step: int, used: int, ref_model=None):
+        """Write a checkpoint after `step` of `phase` if `position` (optimizer steps so far) is due."""
+        if not cfg.ckpt_every or position % cfg.ckpt_every:
+            return
+        trainer_state = {"phase": phase, "step": step, "position": position, "used": used, "rng": rng_state(),
+                         "filter_rng": state.rng.getstate(), "history": state.history.state_dict(),
+                         "predictor": predictor.state_dict(), "num_records": len(log.records), "evals": dict(evals),
+                         "ref_model": ref_model.state_dict() if ref_model is not None else None}
+        write_checkpoint(cfg.out_dir, position, model, opt, trainer_state, cfg)
+
+    if resumed is None or resumed["phase"] == "sft":
+        sft_opt, start, used = sft_optimizer(model, cfg), 0, 0
+        if resumed is not None:
+            read_checkpoint(ckpt, model, sft_opt)
+            start, used = resumed["step"] + 1, resumed["used"]
+            set_rng_state(resumed["rng"])
+        if cfg.sft_steps:
+            used = sft(model, tok, task, order, cfg, log, opt=sft_opt, start=start, used=used,
+                       after_step=lambda step, used, opt: checkpoint(step + 1, opt, "sft", step, used))
+        del sft_opt
+        engine.update_weights(full_named_parameters(model), version=0)
+        evals["after_sft"] = evals["after_rl"] = run_eval(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        # the KL penalty's reference: a frozen copy of the policy as RL starts, kept only when used
+        ref_model = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef != 0 else None
+        rl_start = 0
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        read_checkpoint(ckpt, model, opt)
+        ref_model = None
+        if resumed["ref_model"] is not None:
+            ref_model = Transformer(cfg.model).to(cfg.device).requires_grad_(False)
+            ref_model.load_state_dict(resumed["ref_model"])
+        used, rl_start, evals = resumed["used"], resumed["step"] + 1, dict(resumed["evals"])
+        predictor.load_state_dict(resumed["predictor"])
+        state.history.load_state_dict(resumed["history"])
+        state.rng.setstate(resumed["filter_rng"])
+        set_rng_state(resumed["rng"])
+        engine.update_weights(full_named_parameters(model), version=rl_start)
+    if cfg.pass_rate_file and resumed is None:
+        n = state.history.load_offline(cfg.pass_rate_file)
+        if rank == 0:
+            print(f"stage 1: {n} offline pass rates from {cfg.pass_rate_file}")
 
     def draw(n: int) -> list:
         """The next n training prompts (the step's own, then any over-sampling)."""
@@ -766,30 +1204,36 @@ def main(cfg: TrainConfig) -> dict:
         used += n
         return out
 
-    bar = tqdm(range(cfg.rl_steps), desc="rl", dynamic_ncols=True)
+    bar = tqdm(range(rl_start, cfg.rl_steps), desc="rl", dynamic_ncols=True, initial=rl_start, total=cfg.rl_steps,
+               disable=rank != 0)
     for step in bar:
         m = rl_step(model, opt, engine, tok, task, draw(cfg.prompts_per_step), predictor, cfg, step, state, draw, ref_model=ref_model)
         m["time"] = time.perf_counter() - t_start
         log(m)
         bar.set_postfix(reward=f"{m['reward']:.2f}", zv=f"{m['filter/zero_variance_frac']:.2f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.rl_steps:
-            after_rl = run_eval(step + 1)
+            evals["after_rl"] = run_eval(step + 1)
+        checkpoint(cfg.sft_steps + step + 1, opt, "rl", step, used, ref_model)
     if state.pool is not None:
         state.pool.close()
-    log_file.close()
+    log.close()
     save_checkpoint(model, cfg, cfg.out_dir)
-    plot(records, os.path.join(cfg.out_dir, "plot.png"))
-    print(f"{f'held-out accuracy (n={len(eval_items)} prompts)':<38}{'after SFT':<17}{'after RL':<17}RL gain")
+    after_sft, after_rl = evals["after_sft"], evals["after_rl"]
     summary = {}
+    if rank == 0:
+        plot(log.records, os.path.join(cfg.out_dir, "plot.png"))
+        print(f"{f'held-out accuracy (n={len(eval_items)} prompts)':<38}{'after SFT':<17}{'after RL':<17}RL gain")
     for k, name in enumerate([f"sampled (mean of {cfg.eval_samples}, T={cfg.temperature})", "greedy"]):
         (a0, s0), (a1, s1) = mean_se(after_sft[k]), mean_se(after_rl[k])
         gain, paired_se = mean_se(after_rl[k] - after_sft[k])  # same prompts before and after: a paired difference
-        print(f"{name:<38}{a0:.3f} +- {s0:.3f}   {a1:.3f} +- {s1:.3f}   {gain:+.3f} = {gain / max(paired_se, 1e-9):.1f} "
-              f"paired SE ({gain / max(math.hypot(s0, s1), 1e-9):.1f} unpaired)")
+        if rank == 0:
+            print(f"{name:<38}{a0:.3f} +- {s0:.3f}   {a1:.3f} +- {s1:.3f}   {gain:+.3f} = {gain / max(paired_se, 1e-9):.1f} "
+                  f"paired SE ({gain / max(math.hypot(s0, s1), 1e-9):.1f} unpaired)")
         summary[["sampled", "greedy"][k]] = {"sft_acc": a0, "sft_se": s0, "rl_acc": a1, "rl_se": s1,
                                              "gain": gain, "gain_paired_se": paired_se}
-    print(f"wrote {cfg.out_dir}/: metrics.jsonl, model.safetensors, config.json, tokenizer.tiktoken, plot.png "
-          f"in {time.perf_counter() - t_start:.0f}s")
+    if rank == 0:
+        print(f"wrote {cfg.out_dir}/: metrics.jsonl, model.safetensors, config.json, tokenizer.tiktoken, plot.png "
+              f"in {time.perf_counter() - t_start:.0f}s")
     return summary
 
 
@@ -798,4 +1242,16 @@ if __name__ == "__main__":
         config = parse_args(sys.argv[1:])
     except ValueError as e:  # a config mistake: say what is wrong, without a traceback
         sys.exit(f"config error: {e}")
-    main(config)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        main(config)
+    else:
+        try:
+            main(config)
+        except Exception as e:  # noqa: BLE001  a dead or stuck rank: say so and exit rather than hang in teardown
+            import traceback
+            traceback.print_exc()
+            sys.stderr.write(f"\n[rank {os.environ.get('RANK', '?')}] aborting the job: {type(e).__name__}: {e}\n"
+                             f"(a collective fails when another rank has died, or after dist_timeout_s="
+                             f"{config.dist_timeout_s:g} s without it)\n")
+            sys.stderr.flush()
+            os._exit(1)
