@@ -1,0 +1,142 @@
+"""train.py under `torchrun --nproc_per_node=2` on CPU (gloo): FSDP=2 x EP=2 equals the 1-process
+run step by step, and a rank that dies ends the job with a readable message instead of a hang."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# gen_batch_rows = 8 gives two generation batches per round (2 prompts x G = 4 each), one per
+# rank; the 2-rank run generates each with the prompts and seed the 1-process run does, so
+# both train on the same rollouts. RL-ZVP makes the all-wrong groups of an untrained model
+# train too; init_std = 0.3 makes the model's token entropies differ (near-uniform outputs
+# give RL-ZVP advantages of about 1e-4, differences of nearly equal entropies), so the RL
+# losses are about 0.1 and the comparison is not of rounding noise.
+RUN = """
+model = dict(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
+             moe_inter_dim=32, max_seq_len=64, init_std=0.3)
+bpe_merges = 40
+train_size = 300
+eval_size = 8
+eval_samples = 2
+sft_steps = 3
+sft_batch_size = 8
+rl_steps = 3
+prompts_per_step = 4
+group_size = 4
+max_new_tokens = 8
+temperature = 1.5
+gen_batch_rows = 8
+eval_every = 2
+zero_variance = "rl-zvp"
+zvp_alpha = 1.0
+lr = 1e-3
+ckpt_every = 0
+"""
+TOL = 1e-5
+
+
+def torchrun(*args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            os.path.join(ROOT, "train.py"), *args]
+
+
+def records(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_two_ranks_with_ep2_match_the_one_process_run_step_by_step(tmp_path):
+    cfg_path = tmp_path / "cfg.py"
+    cfg_path.write_text(RUN)
+    one, two = tmp_path / "one", tmp_path / "two"
+    train.main(train.load_config(str(cfg_path), [f"out_dir={one}"]))
+    done = subprocess.run(torchrun(str(cfg_path), f"out_dir={two}", "ep=2"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want, got = records(one), records(two)
+    assert [(r["stage"], r["step"]) for r in got] == [(r["stage"], r["step"]) for r in want]
+    for w, g in zip(want, got):
+        where = f"{w['stage']} step {w['step']}"
+        if w["stage"] == "sft":
+            assert abs(g["loss"] - w["loss"]) <= TOL, where
+        elif w["stage"] == "rl":  # the same rollouts, rewards and filter decisions; losses equal to float rounding
+            for k in ("reward", "completion_len", "stop_frac", "trained_sequences", "filter/groups",
+                      "filter/zvp_sequences", "filter/tokens_generated"):
+                assert g[k] == w[k], (where, k)
+            for k in ("loss", "grad_norm", "mismatch/kl"):
+                assert abs(g[k] - w[k]) <= TOL, (where, k, g[k], w[k])
+        else:
+            assert (g["eval_acc"], g["eval_greedy_acc"]) == (w["eval_acc"], w["eval_greedy_acc"]), where
+    assert any(abs(r["loss"]) > 1e-2 for r in want if r["stage"] == "rl")  # the RL comparison is not of zeros
+    a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    assert a.keys() == b.keys()  # the 2-rank run writes full tensors under the 1-process names
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def rank_of(pid: int) -> int | None:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return int(env[b"RANK"]) if b"RANK" in env else None
+
+
+TORCHRUN_GRACE_S = 30  # torchrun's wait between SIGTERM and SIGKILL when it stops the workers left
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, pytest.param(signal.SIGSTOP, marks=pytest.mark.slow)],
+                         ids=["killed", "frozen"])
+def test_a_dead_rank_ends_the_job_with_a_message_within_the_timeout(tmp_path, how):
+    """SIGKILL: torchrun sees the worker die and stops the job at once. SIGSTOP (a hung rank):
+    the other rank's next collective fails after dist_timeout_s, it exits naming the cause,
+    and torchrun then stops the frozen one (SIGTERM, then SIGKILL after its grace period)."""
+    cfg_path = tmp_path / "cfg.py"
+    cfg_path.write_text(RUN)
+    timeout_s = 20
+    out, log = tmp_path / "run", open(tmp_path / "log.txt", "w+")
+    proc = subprocess.Popen(torchrun(str(cfg_path), f"out_dir={out}", "ep=2", "rl_steps=1000", "eval_every=1000",
+                                     f"dist_timeout_s={timeout_s}"),
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    victim = None
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:  # wait until RL steps are running
+            if (out / "metrics.jsonl").exists() and '"stage": "rl"' in (out / "metrics.jsonl").read_text():
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, (tmp_path / "log.txt").read_text()[-3000:]
+        victim = next(c for c in children(proc.pid) if rank_of(c) == 1)
+        os.kill(victim, how)
+        t0 = time.monotonic()
+        proc.wait(timeout=timeout_s + 60)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if victim is not None:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    text = (tmp_path / "log.txt").read_text()
+    assert proc.returncode != 0
+    assert elapsed <= timeout_s + TORCHRUN_GRACE_S + 20, elapsed
+    assert "ChildFailedError" in text or "aborting the job" in text, text[-3000:]
+    if how == signal.SIGSTOP:
+        assert "aborting the job" in text and f"dist_timeout_s={timeout_s}" in text, text[-3000:]
