@@ -116,6 +116,8 @@ def test_crash_during_a_checkpoint_save_leaves_the_previous_one_loadable(tmp_pat
     assert sorted(os.listdir(ckpt_dir)) == ["step_00000002", "step_00000004.tmp"]
     assert not (ckpt_dir / "step_00000004.tmp" / train.COMPLETE_MARKER).exists()
     assert train.latest_checkpoint(str(out)) == str(ckpt_dir / "step_00000002")
+    saved = json.loads((ckpt_dir / "step_00000002" / "config.json").read_text())  # the resolved config beside it
+    assert saved["ckpt_every"] == 2 and saved["model"]["dim"] == 32
     cfg = train.load_config(path, over)
     model = Transformer(cfg.model)
     state = train.read_checkpoint(str(ckpt_dir / "step_00000002"), model, train.sft_optimizer(model, cfg))

@@ -140,3 +140,23 @@ def test_a_dead_rank_ends_the_job_with_a_message_within_the_timeout(tmp_path, ho
     assert "ChildFailedError" in text or "aborting the job" in text, text[-3000:]
     if how == signal.SIGSTOP:
         assert "aborting the job" in text and f"dist_timeout_s={timeout_s}" in text, text[-3000:]
+
+
+def test_two_rank_run_resumed_from_its_checkpoint_ends_bitwise_equal(tmp_path):
+    import shutil
+    cfg_path = tmp_path / "cfg.py"
+    cfg_path.write_text(RUN)
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    done = subprocess.run(torchrun(str(cfg_path), f"out_dir={first}", "ep=2", "ckpt_every=4", "ckpt_keep=1"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = train.latest_checkpoint(str(first))
+    assert ckpt.endswith("step_00000004")  # after RL step 0: SFT's 3 steps, then one RL step
+    shutil.copytree(ckpt, resumed / "ckpt" / os.path.basename(ckpt))
+    shutil.copy(first / "metrics.jsonl", resumed / "metrics.jsonl")
+    done = subprocess.run(torchrun(str(cfg_path), f"out_dir={resumed}", "ep=2", "resume=auto"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = load_file(first / "model.safetensors"), load_file(resumed / "model.safetensors")
+    for name, t in a.items():
+        assert torch.equal(b[name], t), name

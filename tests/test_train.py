@@ -215,3 +215,33 @@ def test_rl_step_passes_loss_options_through_with_a_frozen_reference(tmp_path):
     assert "skipped_update" not in m and "loss/kl_ref" in m
     # under router replay the engine's logprobs equal pi_old, so aligned TIS weights are all 1
     assert m["loss/mismatch/tis_truncated_frac"] == 0 and abs(m["loss/mismatch/is_weight_mean"] - 1) <= 1e-4
+
+
+def test_every_config_field_has_a_docstring():
+    import ast
+    import inspect
+    for cls in (train.TrainConfig, train.ModelConfig):
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+        for node, nxt in zip(body, body[1:] + [None]):
+            if isinstance(node, ast.AnnAssign):
+                assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), \
+                    f"{cls.__name__}.{node.target.id} has no docstring"
+
+
+def test_logger_choice_is_checked_and_a_missing_package_is_a_clear_error(tmp_path, monkeypatch):
+    cfg = train.load_config(None, [f"out_dir={tmp_path}", "logger=mlflow"])
+    with pytest.raises(ValueError, match="valid: 'none', 'tensorboard', 'wandb'"):
+        train.MetricsLog(cfg)
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # as if not installed
+    cfg = train.load_config(None, [f"out_dir={tmp_path}", "logger=wandb"])
+    with pytest.raises(ValueError, match="pip install wandb"):
+        train.MetricsLog(cfg)
+
+
+def test_tensorboard_logger_writes_events_beside_the_jsonl(tmp_path):
+    pytest.importorskip("tensorboard")
+    log = train.MetricsLog(train.load_config(None, [f"out_dir={tmp_path}", "logger=tensorboard"]))
+    log({"stage": "rl", "step": 0, "reward": 0.5, "loss": 1.0})
+    log.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"stage": "rl", "step": 0, "reward": 0.5, "loss": 1.0}
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
