@@ -22,7 +22,17 @@ sampled accuracy (mean binary reward of `eval_samples` completions per prompt at
 rollout temperature, i.e. the RL objective on unseen prompts) and the greedy accuracy,
 each with its standard error, and the RL gain with the paired SE (same prompts before
 and after). Writes to out_dir: metrics.jsonl, model.safetensors + config.json,
-tokenizer.tiktoken, plot.png.
+tokenizer.tiktoken, plot.png, ckpt/step_N/ (and tensorboard/ with logger=tensorboard).
+
+Several ranks: `torchrun --nproc_per_node=N train.py ... ep=E` shards the policy with FSDP2
+over N ranks and its experts over E of them (setup_distributed, build_model). Rank r
+generates generation batches r, r + N, ... with the seeds a 1-process run gives them, the
+scored rollouts are all-gathered (so filter, advantages and history agree on every rank),
+and rank r trains members r, r + N, ... of each mini-batch with the whole mini-batch's
+normaliser: losses equal the 1-process run's to float rounding. Only rank 0 writes files.
+
+Checkpoints (write_checkpoint / read_checkpoint): every ckpt_every optimizer steps, with
+torch.distributed.checkpoint, atomically; `resume=auto` continues bit-exactly.
 
 Config: `TrainConfig` below holds every default; a config file is plain assignments of
 its fields (deltas only; `model = dict(...)` for ModelConfig fields); `key=value` on the
@@ -380,7 +390,7 @@ def all_reduce_float(x: float, op: str = "sum") -> float:
     if rank_world()[1] == 1:
         return x
     import torch.distributed as dist
-    t = torch.tensor([x], dtype=torch.float64)
+    t = torch.tensor([x], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")  # nccl: GPU only
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t.item()
 
