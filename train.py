@@ -1097,6 +1097,9 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.eval_seed - cfg.train_seed <= cfg.train_size:
         raise ValueError(f"eval_seed={cfg.eval_seed} overlaps the training items: it must exceed "
                          f"train_seed + train_size = {cfg.train_seed + cfg.train_size}")
+    if cfg.ckpt_every < 0 or cfg.ckpt_keep < 1 or cfg.dist_timeout_s <= 0 or cfg.logger not in ("none", "tensorboard", "wandb"):
+        raise ValueError(f"need ckpt_every >= 0, ckpt_keep >= 1, dist_timeout_s > 0 and logger in 'none', 'tensorboard', "
+                         f"'wandb'; got {cfg.ckpt_every}, {cfg.ckpt_keep}, {cfg.dist_timeout_s}, {cfg.logger!r}")
     dims = setup_distributed(cfg)
     try:
         return run(cfg, dims)
@@ -1118,6 +1121,11 @@ def run(cfg: TrainConfig, dims=None) -> dict:
     torch.manual_seed(cfg.seed)
     ckpt = resume_path(cfg)
     resumed = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False) if ckpt else None
+    if ckpt:
+        with open(os.path.join(ckpt, "config.json")) as f:
+            saved = json.load(f)
+        if saved["model"] != json.loads(json.dumps(dataclasses.asdict(cfg.model))):
+            raise ValueError(f"resume: {ckpt} holds a model of another shape: {saved['model']}")
     task = TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size)
     if cfg.init_from:  # start from an earlier run's weights and tokenizer (e.g. its SFT warm-up)
         tok = load_tokenizer(os.path.join(cfg.init_from, "tokenizer.tiktoken"), cfg.model.vocab_size)
