@@ -89,6 +89,9 @@ class TrainConfig:
     """torch device for trainer and engine."""
     init_from: str = ""
     """Output folder of an earlier run to start from (its model.safetensors and tokenizer); "" = random init."""
+    init_hf: str = ""
+    """HF hub-layout checkpoint folder (config.json + safetensors) whose weights start the policy; its
+    shape must be model's; the tokenizer is still this run's. Multi-rank, each rank reads only its slice."""
     dry_run: bool = False
     """Build the model on the meta device, print parameter counts and the per-GPU memory plan, and exit."""
     gpus_per_node: int = 8
@@ -344,15 +347,31 @@ def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> 
     Weights come from init_state (a full state dict) or, absent it, from a full model
     initialised on CPU under the current torch seed, so N ranks start from exactly the
     weights one process would (every rank builds the same full model, then keeps its slice).
+    With cfg.init_hf the weights come from that HF checkpoint instead (model.load_hf; a
+    sharded model is built on meta and each rank reads only its slice, never the full model).
     fp32 throughout, so multi-rank losses match the 1-process run.
+    Raises ValueError (from load_hf) if the checkpoint lacks a tensor or has another shape.
     """
+    from model import load_hf, parallelize
     if dims is None:
-        model = Transformer(cfg.model).to(cfg.device)
+        model = Transformer(cfg.model)
+        if cfg.init_hf:
+            load_hf(cfg.init_hf, model)
+        model = model.to(cfg.device)
         if init_state is not None:
             model.load_state_dict(init_state)
         return model
+    if cfg.init_hf:
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint)
+        model.to_empty(device=cfg.device)
+        with torch.no_grad():
+            for b in model.buffers():  # the only buffer is the router's expert bias, 0 at init (load_hf sets it if stored)
+                b.zero_()
+        load_hf(cfg.init_hf, model)
+        return model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from model import parallelize
     full = Transformer(cfg.model)
     if init_state is not None:
         full.load_state_dict(init_state)

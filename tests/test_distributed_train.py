@@ -9,9 +9,12 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 import train
+from model import Transformer, save_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,3 +163,46 @@ def test_two_rank_run_resumed_from_its_checkpoint_ends_bitwise_equal(tmp_path):
     a, b = load_file(first / "model.safetensors"), load_file(resumed / "model.safetensors")
     for name, t in a.items():
         assert torch.equal(b[name], t), name
+
+
+def build_worker(rank, world, port, cfg, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        dims = train.build_parallel_dims(world, dp_shard=world, ep=cfg.ep)
+        torch.manual_seed(cfg.seed)
+        full = dict(train.full_named_parameters(train.build_model(cfg, dims)))
+        if rank == 0:
+            torch.save(full, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("init", ["seed", "hf"])
+def test_two_rank_model_starts_from_the_one_process_weights(tmp_path, init):
+    """Random init: every rank builds the 1-process model under the seed and keeps its slice.
+    HF: built on meta, sharded, then each rank reads its slice of the checkpoint (load_hf)."""
+    import socket
+    overrides = ["ep=2", "model.num_experts=4", "model.dim=32", "model.n_layers=2", "model.n_heads=4",
+                 "model.n_kv_heads=2", "model.head_dim=8", "model.moe_inter_dim=16", "model.vocab_size=64",
+                 "model.qk_norm=true"]
+    cfg = train.load_config(None, overrides)
+    torch.manual_seed(cfg.seed)
+    if init == "hf":
+        torch.manual_seed(123)
+        saved = Transformer(cfg.model)  # weights the run's own seed would not give
+        save_hf(saved, str(tmp_path / "hf"))
+        cfg = train.load_config(None, overrides + [f"init_hf={tmp_path / 'hf'}"])
+        torch.manual_seed(cfg.seed)
+    want = dict(train.build_model(cfg).named_parameters())
+    if init == "hf":
+        assert all(torch.equal(want[n], p) for n, p in saved.named_parameters())
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(build_worker, args=(2, port, cfg, str(tmp_path / "full.pt")), nprocs=2, join=True,
+                       start_method="spawn")
+    got = torch.load(tmp_path / "full.pt")
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(got[name], t.detach()), name
