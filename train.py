@@ -54,6 +54,7 @@ import random
 import runpy
 import sys
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -868,6 +869,7 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
 
 CKPT_SUBDIR = "ckpt"  # under out_dir: one folder per checkpoint, step_<position>
 COMPLETE_MARKER = "COMPLETE"  # written last inside the temporary folder: its presence means every file is there
+DCP_SINGLE_PROCESS_WARNING = "torch.distributed is disabled"  # DCP's note that one process saves alone: expected here
 
 
 def _barrier():
@@ -922,7 +924,9 @@ def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dic
         os.makedirs(tmp)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=DCP_SINGLE_PROCESS_WARNING)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     if rank == 0:
         _write_trainer_state(os.path.join(tmp, "trainer_state.pt"), trainer_state)
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -954,7 +958,9 @@ def read_checkpoint(path: str, model, opt) -> dict:
         raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=DCP_SINGLE_PROCESS_WARNING)
+        dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
 
