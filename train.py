@@ -486,6 +486,7 @@ def optimizer_step(model, opt, cfg: TrainConfig, lr: float) -> float:
 # ----------------------------------------------------------------------------- stages
 
 def sft_optimizer(model, cfg: TrainConfig):
+    """The SFT warm-up's AdamW (its own: the RL optimizer starts fresh after SFT)."""
     return torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
 
@@ -974,6 +975,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict):
+    """Restore what rng_state() returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
