@@ -206,7 +206,8 @@ def aggregate(obj_BT: torch.Tensor, mask_BT: torch.Tensor, *, aggregation: str, 
 
 # ----------------------------------------------------------------------------- per-token objectives
 # Inputs: logp_BT [B, T] log pi_theta (grad flows), log_w_BT [B, T] log pi_theta - log pi_old
-# (0 on padding), mask_BT [B, T] 1 on completion tokens, adv_B1 [B, 1] constant advantages, all
+# (0 on padding), mask_BT [B, T] 1 on completion tokens, adv_B1 [B, 1] sequence advantages (or
+# [B, T] token advantages, for the token-level objectives only), all
 # one float dtype. Each returns obj_BT [B, T], the objective to maximise per token (any value on
 # padding: the aggregation masks it), the ratio it clips [B, T] (detached, for metrics), and
 # bool [B, T] masks of the tokens clipped on the low and on the high side.
@@ -327,7 +328,8 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
 
     logp_BT: log pi_theta of the completion tokens (grad flows), [B, T] fp32 or fp64.
     old_logp_BT: log pi_old of the same tokens, [B, T]; treated as constant.
-    adv_B: one advantage per sequence, [B]. mask_BT: 1 on completion tokens, 0 on padding.
+    adv_B: one advantage per sequence, [B], or one per token, [B, T] (RL-ZVP, arXiv 2509.21880).
+    mask_BT: 1 on completion tokens, 0 on padding.
     loss_type: one of LOSS_TYPES (module docstring). "espo" needs old_entropy_BT ([B, T]
     nats under pi_old) and vocab_size; espo_num_groups entropy groups, the first holding
     the espo_top_frac highest-entropy tokens, clip eps_tau = espo_alpha * mean e / log|V|.
@@ -344,7 +346,7 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
     the ratio the loss clips), approx_kl (k3 of KL(pi_old || pi_theta)), kl_ref,
     espo/group{q}_tokens and espo/group{q}_clip_eps, and the mismatch weights'.
     Raises ValueError on an unknown loss_type, aggregation or kl_estimator, a negative clip
-    eps, or a missing input an option needs.
+    eps, a missing input an option needs, or token advantages with gmpo.
     """
     aggregation = resolve_aggregation(loss_type, aggregation)
     if loss_type != "espo":
@@ -355,7 +357,10 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
             raise ValueError(f"clip eps must be >= 0, got clip_eps_low={eps_low}, clip_eps_high={eps_high}")
     mask = mask_BT.to(logp_BT.dtype)
     old = old_logp_BT.detach()
-    adv_B1 = adv_B.detach().to(logp_BT.dtype)[:, None]
+    adv = adv_B.detach().to(logp_BT.dtype)
+    if adv.dim() == 2 and loss_type == "gmpo":
+        raise ValueError("token advantages [B, T] need a token-level loss; loss_type='gmpo' takes one per sequence")
+    adv_B1 = adv[:, None] if adv.dim() == 1 else adv  # [B, 1], or [B, T] token advantages
     log_w_BT = (logp_BT - old) * mask  # (B, T) log token ratio, 0 on padding
     metrics, group_BT = {}, None
     if loss_type in ("grpo", "drgrpo"):

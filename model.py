@@ -247,10 +247,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        H, G, d, bias = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.attention_bias
-        self.wq = nn.Linear(cfg.dim, H * d, bias=bias)
-        self.wk = nn.Linear(cfg.dim, G * d, bias=bias)
-        self.wv = nn.Linear(cfg.dim, G * d, bias=bias)
+        H, G, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, (H + 2 * G) * d, bias=cfg.attention_bias)  # q, k, v fused: one GEMM
         self.wo = nn.Linear(H * d, cfg.dim, bias=False)
         self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
@@ -258,9 +256,9 @@ class Attention(nn.Module):
     def forward(self, x_BTD, cos, sin, cache: KVCache | None, cache_start: int, mask_B1TS):
         B, T, _ = x_BTD.shape
         cfg = self.cfg
-        q = self.wq(x_BTD).view(B, T, cfg.n_heads, cfg.head_dim)  # (B, T, H, d)
-        k = self.wk(x_BTD).view(B, T, cfg.n_kv_heads, cfg.head_dim)  # (B, T, G, d)
-        v = self.wv(x_BTD).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, G, T, d)
+        qkv = self.wqkv(x_BTD).view(B, T, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)  # (B, T, H+2G, d)
+        q, k, v = qkv.split([cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads], dim=2)  # (B, T, H|G|G, d)
+        v = v.transpose(1, 2)  # (B, G, T, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)  # (B, H|G, T, d)
@@ -549,7 +547,10 @@ _HF_RENAMES = [  # (our name pattern, HF names concatenated along our dim `cat`)
     (r"lm_head\.weight", ["lm_head.weight"]),
     (r"layers\.(\d+)\.attn_norm\.weight", [r"model.layers.\1.input_layernorm.weight"]),
     (r"layers\.(\d+)\.ffn_norm\.weight", [r"model.layers.\1.post_attention_layernorm.weight"]),
-    (r"layers\.(\d+)\.attn\.w([qkvo])\.(weight|bias)", [r"model.layers.\1.self_attn.\2_proj.\3"]),
+    (r"layers\.(\d+)\.attn\.wqkv\.(weight|bias)", [r"model.layers.\1.self_attn.q_proj.\2",
+                                                    r"model.layers.\1.self_attn.k_proj.\2",
+                                                    r"model.layers.\1.self_attn.v_proj.\2"]),
+    (r"layers\.(\d+)\.attn\.wo\.weight", [r"model.layers.\1.self_attn.o_proj.weight"]),
     (r"layers\.(\d+)\.attn\.([qk])_norm\.weight", [r"model.layers.\1.self_attn.\2_norm.weight"]),
     (r"layers\.(\d+)\.mlp\.gate\.weight", [r"model.layers.\1.mlp.gate.weight"]),
     (r"layers\.(\d+)\.mlp\.expert_bias", [r"model.layers.\1.mlp.gate.e_score_correction_bias"]),
@@ -567,8 +568,8 @@ _HF_RENAMES = [  # (our name pattern, HF names concatenated along our dim `cat`)
 def hf_names(name: str) -> list[str]:
     """Our parameter name -> the HF hub names it concatenates ('{e}' = expert index of stacked experts).
 
-    Fused gate|up weights concatenate HF's gate_proj and up_proj: along rows for a Linear
-    weight [2H, D], along the last dim for stacked experts [E, D, 2I], whose per-expert
+    Fused weights concatenate HF's: q|k|v and gate|up along rows of a Linear weight (and
+    bias), gate|up along the last dim of stacked experts [E, D, 2I], whose per-expert
     matrices are the transposes of HF's [out, in] ones.
     """
     for pattern, repl in _HF_RENAMES:
@@ -678,7 +679,10 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
             items = [(k.format(e=e), p.T) for e in range(full.shape[0])
                      for k, p in zip(keys, full[e].chunk(len(keys), dim=1))]
         else:
-            items = list(zip(keys, full.chunk(len(keys), dim=0)))
+            cfg = model.cfg
+            sizes = ([cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2 if ".wqkv." in name
+                     else [full.shape[0] // len(keys)] * len(keys))
+            items = list(zip(keys, full.split(sizes, dim=0)))
         for k, v in items:
             if current and size + v.numel() * v.element_size() > max_shard_bytes:
                 shards.append(current)

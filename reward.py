@@ -1,25 +1,64 @@
-"""Tasks and verifiable rewards: reasoning-gym datasets scored by their own scorers.
+"""Rewards: verifiers, penalties, reward-model adjustment without advantage inversion, overlapped scoring.
 
-A `TaskMix` interleaves several reasoning-gym datasets (procedurally generated, each with
-its own `score_answer`). The policy answers inside `<answer>...</answer>`; the reward is
-binary: 1.0 when reasoning-gym scores the text inside the last answer tags at >= 1.0,
-else 0.0. reasoning-gym gives partial credit (a substring of the gold answer scores
-len(gold)/len(answer)); that is not a reward here, since a partly right number is wrong.
+Verifiers (binary: 1.0 correct, 0.0 not):
+- reasoning-gym (`TaskMix`): a mix of procedurally generated datasets, each with its own
+  `score_answer`, applied to the text inside the last `<answer>...</answer>`. Its partial
+  credit (a substring of the gold answer scores len(gold)/len(answer)) is not a reward:
+  only a score of 1.0 is. Seeds: item i of seed s equals item i-1 of seed s+1, so train
+  and eval seeds must lie further apart than the train size; `exclude` drops eval items
+  whose question also appears in training.
+- math (`MathTask`, `math_reward`): GSM8K and MATH-500 rows, graded by math-verify. The
+  answer is the last `<answer>` span, else the last `\\boxed{}`, else the rest of the line
+  after the last `####`. Gold is parsed inside `$...$` and the answer inside `\\boxed{}`
+  (math-verify cuts undelimited LaTeX to a number); if that does not match, the answer is
+  parsed once more as plain text ("18 eggs" -> 18).
+- code (`CodeTask`, `code_reward`): a HumanEval-format task (prompt, test defining
+  `check(candidate)`, entry point); the completion and its tests run in `sandbox.run`.
 
-Seeds: item i of a reasoning-gym dataset with seed s equals item i-1 with seed s+1, so
-train and eval seeds must lie further apart than the train size; `TaskMix.exclude`
-drops eval items whose question also appears in training.
+Penalties, in [-1, 0]: DAPO's soft overlong punishment (arXiv 2503.14476 eq. 13) and a
+repetition penalty (the fraction of repeated n-grams).
+
+Adjustment (`adjust_rewards`): a shaping score s in [-1, 1] (a reward-model or judge score,
+penalties) is added inside the correctness class, r_i = c_i + m * min(p, 1 - p) * s_i with
+c_i in {0, 1}, p the group's fraction correct and m < 1/2. Since |s_i - mean(s)| <= 2,
+every correct response keeps r_i > mean(r) and every wrong one r_i < mean(r): the
+group-relative advantage never changes sign against correctness (no advantage inversion),
+and any correct response's reward stays above any wrong one's. A group with p in {0, 1}
+gets no shaping, so it stays zero-variance (the filter decides its fate). Pairwise judge
+outcomes map to s with a dead band (`judge_score`), so a tie adds exactly zero.
+Departure from DAPO: its overlong penalty is added to a +-1 reward, where an overlong
+correct answer can fall below a wrong one; here penalties enter as shaping instead.
+
+Overlapped scoring (`RewardPool`): workers score rollouts while the caller keeps
+generating; each item has a timeout; an exception, a non-finite value or a timeout gives
+reward 0 with the reason counted, and every submitted key gets a reward.
+
+Legend: P prompts (groups), G rollouts per prompt.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import multiprocessing
+import queue
 import re
+import threading
+from collections import Counter
 from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
 import reasoning_gym
+import torch
+
+import sandbox
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 CORRECT_SCORE = 1.0  # reasoning-gym's score for an exact answer; anything less is partial credit
+MATH_TIMEOUT_S = 5  # math-verify's own parse and verify limits, where it may use signal.alarm (main thread)
+JUDGE_OUTCOMES = {"better": 1.0, "tie": 0.5, "worse": 0.0}  # P(completion beats the reference)
 
 
 @dataclass(frozen=True)
@@ -76,3 +115,338 @@ class TaskMix:
 def demonstration(item: Item) -> str:
     """The completion an SFT warm-up imitates: the gold answer in answer tags."""
     return f"<answer>{item.answer}</answer>"
+
+
+# ----------------------------------------------------------------------------- math
+
+def _last_boxed(text: str) -> str | None:
+    """Contents of the last \\boxed{...}, braces balanced; None if absent or unclosed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion: last <answer> span, else last \\boxed{}, else after the last '####'."""
+    if found := ANSWER_RE.findall(text):
+        return found[-1].strip()
+    if (boxed := _last_boxed(text)) is not None:
+        return boxed.strip()
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip().split("\n", 1)[0].strip()
+    return None
+
+
+def math_equal(answer: str, gold: str) -> bool:
+    """Whether math-verify finds `answer` equal to `gold` (both LaTeX or plain text).
+
+    Outside the main thread math-verify's signal-based timeouts cannot run; they are
+    turned off there, so callers bound the time themselves (`RewardPool` does).
+    """
+    from math_verify import parse, verify  # imports sympy: paid on first use, not on import of this file
+    timeout = MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold_parsed = parse(f"${gold}$", parsing_timeout=timeout)
+    if not gold_parsed:
+        return False
+    for form in (f"\\boxed{{{answer}}}", answer):
+        parsed = parse(form, parsing_timeout=timeout)
+        if parsed and verify(gold_parsed, parsed, timeout_seconds=timeout):
+            return True
+    return False
+
+
+def math_reward(completion: str, gold: str) -> float:
+    """1.0 if the completion's final answer (see extract_answer) equals gold under math-verify, else 0.0."""
+    answer = extract_answer(completion)
+    return 1.0 if answer and math_equal(answer, gold) else 0.0
+
+
+class MathTask:
+    """Rows of a GSM8K (question, answer ending '#### n') or MATH-500 (problem, answer) JSONL file.
+
+    Same interface as TaskMix. Raises ValueError on a row with neither layout.
+    """
+
+    def __init__(self, path: str, *, size: int | None = None):
+        self.items = []
+        with open(path) as f:
+            for i, line in enumerate(f):
+                if size is not None and i >= size:
+                    break
+                row = json.loads(line)
+                if "problem" in row:
+                    self.items.append(Item(row["problem"], row["answer"], 0, i))
+                elif "question" in row and "####" in row.get("answer", ""):
+                    gold = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")  # "1,600" -> "1600"
+                    self.items.append(Item(row["question"], gold, 0, i))
+                else:
+                    raise ValueError(f"{path} row {i}: expected GSM8K (question, answer with ####) "
+                                     f"or MATH (problem, answer) fields, got {sorted(row)}")
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Item:
+        return self.items[i]
+
+    def exclude(self, questions: set[str]) -> list[Item]:
+        return [it for it in self.items if it.question not in questions]
+
+    def score(self, completion: str, item: Item) -> float:
+        return math_reward(completion, item.answer)
+
+
+# ----------------------------------------------------------------------------- code
+
+@dataclass(frozen=True)
+class CodeTask:
+    """A HumanEval-format task: `test` defines check(candidate), which asserts on entry_point."""
+    task_id: str
+    prompt: str  # imports, the signature and the docstring
+    test: str
+    entry_point: str
+
+
+def code_program(completion: str, task: CodeTask) -> str:
+    """The program to run: the prompt, the completion's code, the tests and the check call.
+
+    The code is the last ```python block, else the <answer> span, else the whole completion.
+    A completion that defines entry_point itself follows the prompt (the prompt's function,
+    a docstring only, is then redefined); otherwise it is the body that continues the prompt.
+    """
+    blocks = CODE_BLOCK_RE.findall(completion)
+    code = blocks[-1] if blocks else (ANSWER_RE.findall(completion) or [completion])[-1]
+    defines = re.search(rf"^def {re.escape(task.entry_point)}\s*\(", code, re.MULTILINE)
+    head = f"{task.prompt}\n{code}" if defines else task.prompt + code
+    return f"{head}\n\n{task.test}\n\ncheck({task.entry_point})\n"
+
+
+def code_reward(completion: str, task: CodeTask, *, limits: sandbox.SandboxLimits = sandbox.SandboxLimits()) -> float:
+    """1.0 if the completion passes the task's tests inside the sandbox, else 0.0 (a timeout included)."""
+    return 1.0 if sandbox.run(code_program(completion, task), limits).passed else 0.0
+
+
+# ----------------------------------------------------------------------------- penalties
+
+def overlong_penalty(length: int, *, max_len: int, buffer: int) -> float:
+    """DAPO soft overlong punishment (arXiv 2503.14476 eq. 13), in [-1, 0].
+
+    0 up to max_len - buffer tokens, then falling linearly to -1 at max_len; -1 beyond.
+    Raises ValueError unless 0 < buffer <= max_len.
+    """
+    if not 0 < buffer <= max_len:
+        raise ValueError(f"need 0 < buffer <= max_len; got buffer={buffer}, max_len={max_len}")
+    if length <= max_len - buffer:
+        return 0.0
+    if length <= max_len:
+        return (max_len - buffer - length) / buffer
+    return -1.0
+
+
+def repetition_penalty(token_ids: Sequence[int], *, n: int = 4) -> float:
+    """-(fraction of the completion's n-grams that repeat an earlier one), in [-1, 0]; 0 if it has none.
+
+    Raises ValueError if n < 1.
+    """
+    if n < 1:
+        raise ValueError(f"n={n} must be >= 1")
+    grams = [tuple(token_ids[i:i + n]) for i in range(len(token_ids) - n + 1)]
+    return -(len(grams) - len(set(grams))) / len(grams) if grams else 0.0
+
+
+# ----------------------------------------------------------------------------- reward models
+
+class RewardModel(Protocol):
+    """A scalar reward model: one unbounded score per (prompt, completion); higher is better."""
+
+    def score(self, prompts: list[str], completions: list[str]) -> list[float]: ...
+
+
+class PairwiseJudge(Protocol):
+    """A judge of completion against reference: P(completion is better), 1.0 / 0.5 / 0.0 for Better / Tie / Worse."""
+
+    def compare(self, prompts: list[str], completions: list[str], references: list[str]) -> list[float]: ...
+
+
+class StubRewardModel:
+    """Deterministic stand-in for tests: a hash of (prompt, completion) mapped to [-1, 1], i.e. pure noise."""
+
+    def score(self, prompts: list[str], completions: list[str]) -> list[float]:
+        out = []
+        for p, c in zip(prompts, completions):
+            h = int.from_bytes(hashlib.blake2b(f"{p}\0{c}".encode(), digest_size=8).digest(), "little")
+            out.append(2.0 * h / 2**64 - 1.0)
+        return out
+
+
+class StubJudge:
+    """Deterministic stand-in for tests: the shorter text is better, equal lengths tie."""
+
+    def compare(self, prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
+        return [JUDGE_OUTCOMES["better" if len(c) < len(r) else "tie" if len(c) == len(r) else "worse"]
+                for c, r in zip(completions, references)]
+
+
+def judge_score(p_better: torch.Tensor, *, dead_band: float) -> torch.Tensor:
+    """Judge probabilities -> shaping scores in [-1, 1]: 0 where |p - 1/2| <= dead_band (a tie), linear to +-1 outside.
+
+    Raises ValueError unless 0 <= dead_band < 1/2.
+    """
+    if not 0 <= dead_band < 0.5:
+        raise ValueError(f"dead_band={dead_band} must lie in [0, 0.5)")
+    d = p_better.double() - 0.5
+    return (d.sign() * (d.abs() - dead_band).clamp(min=0) / (0.5 - dead_band)).clamp(-1, 1)
+
+
+def rm_score(scores_PG: torch.Tensor, *, scale: float, dead_band: float = 0.0) -> torch.Tensor:
+    """Scalar reward-model scores -> shaping in [-1, 1]: tanh((x - group mean) / scale), dead band as judge_score.
+
+    Raises ValueError unless scale > 0 and 0 <= dead_band < 1.
+    """
+    if scale <= 0 or not 0 <= dead_band < 1:
+        raise ValueError(f"need scale > 0 and 0 <= dead_band < 1; got {scale}, {dead_band}")
+    u = torch.tanh((scores_PG.double() - scores_PG.double().mean(-1, keepdim=True)) / scale)
+    return u.sign() * (u.abs() - dead_band).clamp(min=0) / (1 - dead_band)
+
+
+def adjust_rewards(correct_PG: torch.Tensor, shaping_PG: torch.Tensor, *, margin: float = 0.4) -> torch.Tensor:
+    """Final rewards [P, G] (or [G]) fp32: c + margin * min(p, 1 - p) * clamp(s, -1, 1), p = mean_g c.
+
+    correct_PG: 1 for correct, 0 for wrong. shaping_PG: reward-model, judge or penalty
+    score. With margin < 1/2 no correct response gets a non-positive group-relative
+    advantage and no wrong one a non-negative one (see the module docstring); all-zero
+    shaping returns the correctness unchanged. Raises ValueError on a margin outside
+    [0, 0.5), shapes that differ, or correctness other than 0/1.
+    """
+    if not 0 <= margin < 0.5:
+        raise ValueError(f"margin={margin} must lie in [0, 0.5), or a correct answer could get a negative advantage")
+    if correct_PG.shape != shaping_PG.shape:
+        raise ValueError(f"correct {tuple(correct_PG.shape)} and shaping {tuple(shaping_PG.shape)} must match")
+    c = correct_PG.double()
+    if not ((c == 0) | (c == 1)).all():
+        raise ValueError("correct must hold only 0 and 1")
+    p = c.mean(-1, keepdim=True)
+    return (c + margin * torch.minimum(p, 1 - p) * shaping_PG.double().clamp(-1, 1)).float()
+
+
+# ----------------------------------------------------------------------------- overlapped scoring
+
+def _call(fn: Callable[..., float], args: tuple) -> tuple[float, str]:
+    try:
+        value = float(fn(*args))
+    except Exception as e:  # a verifier's failure is reward 0, never a crash
+        return 0.0, f"error: {type(e).__name__}"
+    return (value, "ok") if math.isfinite(value) else (0.0, "error: non-finite reward")
+
+
+def _process_worker(conn, fn):
+    conn.send("ready")
+    while True:
+        try:
+            args = conn.recv()
+        except EOFError:
+            return
+        conn.send(_call(fn, args))
+
+
+class RewardPool:
+    """Scores submitted items on `workers` workers while the caller goes on (e.g. generating).
+
+    fn(*args) -> float is the verifier. Threads (default) suit verifiers that wait (a
+    sandbox subprocess, a remote model) or are quick; processes=True runs fn in spawned
+    worker processes (fn and args must pickle), where CPU-bound Python does not hold the
+    caller's GIL and math-verify's own timeouts work. Each item's timeout counts from when
+    a worker starts it. A timed-out thread is abandoned (it cannot be killed; it ends on
+    its own or with the process); a timed-out process is killed and replaced.
+    `counts` tallies the reasons: "ok", "timeout", "error: <exception type>".
+    """
+
+    def __init__(self, fn: Callable[..., float], *, workers: int, timeout_s: float, processes: bool = False):
+        if workers < 1 or timeout_s <= 0:
+            raise ValueError(f"need workers >= 1 and timeout_s > 0; got {workers}, {timeout_s}")
+        self.fn, self.timeout_s, self.processes = fn, timeout_s, processes
+        self.counts: Counter = Counter()
+        self._todo: queue.Queue = queue.Queue()
+        self._done: dict = {}
+        self._cond = threading.Condition()
+        self._runners = [threading.Thread(target=self._runner, daemon=True) for _ in range(workers)]
+        for t in self._runners:
+            t.start()
+
+    def submit(self, key, *args):
+        """Queue fn(*args) under `key` (hashable, unique among keys not yet gathered); returns at once."""
+        self._todo.put((key, args))
+
+    def gather(self, keys: list) -> tuple[list[float], list[str]]:
+        """Rewards and reasons for `keys`, in order, once all are scored; forgets them afterwards."""
+        with self._cond:
+            self._cond.wait_for(lambda: all(k in self._done for k in keys))
+            out = [self._done.pop(k) for k in keys]
+        return [r for r, _ in out], [why for _, why in out]
+
+    def close(self):
+        for _ in self._runners:
+            self._todo.put(None)
+        for t in self._runners:
+            t.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _runner(self):
+        worker = None  # (process, connection) in process mode
+        while (job := self._todo.get()) is not None:
+            key, args = job
+            try:
+                if self.processes:
+                    result, worker = self._in_process(args, worker)
+                else:
+                    result = self._in_thread(args)
+            except Exception as e:  # e.g. args that do not pickle: still a reward, never a lost item
+                result = (0.0, f"error: {type(e).__name__}")
+            with self._cond:
+                self._done[key] = result
+                self.counts[result[1]] += 1
+                self._cond.notify_all()
+        if worker is not None:
+            worker[0].kill()
+            worker[0].join()
+
+    def _in_thread(self, args: tuple) -> tuple[float, str]:
+        box = []
+        t = threading.Thread(target=lambda: box.append(_call(self.fn, args)), daemon=True)
+        t.start()
+        t.join(self.timeout_s)
+        return box[0] if box else (0.0, "timeout")
+
+    def _in_process(self, args: tuple, worker):
+        """Score in this runner's worker process (started on first use, replaced after a timeout or death)."""
+        try:
+            if worker is None:
+                ctx = multiprocessing.get_context("spawn")  # fork is unsafe in a process running torch threads
+                conn, child_conn = ctx.Pipe()
+                proc = ctx.Process(target=_process_worker, args=(child_conn, self.fn), daemon=True)
+                proc.start()
+                child_conn.close()
+                worker = (proc, conn)
+                conn.recv()  # "ready": start-up (imports) does not count against the item's timeout
+            proc, conn = worker
+            conn.send(args)
+            if conn.poll(self.timeout_s):
+                return conn.recv(), worker
+            reason = "timeout"
+        except (EOFError, OSError):
+            reason = "error: worker died"
+        if worker is not None:
+            worker[0].kill()
+            worker[0].join()
+        return (0.0, reason), None

@@ -3,11 +3,19 @@
 One run = a short cold-start SFT warm-up on the task's own demonstrations (the seed paper,
 arXiv 2512.07710, also starts RL from an SFT model), then the RL loop, each step:
 
-    prompts -> length buckets -> engine.generate (G per prompt: tokens, logprobs, routes)
-      -> reward -> after-rollout zero-variance filter -> group-relative advantages
-      -> old logprobs + entropy (no grad, routes replayed) -> mini-batches of packed
-         micro-batches: policy forward with the engine's routes replayed -> ESPO loss
-         -> AdamW step -> weight sync to the engine
+    prompts -> [stage 1: skip prompts recently all-correct or all-wrong]
+      -> length buckets -> engine.generate (G per prompt: tokens, logprobs, routes;
+         [stage 2: k probes first, the other G - k only where the probes' rewards differ])
+      -> reward ([workers score each generation batch while the next is generated];
+         [shaping by penalties or a reward model, inside the correctness class])
+      -> [more prompts while the batch lacks informative groups]
+      -> stage 3: zero-variance groups dropped [or kept with RL-ZVP token advantages]
+      -> group-relative advantages -> old logprobs + entropy (no grad, routes replayed)
+      -> mini-batches of packed micro-batches: policy forward with the engine's routes
+         replayed -> ESPO loss -> AdamW step -> weight sync to the engine
+
+Bracketed parts are off by default (see the filter and reward fields of TrainConfig);
+with them off a run is bitwise identical to one without them.
 
 with an eval on held-out prompts before RL, every `eval_every` steps and at the end: the
 sampled accuracy (mean binary reward of `eval_samples` completions per prompt at the
@@ -28,21 +36,25 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import itertools
 import json
 import math
 import os
+import random
 import runpy
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
 from espo import group_advantages, policy_loss, resolve_aggregation
-from filter import post_rollout_filter
+from filter import PromptHistory, Scored, StageConfig, collect_groups, post_rollout_filter, zvp_token_advantages
 from model import ModelConfig, Transformer, token_entropy, token_logprobs
-from reward import TaskMix, demonstration
+from reward import (RewardPool, StubRewardModel, TaskMix, adjust_rewards, demonstration, overlong_penalty,
+                    repetition_penalty, rm_score)
 from rollout import NativeEngine
 from scheduler import LengthPredictor, length_buckets, pack_microbatches
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, save_tokenizer, train_tokenizer
@@ -54,6 +66,8 @@ DEFAULT_TASKS = [
     ("basic_arithmetic", dict(min_terms=2, max_terms=4, min_digits=1, max_digits=1, operators=("+", "-"),
                               allow_parentheses=False, allow_negation=False)),
 ]
+STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds; stream 0 keeps the old seeds
+RM_SCORE_SCALE = 1.0  # reward-model score units per tanh unit in the shaping score (the stub's scores lie in [-1, 1])
 
 @dataclass
 class TrainConfig:
@@ -152,6 +166,38 @@ class TrainConfig:
     """IcePop upper bound b (5.0 in Ring-1T); 0 = off."""
     router_replay: bool = True
     """Replay the engine's routed experts in every trainer forward (R3)."""
+    # zero-variance elimination (filter.py): the defaults run none of stages 1-2 and drop zero-variance groups
+    skip_prob: float = 0.0
+    """Stage 1: probability of skipping a prompt last seen all-correct or all-wrong, at once (0 = off)."""
+    skip_half_life: float = 200.0
+    """Stage 1: RL steps over which that skip probability halves, so skipped prompts come back."""
+    pass_rate_file: str = ""
+    """Stage 1: JSONL of {"id": question, "pass_rate": p} (e.g. from a smaller model), read once ("" = none)."""
+    probe_size: int = 0
+    """Stage 2: probe rollouts k per prompt; the other G - k are generated only if their rewards differ (0 = off)."""
+    enlarged_group_size: int = 0
+    """Stage 2: rollouts for prompts whose probes differ, >= group_size (0 = group_size)."""
+    zero_variance: str = "drop"
+    """Stage 3: 'drop' zero-variance groups, or 'rl-zvp' to train on them with entropy-shaped token advantages."""
+    zvp_alpha: float = 0.1
+    """RL-ZVP scale a: all correct A_t = a H_t, all wrong A_t = -a (max H - H_t) (arXiv 2509.21880)."""
+    oversample_rounds: int = 0
+    """Extra rounds of prompts drawn per step until prompts_per_step groups are informative (0 = none)."""
+    # rewards (reward.py): shaping enters inside the correctness class, so no advantage inversion
+    overlong_buffer: int = 0
+    """DAPO soft overlong penalty: tokens before max_new_tokens where it ramps from 0 to -1 (0 = off)."""
+    repetition_weight: float = 0.0
+    """Weight of the repeated-4-gram penalty in the shaping score (0 = off)."""
+    reward_model: str = ""
+    """Reward model mixed into the shaping score: '' (none) or 'stub' (deterministic noise, to test the wiring)."""
+    rm_weight: float = 0.5
+    """Weight of the reward model's score in the shaping score."""
+    shaping_margin: float = 0.4
+    """Shaping scale m < 1/2 in r = correct + m min(p, 1 - p) s."""
+    reward_workers: int = 0
+    """Threads that score rollouts while generation goes on (0 = score inline after generating)."""
+    reward_timeout_s: float = 30.0
+    """Per-rollout scoring limit; a timeout or an exception gives reward 0, counted in the metrics."""
     eval_every: int = 50
     """RL steps between evals."""
     eval_samples: int = 4
@@ -315,15 +361,46 @@ def sft(model, tok, task: TaskMix, order: list[int], cfg: TrainConfig, log) -> i
     return used
 
 
-def generate_rollouts(engine: NativeEngine, prompts: list[list[int]], predicted: list[float], cfg: TrainConfig, seed: int):
-    """Rollouts of every prompt, G each, generated in batches of similar predicted length."""
-    per_batch = max(1, cfg.gen_batch_rows // cfg.group_size)
+def generate_rollouts(engine: NativeEngine, prompts: list[list[int]], predicted: list[float], cfg: TrainConfig, seed: int,
+                      *, n: int | None = None, stream: int = 0, on_rollouts=None):
+    """Rollouts of every prompt, n each (default G), generated in batches of similar predicted length.
+
+    stream: which of a step's generate rounds this is (probes, the rest, over-sampling),
+    so each draws its own random numbers. on_rollouts(batch) sees each batch as it is
+    generated (to start scoring it while the next one is generated).
+    """
+    n = cfg.group_size if n is None else n
+    per_batch = max(1, cfg.gen_batch_rows // n)
     rollouts = []
     for b, bucket in enumerate(length_buckets(predicted, per_batch)):
-        rollouts += engine.generate([prompts[i] for i in bucket], n=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-                                    temperature=cfg.temperature, top_p=cfg.top_p, seed=seed * 1000 + b, group_ids=bucket)
+        batch = engine.generate([prompts[i] for i in bucket], n=n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                top_p=cfg.top_p, seed=seed * 1000 + b + stream * STREAM_SEED_STRIDE, group_ids=bucket)
+        if on_rollouts is not None:
+            on_rollouts(batch)
+        rollouts += batch
     rollouts.sort(key=lambda r: r.group_id)  # stable: keeps each group's sample order
     return rollouts
+
+
+def sample_groups(engine, tok, task, items, n: int, predictor, cfg: TrainConfig, step: int, stream: int, pool):
+    """n scored rollouts of each item (filter.Scored, payload = the Rollout) and the scoring reasons.
+
+    With a RewardPool each generation batch is scored while the next one is generated.
+    """
+    prompts = [encode_prompt(tok, it.question) for it in items]
+    predicted = [len(p) + predictor.predict(it.question) for p, it in zip(prompts, items)]
+    submit = None
+    if pool is not None:
+        def submit(batch):  # rollouts of a prompt come out in order, so (group, j) names each one
+            for j, r in enumerate(batch):
+                pool.submit((stream, r.group_id, j % n), completion_text(tok, r), items[r.group_id])
+    rollouts = generate_rollouts(engine, prompts, predicted, cfg, seed=cfg.seed + step, n=n, stream=stream, on_rollouts=submit)
+    if pool is not None:
+        rewards, reasons = pool.gather([(stream, i, j) for i in range(len(items)) for j in range(n)])
+    else:
+        rewards, reasons = [task.score(completion_text(tok, r), items[r.group_id]) for r in rollouts], []
+    scored = [Scored(w, len(r.completion_ids), r) for w, r in zip(rewards, rollouts)]
+    return [scored[i * n:(i + 1) * n] for i in range(len(items))], reasons
 
 
 def completion_text(tok, r) -> str:
@@ -362,6 +439,19 @@ class TrainBatch:
     routes: list[torch.Tensor]  # [len(seqs[i]) - 1, L, K] routed experts recorded by the engine
     adv_B: torch.Tensor  # one advantage per sequence
     infer_logp: list[torch.Tensor] | None = None  # [len(completion)] the engine's log pi_infer of each completion token
+    adv_tokens: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] token advantages (RL-ZVP)
+
+    def advantages(self, idx: list[int], T: int) -> torch.Tensor:
+        """Advantages of sequences idx: [b] per sequence, or [b, T] per token when any of them has token advantages."""
+        if not any(i in self.adv_tokens for i in idx):
+            return self.adv_B[idx]
+        adv_bT = self.adv_B[idx][:, None].repeat(1, T)
+        for j, i in enumerate(idx):
+            if i in self.adv_tokens:
+                a = self.adv_tokens[i]
+                adv_bT[j] = 0.0
+                adv_bT[j, :len(a)] = a
+        return adv_bT
 
     def micro(self, idx: list[int], cfg: TrainConfig, pad_id: int):
         """inputs, targets, loss mask [B, T] and routes to replay [B, T, L, K] (or None) for sequences idx."""
@@ -425,7 +515,7 @@ def policy_update(model, opt, batch: TrainBatch, old_logp, old_ent, cfg: TrainCo
                     ref_logp = token_logprobs(ref_model(inputs, routed_experts=routes)[0], targets, cfg.temperature)
             loss, lm = policy_loss(
                 token_logprobs(logits, targets, cfg.temperature), pad_rows([old_logp[i] for i in idx], T),
-                batch.adv_B[idx].to(cfg.device), mask, loss_type=cfg.loss_type,
+                batch.advantages(idx, T).to(cfg.device), mask, loss_type=cfg.loss_type,
                 old_entropy_BT=pad_rows([old_ent[i] for i in idx], T), vocab_size=cfg.model.vocab_size,
                 espo_alpha=cfg.espo_alpha, espo_top_frac=cfg.espo_top_frac, espo_num_groups=cfg.espo_num_groups,
                 clip_eps_low=cfg.clip_eps_low if cfg.clip_eps_low >= 0 else None,
@@ -444,25 +534,91 @@ def policy_update(model, opt, batch: TrainBatch, old_logp, old_ent, cfg: TrainCo
     return m
 
 
-def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, step: int, ref_model=None) -> dict:
-    """One RL step over `items` (prompts): rollout, reward, filter, advantages, update, sync. Returns metrics."""
+@dataclass
+class RLState:
+    """What the RL loop carries from step to step besides the model: prompt history, scorers, RNG."""
+    history: PromptHistory = field(default_factory=PromptHistory)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))  # stage 1 only; apart from torch's RNG
+    pool: RewardPool | None = None
+    reward_model: object = None  # reward.RewardModel
+
+
+def stage_config(cfg: TrainConfig) -> StageConfig:
+    return StageConfig(group_size=cfg.group_size, skip_prob=cfg.skip_prob, skip_half_life=cfg.skip_half_life,
+                       probe_size=cfg.probe_size, enlarged_group_size=cfg.enlarged_group_size,
+                       oversample_rounds=cfg.oversample_rounds, keep_zero_variance=cfg.zero_variance == "rl-zvp")
+
+
+def final_rewards(groups, correct: list[torch.Tensor], cfg: TrainConfig, rm, tok) -> list[torch.Tensor]:
+    """Per group, the correctness plus shaping (penalties, reward model) kept inside the correctness class."""
+    if not (cfg.overlong_buffer or cfg.repetition_weight or rm is not None):
+        return correct
+    out = []
+    for (item, group), c in zip(groups, correct):
+        ids = [s.payload.completion_ids for s in group]
+        s_G = torch.zeros(len(group), dtype=torch.float64)
+        if cfg.overlong_buffer:
+            s_G += torch.tensor([overlong_penalty(len(x), max_len=cfg.max_new_tokens, buffer=cfg.overlong_buffer) for x in ids])
+        if cfg.repetition_weight:
+            s_G += cfg.repetition_weight * torch.tensor([repetition_penalty(x) for x in ids])
+        if rm is not None:
+            texts = [completion_text(tok, s.payload) for s in group]
+            scores = torch.tensor(rm.score([item.question] * len(group), texts), dtype=torch.float64)
+            s_G += cfg.rm_weight * rm_score(scores, scale=RM_SCORE_SCALE)
+        out.append(adjust_rewards(c, s_G, margin=cfg.shaping_margin))
+    return out
+
+
+def group_advantages_ragged(rewards: list[torch.Tensor], cfg: TrainConfig) -> list[torch.Tensor]:
+    """group_advantages of groups that may differ in size: one batched call per size."""
+    adv = [None] * len(rewards)
+    for size in sorted({len(r) for r in rewards}):
+        idx = [i for i, r in enumerate(rewards) if len(r) == size]
+        for i, a in zip(idx, group_advantages(torch.stack([rewards[i] for i in idx]), scale_by_std=cfg.adv_scale_by_std,
+                                                         std_over=cfg.adv_std_over)):
+            adv[i] = a
+    return adv
+
+
+def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, step: int, state: RLState | None = None,
+            draw=None, ref_model=None) -> dict:
+    """One RL step over `items` (prompts): stages 1-2 of the filter while generating and scoring (with
+    over-sampling from draw(n) if configured), stage 3, advantages, update, sync. Returns metrics.
+    ref_model: the frozen reference policy of the KL penalty (needed when cfg.kl_coef != 0)."""
     t0 = time.perf_counter()
-    prompts = [encode_prompt(tok, it.question) for it in items]
-    predicted = [len(p) + predictor.predict(it.question) for p, it in zip(prompts, items)]
-    rollouts = generate_rollouts(engine, prompts, predicted, cfg, seed=cfg.seed + step)
+    state = state or RLState()
+    streams, reasons = itertools.count(), Counter()
+
+    def sample(batch_items, n):  # each call is a generate round of its own: probes, the rest, over-sampling
+        groups, why = sample_groups(engine, tok, task, batch_items, n, predictor, cfg, step, next(streams), state.pool)
+        reasons.update(why)
+        return groups
+
+    groups, counts = collect_groups(items, sample, state.history, step, stage_config(cfg), key=lambda it: it.question,
+                                    predicted_tokens=lambda it: predictor.predict(it.question), rng=state.rng, draw=draw,
+                                    target=len(items))
     t_gen = time.perf_counter() - t0
-    rewards = torch.tensor([task.score(completion_text(tok, r), items[r.group_id]) for r in rollouts])
-    lengths = torch.tensor([len(r.completion_ids) for r in rollouts])
-    for r in rollouts:
-        predictor.observe(items[r.group_id].question, len(r.completion_ids))
-    rewards_PG, lengths_PG = rewards.view(-1, cfg.group_size), lengths.view(-1, cfg.group_size)
-    keep_P, fstats = post_rollout_filter(rewards_PG, lengths_PG)
-    # rollouts are group-major, so the flattened advantages line up with them
-    adv = group_advantages(rewards_PG, scale_by_std=cfg.adv_scale_by_std, std_over=cfg.adv_std_over).flatten()
-    m = {"stage": "rl", "step": step, "reward": rewards.mean().item(), "completion_len": lengths.float().mean().item(),
+    rollouts = [s.payload for _, g in groups for s in g]
+    for (item, g) in groups:
+        for s in g:
+            predictor.observe(item.question, s.num_tokens)
+    correct = [torch.tensor([s.reward for s in g]) for _, g in groups]
+    lengths = [torch.tensor([s.num_tokens for s in g]) for _, g in groups]
+    rewards = final_rewards(groups, correct, cfg, state.reward_model, tok)
+    keep_P, fstats = post_rollout_filter(rewards, lengths, correct)
+    zero_var_P = ~keep_P
+    if cfg.zero_variance == "rl-zvp":  # nothing is dropped: zero-variance groups are reshaped instead
+        keep_P = torch.ones_like(keep_P)
+        fstats.update(zvp_groups=fstats["groups_dropped"], groups_dropped=0, rollouts_dropped=0, tokens_dropped=0)
+    adv = torch.cat(group_advantages_ragged(rewards, cfg))  # rollouts are group-major, so this lines up with them
+    group_of = [p for p, (_, g) in enumerate(groups) for _ in g]
+    correct_flat = torch.cat(correct)
+    m = {"stage": "rl", "step": step, "reward": correct_flat.mean().item(), "completion_len": torch.cat(lengths).float().mean().item(),
          "stop_frac": sum(r.finish_reason == "stop" for r in rollouts) / len(rollouts), "t_generate": t_gen,
-         **{f"filter/{k}": v for k, v in fstats.items()}}
-    kept = [i for i, r in enumerate(rollouts) if keep_P[r.group_id]]
+         **{f"filter/{k}": v for k, v in fstats.items()}, **{f"filter/{k}": v for k, v in counts.items()},
+         "filter/rollouts_generated": len(rollouts), "filter/tokens_generated": int(torch.cat(lengths).sum()),
+         "reward/timeouts": reasons["timeout"], "reward/errors": sum(v for k, v in reasons.items() if k.startswith("error"))}
+    kept = [i for i in range(len(rollouts)) if keep_P[group_of[i]]]
     if not kept:
         m["skipped_update"] = 1
         return m
@@ -473,6 +629,13 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
                        routes=[rollouts[i].routes for i in kept], adv_B=adv[kept],
                        infer_logp=[rollouts[i].logprobs for i in kept])
     old_logp, old_ent, mismatch = old_policy(model, batch, [rollouts[i].logprobs for i in kept], cfg, pad_id)
+    for j, i in enumerate(kept):  # RL-ZVP: zero-variance groups learn from token entropy instead
+        if zero_var_P[group_of[i]]:
+            n, s = len(batch.seqs[j]) - 1, batch.starts[j] - 1
+            a = torch.zeros(n)
+            a[s:] = zvp_token_advantages(old_ent[j][s:n].cpu(), correct=bool(correct_flat[i] > 0), alpha=cfg.zvp_alpha)
+            batch.adv_tokens[j] = a
+    m["filter/zvp_sequences"] = len(batch.adv_tokens)
     m.update(mismatch)
     m.update(policy_update(model, opt, batch, old_logp, old_ent, cfg, step, pad_id, ref_model=ref_model))
     engine.update_weights(model.named_parameters(), version=step + 1)
@@ -533,6 +696,13 @@ def main(cfg: TrainConfig) -> dict:
     t_start = time.perf_counter()
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
+    if cfg.zero_variance not in ("drop", "rl-zvp") or cfg.reward_model not in ("", "stub"):
+        raise ValueError(f"zero_variance={cfg.zero_variance!r} (valid: 'drop', 'rl-zvp'), "
+                         f"reward_model={cfg.reward_model!r} (valid: '', 'stub')")
+    if not 0 <= cfg.shaping_margin < 0.5 or not 0 <= cfg.overlong_buffer <= cfg.max_new_tokens:
+        raise ValueError(f"need 0 <= shaping_margin < 0.5 and 0 <= overlong_buffer <= max_new_tokens; "
+                         f"got {cfg.shaping_margin}, {cfg.overlong_buffer}")
+    stage_config(cfg)  # raises on bad filter settings now, not after the SFT warm-up
     if cfg.eval_seed - cfg.train_seed <= cfg.train_size:
         raise ValueError(f"eval_seed={cfg.eval_seed} overlaps the training items: it must exceed "
                          f"train_seed + train_size = {cfg.train_seed + cfg.train_size}")
@@ -583,16 +753,29 @@ def main(cfg: TrainConfig) -> dict:
     # the KL penalty's reference: a frozen copy of the policy as RL starts, kept only when used
     ref_model = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef != 0 else None
     predictor = LengthPredictor(prior=cfg.max_new_tokens / 2)
+    state = RLState(rng=random.Random(cfg.seed), reward_model=StubRewardModel() if cfg.reward_model == "stub" else None,
+                    pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+                    if cfg.reward_workers else None)
+    if cfg.pass_rate_file:
+        print(f"stage 1: {state.history.load_offline(cfg.pass_rate_file)} offline pass rates from {cfg.pass_rate_file}")
+
+    def draw(n: int) -> list:
+        """The next n training prompts (the step's own, then any over-sampling)."""
+        nonlocal used
+        out = [task[order[(used + i) % len(order)]] for i in range(n)]
+        used += n
+        return out
+
     bar = tqdm(range(cfg.rl_steps), desc="rl", dynamic_ncols=True)
     for step in bar:
-        items = [task[order[(used + i) % len(order)]] for i in range(cfg.prompts_per_step)]
-        used += cfg.prompts_per_step
-        m = rl_step(model, opt, engine, tok, task, items, predictor, cfg, step, ref_model=ref_model)
+        m = rl_step(model, opt, engine, tok, task, draw(cfg.prompts_per_step), predictor, cfg, step, state, draw, ref_model=ref_model)
         m["time"] = time.perf_counter() - t_start
         log(m)
         bar.set_postfix(reward=f"{m['reward']:.2f}", zv=f"{m['filter/zero_variance_frac']:.2f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.rl_steps:
             after_rl = run_eval(step + 1)
+    if state.pool is not None:
+        state.pool.close()
     log_file.close()
     save_checkpoint(model, cfg, cfg.out_dir)
     plot(records, os.path.join(cfg.out_dir, "plot.png"))

@@ -3,7 +3,7 @@ import torch
 
 from filter import post_rollout_filter
 from reward import Item, TaskMix, demonstration
-from scheduler import LengthPredictor, length_buckets, pack_microbatches
+from scheduler import LengthPredictor, Pipeline, balance, length_buckets, pack_microbatches
 
 
 def test_post_rollout_filter_drops_zero_variance_groups_and_counts_them():
@@ -69,9 +69,72 @@ def test_pack_microbatches_respects_padded_token_budget():
     assert [5] in batches  # longer than the budget: alone
 
 
-def test_length_predictor_uses_history_then_global_mean_then_prior():
+def test_length_predictor_uses_history_then_task_bucket_then_global_mean_then_prior():
     p = LengthPredictor(prior=12.0)
     assert p.predict("a") == 12.0
-    p.observe("a", 4)
-    p.observe("a", 6)
-    assert p.predict("a") == 5.0 and p.predict("b") == 5.0
+    p.observe("a", 4, task="sum", prompt_len=10)
+    p.observe("a", 6, task="sum", prompt_len=20)
+    p.observe("z", 20, task="code", prompt_len=10)
+    assert p.predict("a") == 5.0  # its own history
+    assert p.predict("b", task="sum", prompt_len=30) == 5.0  # same task, same prompt-length bucket
+    assert p.predict("c", task="math", prompt_len=10) == 10.0  # unseen task: mean of everything
+    q = LengthPredictor(prior=1.0)
+    q.load_state_dict(p.state_dict())
+    assert q.predict("b", task="sum", prompt_len=30) == 5.0 and q.predict("a") == 5.0
+
+
+def test_balance_assigns_longest_first_to_least_loaded_worker():
+    costs = [1, 9, 2, 8, 3, 7, 4, 6, 5, 30]
+    workers = balance(costs, 3)
+    loads = sorted(sum(costs[i] for i in w) for w in workers)
+    assert sorted(i for w in workers for i in w) == list(range(10))
+    assert loads == [22, 23, 30]  # the 30 alone; the rest split evenly: the optimal makespan here
+    round_robin = max(sum(costs[i::3]) for i in range(3))
+    assert max(loads) < round_robin
+    with pytest.raises(ValueError, match="num_workers"):
+        balance(costs, 0)
+
+
+def run_pipeline(max_staleness, steps=5):
+    import threading
+    engine_version, events, lock = [0], [], threading.Lock()
+
+    def produce(step):
+        with lock:
+            events.append(("produce", step, engine_version[0]))
+        return step
+
+    def apply(weights, version):
+        engine_version[0] = version
+
+    pipe = Pipeline(produce, apply, steps=steps, max_staleness=max_staleness, timeout=10)
+    for step in range(steps):
+        assert pipe.next() == step
+        with lock:
+            events.append(("train", step, None))
+        pipe.publish(weights=None, version=step + 1)
+    pipe.close()
+    return events
+
+
+def test_pipeline_with_staleness_zero_is_synchronous_on_policy():
+    events = run_pipeline(0)
+    produced = [(s, v) for kind, s, v in events if kind == "produce"]
+    assert produced == [(s, s) for s in range(5)]  # batch s always from weights version s
+    assert [k for k, *_ in events] == ["produce", "train"] * 5
+
+
+def test_pipeline_with_staleness_one_never_uses_weights_older_than_one_step():
+    events = run_pipeline(1)
+    produced = [(s, v) for kind, s, v in events if kind == "produce"]
+    assert all(s - 1 <= v <= s for s, v in produced)
+
+
+def test_pipeline_reraises_a_producer_error_in_the_trainer():
+    def produce(step):
+        raise RuntimeError("engine fell over")
+
+    pipe = Pipeline(produce, lambda w, v: None, steps=3, max_staleness=1, timeout=10)
+    with pytest.raises(RuntimeError, match="engine fell over"):
+        pipe.next()
+    pipe.close()

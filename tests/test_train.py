@@ -35,6 +35,17 @@ def test_bad_overrides_are_value_errors_that_say_what_is_valid(override, match):
         train.load_config(None, [override])
 
 
+@pytest.mark.parametrize("override, match", [
+    ("probe_size=1", "probe_size"),
+    ("enlarged_group_size=12", "needs probe_size"),
+    ("zero_variance=keep", "zero_variance"),
+    ("shaping_margin=0.5", "shaping_margin"),
+])
+def test_bad_filter_or_reward_settings_fail_before_any_training(override, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        train.main(train.load_config(None, [override, f"out_dir={tmp_path}"]))
+
+
 def test_unknown_key_in_config_file_names_close_matches(tmp_path):
     path = write_config(tmp_path, "group_sise = 4\n")
     with pytest.raises(ValueError, match="did you mean group_size"):
@@ -115,6 +126,64 @@ def test_rl_step_replays_engine_routes_updates_the_policy_and_syncs_the_engine(t
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     for (n, p), (_, q) in zip(model.named_parameters(), engine.model.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_rl_step_with_every_stage_on_trains_and_counts_what_each_stage_saved(tmp_path):
+    from reward import Item, StubRewardModel
+    from rollout import NativeEngine
+    from scheduler import LengthPredictor
+    from tokenizer import EOS, PAD, build_tokenizer
+
+    cfg = train.load_config(write_config(tmp_path, MICRO), [
+        "temperature=1.5", "skip_prob=1.0", "probe_size=2", "enlarged_group_size=6", "oversample_rounds=2",
+        "zero_variance=rl-zvp", "reward_workers=2", "overlong_buffer=4", "repetition_weight=0.5"])
+    tok = build_tokenizer(cfg.model.vocab_size)
+    model = Transformer(cfg.model)
+    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
+    engine.update_weights(model.named_parameters(), version=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pool = train.RewardPool(ParityTask().score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+    state = train.RLState(pool=pool, reward_model=StubRewardModel())
+    fresh = (Item(f"question {i}", "0", 0, i) for i in range(1000))
+    draw = lambda n: [next(fresh) for _ in range(n)]  # noqa: E731
+    predictor = LengthPredictor(4.0)
+    with pool:
+        m0 = train.rl_step(model, opt, engine, tok, ParityTask(), draw(4), predictor, cfg, 0, state, draw)
+        state.history.observe("question 1000", 1.0, step=0)  # a prompt stage 1 must skip at step 1
+        m1 = train.rl_step(model, opt, engine, tok, ParityTask(), [Item("question 1000", "0", 0, 0)] + draw(3),
+                           predictor, cfg, 1, state, draw)
+    assert m1["filter/stage1_prompts_skipped"] >= 1 and m1["filter/stage1_rollouts_saved"] >= cfg.group_size
+    for m in (m0, m1):
+        assert "skipped_update" not in m and m["reward/timeouts"] == m["reward/errors"] == 0
+        groups = m["filter/groups"]
+        stopped = m["filter/stage2_prompts_stopped"]
+        # stopped prompts keep their 2 probes, the others get the enlarged 6
+        assert m["filter/rollouts_generated"] == 2 * stopped + 6 * (groups - stopped)
+        assert m["trained_sequences"] == m["filter/rollouts_generated"]  # RL-ZVP trains on every group
+        assert m["filter/rollouts_dropped"] == 0 and m["filter/zvp_sequences"] >= 2 * m["filter/zvp_groups"]
+    assert engine.weight_version == 2
+
+
+def test_token_advantages_replace_a_sequences_advantage_only_where_given():
+    batch = train.TrainBatch(seqs=[[1, 2, 3], [4, 5, 6, 7]], starts=[1, 2], routes=[None, None],
+                             adv_B=torch.tensor([0.5, -1.0]))
+    assert batch.advantages([0, 1], 3).tolist() == [0.5, -1.0]
+    batch.adv_tokens[1] = torch.tensor([0.0, 0.2, 0.3])
+    assert torch.equal(batch.advantages([0, 1], 3), torch.tensor([[0.5, 0.5, 0.5], [0.0, 0.2, 0.3]]))
+
+
+@pytest.mark.parametrize("loss_type", ["espo", "grpo"])
+def test_policy_loss_with_constant_token_advantages_equals_sequence_advantages(loss_type):
+    from espo import policy_loss
+    B, T, V = 3, 5, 11
+    logp = torch.randn(B, T, requires_grad=True)
+    old, ent, adv = logp.detach() + 0.1 * torch.randn(B, T), torch.rand(B, T), torch.randn(B)
+    mask = torch.ones(B, T)
+    mask[0, 3:] = 0
+    kw = dict(loss_type=loss_type, old_entropy_BT=ent, vocab_size=V)
+    seq, _ = policy_loss(logp, old, adv, mask, **kw)
+    tok, _ = policy_loss(logp, old, adv[:, None].expand(B, T), mask, **kw)
+    assert torch.allclose(seq, tok, atol=0, rtol=1e-6)
 
 
 def test_engine_logprobs_line_up_with_the_loss_mask():

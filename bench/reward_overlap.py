@@ -1,0 +1,117 @@
+"""Reward overlap: the fraction of reward time hidden behind generation by reward.RewardPool.
+
+The verifier takes `--verifier-ms` per rollout and waits rather than computes (time.sleep),
+as a sandboxed code run or a remote reward model does. The rollouts come from the tiny
+config's model shape (random weights, EOS never sampled, so every row runs to the token
+limit) through train.generate_rollouts, `--batches` generation batches of
+`--rows` rows. Three runs in one process:
+
+- generation alone: T_gen;
+- generation, then scoring with the pool (the same workers, no overlap): the scoring
+  part, T_reward, is what rewards add to a step when they do not overlap;
+- generation with the pool scoring each batch as soon as it is generated: T_overlap.
+
+Hidden fraction = 1 - (T_overlap - T_gen) / T_reward. Only the last batch's rewards
+cannot hide. Also reported against scoring inline on the caller's thread (train.py with
+reward_workers=0), whose reward time is rollouts x verifier time.
+
+    python bench/reward_overlap.py [--verifier-ms 50 --workers 16 --batches 16 --rows 64 --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
+from reward import RewardPool  # noqa: E402
+from rollout import NativeEngine  # noqa: E402
+
+NO_EOS = -1  # an id never sampled, so every row runs to the token limit
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--verifier-ms", type=float, default=50.0)
+    ap.add_argument("--workers", type=int, default=16, help="RewardPool threads")
+    ap.add_argument("--batches", type=int, default=16, help="generation batches")
+    ap.add_argument("--rows", type=int, default=64, help="rows (prompts x G) per generation batch")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    mcfg = ModelConfig(vocab_size=336, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, num_experts=8,
+                       top_k=2, moe_inter_dim=128, max_seq_len=args.prompt_len + args.new_tokens)
+    cfg = train.TrainConfig(model=mcfg, group_size=args.group_size, gen_batch_rows=args.rows,
+                            max_new_tokens=args.new_tokens)
+    engine = NativeEngine(mcfg, eos_id=NO_EOS, pad_id=0)
+    engine.update_weights(Transformer(mcfg).named_parameters(), version=0)
+    num_prompts = args.batches * (args.rows // args.group_size)
+    prompts = torch.randint(1, mcfg.vocab_size, (num_prompts, args.prompt_len)).tolist()
+    predicted = [float(args.prompt_len)] * num_prompts
+    delay = args.verifier_ms / 1000
+
+    def verifier(tokens: list[int]) -> float:
+        time.sleep(delay)
+        return float(len(tokens) % 2)
+
+    def generate(on_rollouts=None):
+        return train.generate_rollouts(engine, prompts, predicted, cfg, seed=0, on_rollouts=on_rollouts)
+
+    generate()  # warm-up
+    t = time.perf_counter()
+    rollouts = generate()
+    t_gen = time.perf_counter() - t
+
+    with RewardPool(verifier, workers=args.workers, timeout_s=60) as pool:
+        generate()
+        t = time.perf_counter()
+        for i, r in enumerate(rollouts):
+            pool.submit(i, r.completion_ids)
+        after, _ = pool.gather(list(range(len(rollouts))))
+        t_reward = time.perf_counter() - t
+
+        keys = iter(range(len(rollouts)))
+
+        def submit(batch):
+            for r in batch:
+                pool.submit(next(keys), r.completion_ids)
+
+        t = time.perf_counter()
+        generate(on_rollouts=submit)
+        overlapped, reasons = pool.gather(list(range(len(rollouts))))
+        t_overlap = time.perf_counter() - t
+    assert reasons == ["ok"] * len(rollouts) and sorted(overlapped) == sorted(after)
+
+    t_inline = len(rollouts) * delay
+    exposed = max(0.0, t_overlap - t_gen)
+    results = {
+        "config": vars(args), "rollouts": len(rollouts), "generate_s": t_gen, "reward_after_generate_s": t_reward,
+        "generate_with_overlapped_reward_s": t_overlap, "reward_inline_s": t_inline,
+        "hidden_fraction": 1 - exposed / t_reward, "hidden_fraction_vs_inline": 1 - exposed / t_inline,
+    }
+    print(f"{'run':<44}{'seconds':>9}")
+    for name, value in (("generate", t_gen), (f"reward after generate ({args.workers} workers)", t_reward),
+                        ("generate with overlapped reward", t_overlap), ("reward inline, one thread (computed)", t_inline)):
+        print(f"{name:<44}{value:>9.2f}")
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "reward_overlap.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"{results['hidden_fraction']:.1%} of reward time hidden behind generation ({len(rollouts)} rollouts, "
+          f"{args.verifier_ms:.0f} ms verifier, {args.workers} workers; {results['hidden_fraction_vs_inline']:.1%} of "
+          f"inline scoring's; target >= 90%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Zero-variance elimination: generated tokens per informative group, staged against DAPO dynamic sampling.
+
+Both pipelines fill each step with `batch` informative groups (groups whose G rewards
+differ), drawing prompts in rounds until the step is full (`filter.collect_groups`); they
+differ only in what runs before and during generation:
+
+- baseline, DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): every drawn prompt gets
+  all G rollouts; zero-variance groups are dropped afterwards;
+- staged (filter.py): stage 1 skips prompts last seen all-correct or all-wrong, stage 2
+  generates k probes first and stops prompts whose probes agree, stage 3 drops the rest.
+
+Two policies, each measured with both pipelines in the same run:
+
+1. simulated: `--prompts` prompts with pass rates drawn from Beta(0.3, 0.3) (U-shaped:
+   most prompts are nearly always or nearly never solved, as in RL datasets) and mean
+   completion lengths lognormal around 400 tokens; a rollout's reward is Bernoulli(p);
+2. the tiny model on its task (configs/tiny.py's model and tasks): `--sft-steps` of SFT
+   from random init, or the weights of `--init-from` (a train.py output dir), then a
+   pool of `--tiny-pool` prompts revisited over the steps, so stage 1 has a history.
+
+Both policies are held fixed while measured (no RL updates), which favours stage 1: a
+prompt's pass rate does not drift between visits. The zero-variance rate is reported
+after each stage: the fraction of zero-variance groups among the prompts drawn (every
+prompt with its full group: the baseline's), among the prompts that went to rollout
+(a prompt stopped by its agreeing probes counts as zero-variance), among the groups
+generated in full, and among the groups trained on (0: stage 3 drops the rest).
+
+    python bench/zve.py [--steps 200 --tiny-steps 12 --init-from out/tiny --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from filter import PromptHistory, Scored, StageConfig, collect_groups, is_informative  # noqa: E402
+
+BETA = 0.3  # Beta(BETA, BETA) pass rates: U-shaped
+MEAN_TOKENS = 400  # simulated completion length scale
+
+
+def run_pipeline(cfg: StageConfig, draw, sample, key, predicted_tokens, *, steps: int, batch: int, seed: int) -> dict:
+    """Totals over `steps` steps of collect_groups, plus the zero-variance rate after each stage."""
+    history, rng = PromptHistory(), random.Random(seed)
+    t = {"rollouts": 0, "tokens": 0, "informative": 0, "drawn": 0, "rolled_out": 0, "rolled_out_zv": 0, "full": 0,
+         "full_zv": 0, "skipped": 0, "stopped": 0}
+    for step in range(steps):
+        groups, counts = collect_groups(draw(batch), sample, history, step, cfg, key=key, predicted_tokens=predicted_tokens,
+                                        rng=rng, draw=draw, target=batch)
+        full = [g for _, g in groups if len(g) >= cfg.group_size]
+        t["rollouts"] += sum(len(g) for _, g in groups)
+        t["tokens"] += sum(s.num_tokens for _, g in groups for s in g)
+        t["informative"] += counts["groups_informative"]
+        t["drawn"] += counts["prompts_drawn"]
+        t["rolled_out"] += len(groups)
+        t["rolled_out_zv"] += sum(not is_informative(g) for _, g in groups)
+        t["full"] += len(full)
+        t["full_zv"] += sum(not is_informative(g) for g in full)
+        t["skipped"] += counts["stage1_prompts_skipped"]
+        t["stopped"] += counts["stage2_prompts_stopped"]
+    t["tokens_per_informative"] = t["tokens"] / max(1, t["informative"])
+    t["zv_after_stage1"] = t["rolled_out_zv"] / max(1, t["rolled_out"])
+    t["zv_after_stage2"] = t["full_zv"] / max(1, t["full"])
+    t["zv_after_stage3"] = 0.0
+    return t
+
+
+def compare(make_draw, sample, key, predicted_tokens, args, *, steps: int) -> dict:
+    """Baseline and staged pipelines over the same prompt order and policy."""
+    base = StageConfig(group_size=args.group_size, oversample_rounds=args.rounds)
+    staged = StageConfig(group_size=args.group_size, skip_prob=args.skip_prob, skip_half_life=args.half_life,
+                         probe_size=args.probes, oversample_rounds=args.rounds)
+    out = {}
+    for name, cfg in (("dapo", base), ("staged", staged)):
+        t0 = time.perf_counter()
+        out[name] = run_pipeline(cfg, make_draw(), sample, key, predicted_tokens, steps=steps, batch=args.batch,
+                                 seed=args.seed)
+        out[name]["seconds"] = time.perf_counter() - t0
+    out["dapo"]["zv_drawn"] = out["dapo"]["zv_after_stage1"]  # every drawn prompt went to rollout in full
+    out["ratio"] = out["staged"]["tokens_per_informative"] / out["dapo"]["tokens_per_informative"]
+    return out
+
+
+def cycler(order: list):
+    """draw(n) over `order`, round and round (epochs), from the start."""
+    def make():
+        it = itertools.cycle(order)
+        return lambda n: [next(it) for _ in range(n)]
+    return make
+
+
+def simulated(args) -> dict:
+    rng = random.Random(args.seed)
+    pass_rate = [rng.betavariate(BETA, BETA) for _ in range(args.prompts)]
+    length = [rng.lognormvariate(math.log(MEAN_TOKENS), 0.5) for _ in range(args.prompts)]
+    order = list(range(args.prompts))
+    rng.shuffle(order)
+    gen = random.Random(args.seed + 1)
+
+    def sample(prompts, n):
+        return [[Scored(float(gen.random() < pass_rate[i]), max(1, round(gen.gauss(length[i], 0.2 * length[i]))))
+                 for _ in range(n)] for i in prompts]
+
+    return compare(cycler(order), sample, key=lambda i: i, predicted_tokens=lambda i: length[i], args=args,
+                   steps=args.steps)
+
+
+def tiny(args) -> dict:
+    """The tiny config's model after a short SFT (or --init-from), sampling its own task."""
+    import train
+    from reward import TaskMix, demonstration
+    from rollout import NativeEngine
+    from scheduler import LengthPredictor
+    from tokenizer import EOS, PAD, load_tokenizer, train_tokenizer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = train.load_config(os.path.join(root, "configs", "tiny.py"), [f"group_size={args.group_size}"])
+    task = TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size)
+    torch.manual_seed(cfg.seed)
+    model = train.Transformer(cfg.model)
+    if args.init_from:
+        from safetensors.torch import load_model
+        tok = load_tokenizer(os.path.join(args.init_from, "tokenizer.tiktoken"), cfg.model.vocab_size)
+        load_model(model, os.path.join(args.init_from, "model.safetensors"))
+    else:
+        tok = train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items], vocab_size=cfg.model.vocab_size,
+                              num_merges=cfg.bpe_merges)
+        cfg.sft_steps = args.sft_steps
+        order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        train.sft(model, tok, task, order, cfg, log=lambda rec: None)
+    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
+    engine.update_weights(model.named_parameters(), version=0)
+    pool = [task[i] for i in range(args.tiny_pool)]
+    predictor, calls = LengthPredictor(prior=cfg.max_new_tokens / 2), itertools.count()
+
+    def sample(items, n):
+        groups, _ = train.sample_groups(engine, tok, task, items, n, predictor, cfg, step=0, stream=next(calls), pool=None)
+        return groups
+
+    return compare(cycler(pool), sample, key=lambda it: it.question, predicted_tokens=lambda it: predictor.predict(it.question),
+                   args=args, steps=args.tiny_steps)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=4000, help="simulated prompts")
+    ap.add_argument("--steps", type=int, default=200, help="simulated steps")
+    ap.add_argument("--batch", type=int, default=64, help="informative groups per step")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--probes", type=int, default=4, help="stage 2 probe rollouts k")
+    ap.add_argument("--skip-prob", type=float, default=1.0, help="stage 1 skip probability")
+    ap.add_argument("--half-life", type=float, default=200.0, help="stage 1 half-life in steps")
+    ap.add_argument("--rounds", type=int, default=20, help="over-sampling rounds per step")
+    ap.add_argument("--tiny-steps", type=int, default=12, help="steps with the tiny model (0 = skip it)")
+    ap.add_argument("--tiny-pool", type=int, default=512, help="tiny-model prompts revisited over its steps")
+    ap.add_argument("--sft-steps", type=int, default=350, help="SFT steps from random init (without --init-from)")
+    ap.add_argument("--init-from", default="", help="a train.py output dir to take the tiny model from")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    results = {"config": vars(args), "simulated": simulated(args)}
+    if args.tiny_steps:
+        results["tiny"] = tiny(args)
+    print(f"{'policy':<11}{'pipeline':<9}{'rollouts':>10}{'tokens':>12}{'informative':>13}{'tok/inf':>9}"
+          f"{'skipped':>9}{'stopped':>9}   zero-variance rate: drawn / after stage 1 / 2 / 3")
+    for policy in ("simulated", "tiny"):
+        for name in ("dapo", "staged"):
+            if policy not in results:
+                continue
+            r = results[policy][name]
+            drawn = f"{r['zv_drawn']:.3f}" if "zv_drawn" in r else "  -  "
+            print(f"{policy:<11}{name:<9}{r['rollouts']:>10}{r['tokens']:>12}{r['informative']:>13}"
+                  f"{r['tokens_per_informative']:>9.1f}{r['skipped']:>9}{r['stopped']:>9}   {drawn} / "
+                  f"{r['zv_after_stage1']:.3f} / {r['zv_after_stage2']:.3f} / {r['zv_after_stage3']:.3f}")
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "zve.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    tiny_note = f"; tiny model: {results['tiny']['ratio']:.2f}x" if "tiny" in results else ""
+    print(f"{results['simulated']['ratio']:.2f}x generated tokens per informative group, staged vs DAPO dynamic sampling "
+          f"(simulated Beta({BETA}, {BETA}) pass rates{tiny_note}; target <= 0.7x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""Run untrusted Python (a model's code answer plus its tests) in a sandboxed subprocess.
+
+`run(program, limits)` writes the program to a fresh temporary directory, starts this file
+as a child interpreter (`python -I sandbox.py DIR LIMITS`), and returns whether the
+program ran to its end within the limits. The child confines itself before it runs the
+program, in this order, each layer applied when the host allows it (the result lists
+the layers applied):
+
+1. namespaces: a new network namespace (no interface is up, loopback included, so no
+   connection leaves it), a new PID namespace (when its first process exits the kernel
+   kills everything left in it, including processes that left the process group with
+   setsid) and a new mount namespace whose copy of the temp dir is a size-limited tmpfs
+   (the disk cannot fill up, and its files vanish with the namespace). A caller that is
+   not root first enters a new user namespace, mapping its own uid;
+2. rlimits per process: CPU seconds, address space, file size, open files, processes
+   (set after the user namespace exists: in it the process count is the sandbox's own);
+   no core dumps; no_new_privs;
+3. as root: the program runs under an unprivileged uid unique to this run, because the
+   kernel does not enforce RLIMIT_NPROC for root;
+4. Landlock (Linux >= 5.13): files may be created, written or removed only beneath the
+   temp dir (and /dev/null written); TCP bind/connect denied (Landlock ABI >= 4); no
+   signals to processes outside the sandbox (ABI >= 6).
+
+The child keeps the wall-clock limit outside the namespaces: it kills the namespace's
+init and reaps it, which returns only once the kernel has killed every process in the
+namespace. The parent, with a later backstop limit of its own, then kills the child's
+whole process group (its leader left unreaped until then, so the group id cannot have
+been reused) and deletes the temp dir. The program counts as passed only if it runs to its end and the
+child then prints a nonce the program never sees as data, so `sys.exit(0)` or
+`os._exit(0)` before the tests run is a failure.
+
+Limits of this design: memory is bounded per process, so the worst case is
+max_processes x memory_mb; a cgroup would bound the sum. Files stay readable (the
+interpreter needs its standard library). Code written against this file's internals
+(reading the nonce from the runner's stack) is not stopped. Without namespaces
+(unprivileged user namespaces disabled) there is no network or PID isolation and
+RLIMIT_NPROC counts all of the user's processes. Like HumanEval's own harness, this
+is a guard for model-written code, not a boundary for an attacker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import secrets
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 0x1000, 0x4000, 1 << 18
+PR_SET_NO_NEW_PRIVS = 38
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446  # same on every arch
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+# Landlock filesystem rights that change the filesystem (uapi/linux/landlock.h), with the ABI that added them
+FS_WRITE_RIGHTS = {1: (1 << 1) | (1 << 4) | (1 << 5) | sum(1 << b for b in range(6, 13)), 2: 1 << 13, 3: 1 << 14}
+FS_WRITE_FILE, FS_TRUNCATE = 1 << 1, 1 << 14
+NET_BIND_TCP, NET_CONNECT_TCP = 1, 2
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2
+SANDBOX_UID_BASE = 1_000_000_000  # above any real account; + the child's pid makes it unique among live runs
+TIMEOUT_EXIT = 124  # the child's exit code when it hit the wall-clock limit (as coreutils' timeout)
+PARENT_GRACE_S = 5.0  # the parent's own limit is wall_s plus this: a backstop should the child hang
+OUTPUT_NAME = "output.txt"
+LAYERS_TAG = "#sandbox-layers "
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits of one sandboxed run."""
+    wall_s: float = 10.0  # from the child's start; the parent allows PARENT_GRACE_S more
+    cpu_s: int = 5  # per process
+    memory_mb: int = 512  # address space per process
+    max_processes: int = 8  # tasks (processes and threads) of the sandbox uid
+    file_mb: int = 16  # largest file the program may write, its output included
+    disk_mb: int = 64  # size of the tmpfs working directory
+    open_files: int = 64
+
+
+@dataclass
+class SandboxResult:
+    passed: bool
+    reason: str  # "passed", "timeout", "failed: <last output line>", "signal: SIGXCPU", "exited early"
+    layers: list[str]  # protections the child applied
+    output: str  # the last few kB of the program's stdout and stderr
+    workdir: str  # the temp dir the run used (deleted on return)
+
+
+def run(program: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+    """Run `program` (Python source) confined as described in the module docstring.
+
+    Never raises for anything the program does; returns passed=False with the reason.
+    """
+    tmp = tempfile.mkdtemp(prefix="everyprompt-sandbox-")
+    try:
+        with open(os.path.join(tmp, "program.py"), "w") as f:
+            f.write(program)
+        nonce = secrets.token_hex(16)
+        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
+        with open(os.path.join(tmp, OUTPUT_NAME), "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), tmp, json.dumps(asdict(limits))],
+                                    stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=tmp, env=env,
+                                    start_new_session=True)
+        try:
+            proc.stdin.write(f"{nonce}\n".encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        code = _wait_unreaped(proc.pid, limits.wall_s + PARENT_GRACE_S)  # the child keeps wall_s itself
+        try:  # kill what is left in the group (all of it without a PID namespace)
+            os.killpg(proc.pid, signal.SIGKILL)  # the leader is a zombie at most, so this group id is still ours
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        with open(os.path.join(tmp, OUTPUT_NAME), "rb") as f:
+            header = f.readline(1024).decode(errors="replace")
+            f.seek(max(f.tell(), os.fstat(f.fileno()).st_size - 4096))
+            tail = f.read().decode(errors="replace")
+        return _verdict(code, header, tail, nonce, tmp)
+    finally:
+        _remove_tree(tmp)
+
+
+def _wait_unreaped(pid: int, timeout_s: float) -> int | None:
+    """Exit code (128 + n for signal n) once pid exits, without reaping it; None after timeout_s."""
+    deadline, pause = time.monotonic() + timeout_s, 0.002
+    while True:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is not None and info.si_pid == pid:
+            return info.si_status if info.si_code == os.CLD_EXITED else 128 + info.si_status
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def _verdict(code: int | None, header: str, text: str, nonce: str, tmp: str) -> SandboxResult:
+    """The run's outcome from its exit code (None: timed out) and its output's first line and tail."""
+    layers = header[len(LAYERS_TAG):].strip().split(",") if header.startswith(LAYERS_TAG) else []
+    lines = text.rstrip("\n").split("\n")
+    if code is None or code == TIMEOUT_EXIT:
+        reason = "timeout"
+    elif code == 0 and lines[-1] == nonce:
+        return SandboxResult(True, "passed", layers, "\n".join(lines[:-1])[-4096:], tmp)
+    elif code == 0:
+        reason = "exited early"
+    elif code > 128:
+        try:
+            reason = f"signal: {signal.Signals(code - 128).name}"
+        except ValueError:
+            reason = f"signal: {code - 128}"
+    else:
+        last = next((ln for ln in reversed(lines) if ln.strip()), "")
+        reason = f"failed: {last.strip()[:200]}"
+    return SandboxResult(False, reason, layers, text[-4096:], tmp)
+
+
+def _remove_tree(path: str):
+    def make_writable(func, p, _exc):  # the program may have made its own files read-only
+        os.chmod(os.path.dirname(p), stat.S_IRWXU)
+        if os.path.isdir(p) and not os.path.islink(p):
+            os.chmod(p, stat.S_IRWXU)
+        func(p)
+    shutil.rmtree(path, onerror=make_writable)
+
+
+# ----------------------------------------------------------------------------- child side
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return ret
+
+
+def _enter_namespaces(libc, tmp: str, uid: int, limits: SandboxLimits) -> list[str]:
+    """New net, PID and mount namespaces (and user namespace when not root); tmpfs over tmp."""
+    root = os.geteuid() == 0
+    flags = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS | (0 if root else CLONE_NEWUSER)
+    try:
+        _check(libc.unshare(flags), "unshare")
+    except OSError:
+        return []
+    if not root:  # map our own ids, or file creation fails with EOVERFLOW
+        gid = os.getgid()
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{os.getuid()} {os.getuid()} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    # keep our mounts out of the host's namespace, then give the program a fresh, bounded tmpfs
+    _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+    opts = f"size={limits.disk_mb}m,mode=0700,uid={uid},gid={uid}".encode()
+    _check(libc.mount(b"tmpfs", tmp.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts), "mount tmpfs")
+    if root:
+        _make_reachable(libc, [p for p in sys.path if p and os.path.exists(p)])
+    return ["netns", "pidns", "tmpfs"] + ([] if root else ["userns"])
+
+
+def _make_reachable(libc, paths: list[str]):
+    """Let any uid reach `paths` (the interpreter's import path) in this mount namespace.
+
+    An ancestor that others cannot traverse (an interpreter under /root, say) is covered by
+    a tmpfs that holds only bind mounts of the children on the way to the paths, so the
+    sandbox uid can import the standard library while the rest of that directory stays hidden.
+    """
+    needed: dict[str, set[str]] = {}
+    for path in paths:
+        parts = os.path.abspath(path).split(os.sep)[1:]
+        for i in range(len(parts)):
+            ancestor = os.sep + os.sep.join(parts[:i])
+            if not os.stat(ancestor).st_mode & stat.S_IXOTH:
+                needed.setdefault(ancestor, set()).add(parts[i])
+    for ancestor in sorted(needed, key=len):  # outermost first: inner ones are reached through its bind mounts
+        fds = {name: os.open(os.path.join(ancestor, name), os.O_PATH | os.O_CLOEXEC) for name in needed[ancestor]}
+        _check(libc.mount(b"tmpfs", ancestor.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"),
+               f"mount tmpfs on {ancestor}")
+        for name, fd in fds.items():
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                os.mkdir(os.path.join(ancestor, name))
+            else:
+                open(os.path.join(ancestor, name), "w").close()  # a file is bind-mounted onto a file
+            _check(libc.mount(f"/proc/self/fd/{fd}".encode(), os.path.join(ancestor, name).encode(), None,
+                              MS_BIND | MS_REC, None), f"bind {ancestor}/{name}")
+            os.close(fd)
+
+
+def _landlock(libc, tmp: str) -> list[str]:
+    """Allow filesystem writes only beneath tmp; deny TCP and outside signals where the ABI has them."""
+    libc.syscall.restype = ctypes.c_long
+    abi = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    if abi < 1:
+        return []
+
+    class RulesetAttr(ctypes.Structure):
+        _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                    ("scoped", ctypes.c_uint64)]
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    fs = sum(bits for v, bits in FS_WRITE_RIGHTS.items() if v <= abi)
+    attr = RulesetAttr(fs, NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0,
+                       SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0)
+    ruleset = _check(libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
+                                  ctypes.c_uint32(0)), "landlock_create_ruleset")
+    for path, access in ((tmp, fs), ("/dev/null", FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0))):
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        rule = PathBeneath(access, fd)
+        _check(libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
+                            ctypes.byref(rule), ctypes.c_uint32(0)), "landlock_add_rule")
+        os.close(fd)
+    _check(libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)), "landlock_restrict_self")
+    os.close(ruleset)
+    return ["landlock-fs"] + (["landlock-tcp"] if abi >= 4 else []) + (["landlock-signal"] if abi >= 6 else [])
+
+
+def _child(tmp: str, limits: SandboxLimits):
+    """Confine this process, then run tmp/program.py in a grandchild; exit with its status."""
+    libc = _libc()
+    with open(os.path.join(tmp, "program.py")) as f:
+        source = f.read()  # read now: the tmpfs mounted over tmp hides the file
+    root = os.geteuid() == 0
+    uid = SANDBOX_UID_BASE + os.getpid() if root else os.getuid()
+    layers = _enter_namespaces(libc, tmp, uid, limits)
+    if root and "tmpfs" not in layers:
+        os.chown(tmp, uid, uid)
+    mb = 1 << 20
+    for res, value in ((resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, limits.memory_mb * mb),
+                       (resource.RLIMIT_FSIZE, limits.file_mb * mb), (resource.RLIMIT_NOFILE, limits.open_files),
+                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, limits.max_processes)):
+        # CPU: the soft limit sends SIGXCPU (a readable reason); the hard one, a second later, SIGKILL
+        resource.setrlimit(res, (value, value + 1 if res == resource.RLIMIT_CPU else value))
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    layers.append("rlimits")
+    init = os.fork()  # with a PID namespace: its init, which outlives the program and takes everything with it
+    if init == 0:
+        if "pidns" in layers:  # a /proc of this namespace: the host's processes are not even listed
+            _check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
+        program = os.fork()
+        if program == 0:
+            if root:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                layers.append("uid")
+            try:
+                layers += _landlock(libc, tmp)
+            except OSError:
+                pass
+            os.chdir(tmp)
+            _run_program(source, layers)
+        os._exit(_status(os.waitpid(program, 0)[1]))
+    # The wall-clock limit is kept here, outside the namespace: killing its init and reaping it returns
+    # only once the kernel has killed and released every process in it, so nothing outlives this exit.
+    timed_out = []
+
+    def on_alarm(_signum, _frame):
+        timed_out.append(True)
+        os.kill(init, signal.SIGKILL)
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, limits.wall_s)
+    status = _status(os.waitpid(init, 0)[1])
+    os._exit(TIMEOUT_EXIT if timed_out else status)
+
+
+def _status(wait_status: int) -> int:
+    return os.WEXITSTATUS(wait_status) if os.WIFEXITED(wait_status) else 128 + os.WTERMSIG(wait_status)
+
+
+def _run_program(source: str, layers: list[str]):
+    sys.stdout.write(LAYERS_TAG + ",".join(layers) + "\n")
+    sys.stdout.flush()
+    nonce = sys.stdin.readline().strip()
+    try:
+        exec(compile(source, "program.py", "exec"), {"__name__": "__main__"})
+    except BaseException as e:  # SystemExit included: exiting before the end is not a pass
+        sys.stdout.flush()
+        sys.stderr.write(f"\n{type(e).__name__}: {e}"[:1000] + "\n")
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.write(f"\n{nonce}\n")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], SandboxLimits(**json.loads(sys.argv[2])))
