@@ -128,7 +128,7 @@ ACT_BLOCK = (1, 128)  # one scale per token per 128 input features (dynamic acti
 _AMAX_FLOOR = 1e-12  # an all-zero block gets a tiny scale instead of dividing by zero
 
 # Which of our tensors are FP8 (everything else stays in high precision), and the same in HF names
-FP8_TARGETS = re.compile(r"layers\.\d+\.(attn\.w[qkvo]\.weight|mlp\.experts\.w(13|2)|mlp\.(shared\.)?w(13|2)\.weight)")
+FP8_TARGETS = re.compile(r"layers\.\d+\.(attn\.(wqkv|wo)\.weight|mlp\.experts\.w(13|2)|mlp\.(shared\.)?w(13|2)\.weight)")
 HF_FP8_TARGETS = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_experts\.)?"
                             r"(gate|up|down)_proj)\.weight")
 
@@ -229,7 +229,7 @@ class FP8GroupedExperts(nn.Module):
 def to_fp8_modules(model: Transformer, dtype: torch.dtype) -> Transformer:
     """Swap every FP8_TARGETS matrix of `model` for its FP8 module, in place (values zero until loaded)."""
     for block in model.layers:
-        for name in ("wq", "wk", "wv", "wo"):
+        for name in ("wqkv", "wo"):
             setattr(block.attn, name, FP8Linear(getattr(block.attn, name), dtype))
         ffns = [block.mlp] if not block.is_moe else ([block.mlp.shared] if block.mlp.shared is not None else [])
         for ffn in ffns:
@@ -303,8 +303,10 @@ def hf_tensors(named_tensors: Named, cfg: ModelConfig) -> Iterator[tuple[str, to
             for e in range(t.shape[0]):
                 for k, part in zip(keys, t[e].chunk(len(keys), dim=1)):
                     yield k.format(e=e), part.T.contiguous()
-        else:
-            yield from zip(keys, t.chunk(len(keys), dim=0))
+        else:  # fused q|k|v (unequal parts) or gate|up rows
+            sizes = ([cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2 if ".wqkv." in name
+                     else [t.shape[0] // len(keys)] * len(keys))
+            yield from zip(keys, t.split(sizes, dim=0))
 
 
 def save_fp8_hf(model: Transformer, path: str, *, max_shard_bytes: int = 4 << 30):
@@ -337,13 +339,13 @@ def _attend(attn, h_BD, cos_B1r, sin_B1r, k_BGSd, v_BGSd, col: int, bias_B11S):
     """One query token per row against cache columns [0, col] (col is written here)."""
     cfg, B = attn.cfg, h_BD.shape[0]
     H, G, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    q = attn.wq(h_BD).view(B, H, 1, d)  # (B, H, 1, d)
-    k = attn.wk(h_BD).view(B, G, 1, d)
+    qkv = attn.wqkv(h_BD).view(B, H + 2 * G, 1, d)  # (B, H+2G, 1, d): heads already in front of T
+    q, k, v = qkv.split([H, G, G], dim=1)  # (B, H|G|G, 1, d)
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rope(q, cos_B1r, sin_B1r), apply_rope(k, cos_B1r, sin_B1r)
     k_BGSd[:, :, col] = k[:, :, 0]
-    v_BGSd[:, :, col] = attn.wv(h_BD).view(B, G, d)
+    v_BGSd[:, :, col] = v[:, :, 0]
     keys, values = k_BGSd[:, :, :col + 1], v_BGSd[:, :, :col + 1]  # (B, G, n, d) views, no copy
     # GQA: query heads [g * H/G, (g+1) * H/G) read kv head g
     scores = torch.matmul(q.view(B, G, H // G, d), keys.transpose(-1, -2)) * d ** -0.5  # (B, G, H/G, n)
