@@ -86,7 +86,7 @@ class Rollout:
 
 
 def sample(logits_BV: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           generator: torch.Generator | None = None, u_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled ids [B] int64 and their logprobs [B] fp32 under softmax(logits / temperature).
 
     temperature == 0 is greedy (logprobs then under the untempered softmax). top_k > 0
@@ -97,6 +97,8 @@ def sample(logits_BV: torch.Tensor, *, temperature: float, top_p: float = 1.0, t
     in float64 so u * total stays below the total): one random number per row, where
     torch.multinomial or a Gumbel/exponential race spend one per vocabulary entry (on
     CPU those dominate the sampler's time). A token of zero probability is never drawn.
+    u_B: the rows' uniforms in [0, 1) (float64, e.g. from `row_uniforms`); without it they
+    come from `generator` (or torch's global one).
     """
     logits_BV = logits_BV.float()
     if temperature == 0:
@@ -114,10 +116,50 @@ def sample(logits_BV: torch.Tensor, *, temperature: float, top_p: float = 1.0, t
         drop = cum - sorted_p >= top_p * cum[:, -1:]  # mass before this token already reaches top_p
         probs_BV = probs_BV.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     cdf_BV = probs_BV.double().cumsum(dim=-1)
-    u_B1 = torch.rand(cdf_BV.shape[0], 1, dtype=torch.float64, device=cdf_BV.device, generator=generator)
+    if u_B is None:
+        u_B = torch.rand(cdf_BV.shape[0], dtype=torch.float64, device=cdf_BV.device, generator=generator)
+    u_B1 = u_B.to(torch.float64)[:, None]
     ids_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True).squeeze(-1)
     return ids_B, logp_BV.gather(-1, ids_B[:, None]).squeeze(-1)
 
+
+# ----------------------------------------------------------------------------- per-row random streams
+# A counter-based generator: the uniform of (row key, step) is a hash of the pair, so a
+# rollout's random numbers depend on its seed, group id and sample index only, never on
+# which other prompts share its batch or in what order (a multi-rank run then samples
+# what one process would). One stateful torch.Generator per row would do the same at one
+# kernel launch per row per step; the hash is a handful of elementwise int64 ops for all
+# rows at once, on any device.
+
+_MIX1, _MIX2 = -4658895280553007687, -7723592293110705685  # 0xbf58476d1ce4e5b9, 0x94d049bb133111eb as int64
+_GOLDEN = -7046029254386353131  # 0x9e3779b97f4a7c15 as int64: the stream increment
+_MANTISSA = (1 << 53) - 1  # a float64 holds 53 significant bits
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic on negative values)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (wrapping arithmetic): a bijective 64-bit hash
+    (Steele, Lea and Flood 2014, "Fast splittable pseudorandom number generators")."""
+    x = (x ^ _srl(x, 30)) * _MIX1
+    x = (x ^ _srl(x, 27)) * _MIX2
+    return x ^ _srl(x, 31)
+
+
+def row_keys(seed: int, group_ids: list[int], sample_index: list[int], device=None) -> torch.Tensor:
+    """int64 [B] stream keys of rows (seed, group id, sample index): equal triples, equal streams."""
+    g = torch.tensor(group_ids, dtype=torch.int64, device=device)
+    j = torch.tensor(sample_index, dtype=torch.int64, device=device)
+    return mix64(mix64(mix64(torch.full_like(g, seed)) ^ g) ^ j)
+
+
+def row_uniforms(keys_B: torch.Tensor, step: int) -> torch.Tensor:
+    """float64 [B] uniforms in [0, 1), the step-th draw of each row's stream (53 random bits each)."""
+    offset = ((step + 1) * _GOLDEN + (1 << 63)) % (1 << 64) - (1 << 63)  # wrapped to int64 like the tensor sum
+    return (_srl(mix64(keys_B + offset), 11) & _MANTISSA).double() * 2.0 ** -53
 
 # ----------------------------------------------------------------------------- FP8 weights
 
@@ -264,6 +306,11 @@ def policy_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name in persistent:
             yield name, t.detach()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective: every rank of its mesh must call it), else t, detached."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
 def weight_buckets(named_tensors: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -432,6 +479,7 @@ class NativeEngine:
         Raises ValueError on an unknown name, a shape mismatch or a missing tensor.
         """
         seen = set()
+        named_tensors = ((n, full_tensor(t)) for n, t in named_tensors)
         for bucket in weight_buckets(named_tensors, self.bucket_bytes):
             for name, t in _stage(bucket, self.device):
                 slot = self._slots.get(name)
@@ -456,9 +504,13 @@ class NativeEngine:
                  group_ids: list[int] | None = None) -> list[Rollout]:
         """n rollouts of each prompt, returned prompt-major ([p0 s0, p0 s1, ..., p1 s0, ...]).
 
-        Each distinct prompt is prefilled once; its rows share that prefill. Row i's draws
-        depend only on the seed and its row index, so a prompt repeated n times and the
-        same prompt with n samples give the same rollouts.
+        Each distinct prompt is prefilled once; its rows share that prefill. Sampling is
+        batch-invariant: sample j of group g draws from its own random stream keyed by
+        (seed, g, j) (`row_keys`), so it does not depend on the other prompts in the call
+        or their order (pass global group_ids to split a batch across calls or ranks and
+        sample the same tokens, up to the float rounding of differently shaped matmuls).
+        group_ids: one per prompt (default 0..len-1), copied into `Rollout.group_id`.
+        seed None draws one from torch's global RNG.
         Raises ValueError on an empty prompt, max_new_tokens < 1, or a prompt that cannot
         fit max_new_tokens within max_seq_len.
         """
@@ -470,7 +522,12 @@ class NativeEngine:
                              f"prompts >= 1 token, max_new_tokens >= 1, and prompt + max_new_tokens <= "
                              f"max_seq_len = {self.cfg.max_seq_len}")
         cfg, dev = self.cfg, self.device
-        gen = torch.Generator(dev).manual_seed(seed) if seed is not None else None
+        if seed is None:  # an unseeded call still varies from call to call, through torch's global RNG
+            seed = int(torch.randint(1 << 62, (1,)))
+        groups = group_ids if group_ids is not None else list(range(len(prompts)))
+        if len(groups) != len(prompts):
+            raise ValueError(f"group_ids has {len(groups)} entries for {len(prompts)} prompts")
+        keys_B = row_keys(seed, [g for g in groups for _ in range(n)], [j for _ in prompts for j in range(n)], dev)
         unique: dict[tuple, int] = {}
         for p in prompts:
             unique.setdefault(tuple(p), len(unique))
@@ -511,7 +568,8 @@ class NativeEngine:
         done_B = torch.zeros(B, dtype=torch.bool, device=dev)
         steps = C
         for t in range(C):
-            ids_B, logp_B = sample(last_BV, temperature=temperature, top_p=top_p, top_k=top_k, generator=gen)
+            ids_B, logp_B = sample(last_BV, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   u_B=row_uniforms(keys_B, t))
             ids_B = ids_B.masked_fill_(done_B, self.pad_id)  # finished rows emit padding
             ids_BC[:, t] = ids_B
             logp_BC[:, t] = logp_B
@@ -533,7 +591,7 @@ class NativeEngine:
             rollouts.append(Rollout(
                 prompt_ids=list(prompt), completion_ids=row[:c], logprobs=logp_BC[i, :c].clone(),
                 routes=routes_BSLK[i, pads[i]:P + c - 1].clone(), finish_reason="stop" if stop else "length",
-                group_id=(group_ids[i // n] if group_ids is not None else i // n), weight_version=self.weight_version))
+                group_id=groups[i // n], weight_version=self.weight_version))
         return rollouts
 
 
@@ -689,7 +747,7 @@ class SGLangEngine:
 
     def update_weights(self, named_tensors: Named, version: int):
         """Send the trainer's tensors (`policy_tensors(model)`) in HF names, FP8-quantised when fp8, bucket by bucket."""
-        tensors = hf_tensors(named_tensors, self.cfg)
+        tensors = hf_tensors(((n, full_tensor(t)) for n, t in named_tensors), self.cfg)
         if self.fp8:
             tensors = quantize_fp8(tensors, hf=True)
         if self.sessions:

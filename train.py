@@ -55,7 +55,7 @@ from filter import PromptHistory, Scored, StageConfig, collect_groups, post_roll
 from model import ModelConfig, Transformer, token_entropy, token_logprobs
 from reward import (RewardPool, StubRewardModel, TaskMix, adjust_rewards, demonstration, overlong_penalty,
                     repetition_penalty, rm_score)
-from rollout import NativeEngine
+from rollout import NativeEngine, policy_tensors
 from scheduler import LengthPredictor, length_buckets, pack_microbatches
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, save_tokenizer, train_tokenizer
 
@@ -638,7 +638,7 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
     m["filter/zvp_sequences"] = len(batch.adv_tokens)
     m.update(mismatch)
     m.update(policy_update(model, opt, batch, old_logp, old_ent, cfg, step, pad_id, ref_model=ref_model))
-    engine.update_weights(model.named_parameters(), version=step + 1)
+    engine.update_weights(policy_tensors(model), version=step + 1)
     m["t_train"] = time.perf_counter() - t1
     m["trained_sequences"] = len(kept)
     return m
@@ -736,7 +736,7 @@ def main(cfg: TrainConfig) -> dict:
 
     order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     used = sft(model, tok, task, order, cfg, log) if cfg.sft_steps else 0
-    engine.update_weights(model.named_parameters(), version=0)
+    engine.update_weights(policy_tensors(model), version=0)
 
     def run_eval(step):
         """Sampled (mean of eval_samples at the rollout temperature) and greedy accuracy per held-out prompt."""
