@@ -620,18 +620,29 @@ def sglang_engine_args(model_path: str, *, fp8: bool, tp_size: int = 1, mem_frac
     return args | extra
 
 
+SGLANG_SEED_BITS = 31  # per-request sampling_seed kept a non-negative int32, a range every SGLang version takes
+
+
 def sglang_request(prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-                   top_k: int, seed: int | None, eos_id: int) -> dict:
+                   top_k: int, seed: int | None, eos_id: int, group_ids: list[int] | None = None) -> dict:
     """Keyword arguments of `sglang.Engine.generate` for n samples of each prompt, prompt-major.
 
-    Each sample is its own request (SGLang's radix cache shares the prompt's prefill);
-    row i is seeded with seed + i. Logprobs of output tokens only (logprob_start_len=-1);
-    routes from the first prompt token (routed_experts_start_len=0).
+    Each sample is its own request (SGLang's radix cache shares the prompt's prefill).
+    Sample j of group g gets sampling_seed derived from (seed, g, j) as NativeEngine keys
+    its streams, so a request's seed does not depend on its batch. Logprobs of output
+    tokens only (logprob_start_len=-1); routes from the first prompt token
+    (routed_experts_start_len=0: SGLang's io_struct documents the response as covering
+    [routed_experts_start_len, seqlen - 1)). top_k 0 (off) is SGLang's -1.
     """
     rows = [list(p) for p in prompts for _ in range(n)]
     base = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                 top_k=top_k if top_k > 0 else -1, stop_token_ids=[eos_id], skip_special_tokens=False, no_stop_trim=True)
-    params = [base | ({"sampling_seed": seed + i} if seed is not None else {}) for i in range(len(rows))]
+    params = [dict(base) for _ in rows]
+    if seed is not None:
+        groups = group_ids if group_ids is not None else list(range(len(prompts)))
+        keys = row_keys(seed, [g for g in groups for _ in range(n)], [j for _ in prompts for j in range(n)])
+        for p, k in zip(params, (keys & ((1 << SGLANG_SEED_BITS) - 1)).tolist()):
+            p["sampling_seed"] = k
     return dict(input_ids=rows, sampling_params=params, return_logprob=True, logprob_start_len=-1,
                 return_routed_experts=True, routed_experts_start_len=0)
 
@@ -738,7 +749,8 @@ class SGLangEngine:
         if not prompts:
             return []
         outs = self.engine.generate(**sglang_request(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                                     top_p=top_p, top_k=top_k, seed=seed, eos_id=self.eos_id))
+                                                     top_p=top_p, top_k=top_k, seed=seed, eos_id=self.eos_id,
+                                                     group_ids=group_ids))
         if len(outs) != len(prompts) * n:
             raise RuntimeError(f"SGLang returned {len(outs)} outputs for {len(prompts) * n} requests")
         return [decode_sglang_output(out, prompts[i // n], cfg=self.cfg, weight_version=self.weight_version,
