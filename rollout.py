@@ -69,8 +69,6 @@ DEFAULT_BUCKET_BYTES = 512 << 20
 """Weight-sync bucket: bounds the staging memory and sets the size of one transfer."""
 STOP_CHECK_EVERY = 8
 """Decode steps between checks that every row has stopped (each check syncs a GPU)."""
-MAX_PADDING = 2.0
-"""CPU decode runs the experts as one padded bmm while padded rows <= this x real rows."""
 
 
 @dataclass
@@ -401,27 +399,18 @@ def _attend(attn, h_BD, cos_B1r, sin_B1r, k_BGSd, v_BGSd, col: int, bias_B11S):
 
 
 def _experts(experts, x_ND, ids_NK, weights_NK):
-    """Weighted sum over each token's K experts [N, D]: a padded bmm on CPU, grouped GEMMs otherwise."""
+    """Weighted sum over each token's K experts [N, D]: the N*K (token, expert) pairs sorted
+    by expert, two grouped GEMMs over exactly those rows (no capacity padding), the
+    results scattered back and summed per token. No host sync: shapes never depend on data.
+    """
     N, K = ids_NK.shape
     E = experts.w13.shape[0]
-    e_R = ids_NK.flatten()  # (R,) token-major (token, expert) pairs
-    onehot_RE = F.one_hot(e_R, E)
-    counts_E = onehot_RE.sum(0)
-    fp8 = isinstance(experts, FP8GroupedExperts)
-    x_RD = x_ND[:, None].expand(N, K, x_ND.shape[1]).reshape(N * K, -1)
-    cap = int(counts_E.max()) if x_ND.device.type == "cpu" else 0
-    if 0 < cap and cap * E <= MAX_PADDING * N * K:
-        slot_R = onehot_RE.cumsum(0).gather(1, e_R[:, None]).squeeze(1) - 1  # rank of the pair within its expert
-        buf_ECD = x_ND.new_zeros(E, cap, x_ND.shape[1])
-        buf_ECD[e_R, slot_R] = x_RD
-        w13, w2 = experts.weights() if fp8 else (experts.w13, experts.w2)
-        quant = fake_quantize_activations if fp8 else (lambda t: t)
-        out_ECD = torch.bmm(quant(swiglu(torch.bmm(quant(buf_ECD), w13))), w2)  # (E, cap, 2I) -> (E, cap, I) -> (E, cap, D)
-        y_RD = out_ECD[e_R, slot_R]
-    else:  # rows sorted by expert through the experts' own forward (grouped GEMMs)
-        order = e_R.argsort(stable=True)
-        y_RD = torch.empty_like(x_RD).index_copy_(0, order, experts(x_RD[order], counts_E))
-    return (y_RD.view(N, K, -1).float() * weights_NK[..., None]).sum(1).to(x_ND.dtype)
+    order_R = ids_NK.flatten().argsort(stable=True)  # (N*K,) pair indices, grouped by expert
+    counts_E = torch.bincount(ids_NK.flatten(), minlength=E)
+    token_R = order_R // K  # which token each sorted pair belongs to
+    y_RD = experts(x_ND[token_R], counts_E)  # (N*K, D) in sorted order
+    y_RD = y_RD * weights_NK.flatten()[order_R, None].to(y_RD.dtype)
+    return torch.zeros_like(x_ND).index_add_(0, token_R, y_RD)
 
 
 def decode_step(model: Transformer, tokens_B, cos_B1r, sin_B1r, k_LBGSd, v_LBGSd, col: int, bias_B11S, routes_BLK):
