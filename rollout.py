@@ -206,8 +206,15 @@ _scaled_mm_broken = False  # set once _scaled_mm has refused blockwise scales on
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None,
-               dtype: torch.dtype) -> torch.Tensor:
-    """x [..., in] @ W^T for W [out, in] stored blockwise-FP8, activations quantised per 1x128 group."""
+               dtype: torch.dtype, w_dequantized: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W^T [..., out] in `dtype`, for W [out, in] stored blockwise-FP8 (w_q e4m3,
+    w_scale_inv fp32 per 128x128 block), activations quantised per token in 1x128 groups.
+
+    `torch._scaled_mm` on Hopper when both dims are multiples of 128; elsewhere the
+    activations are quantised and dequantised and multiplied by the dequantised weight
+    (w_dequantized when given, saving the per-call dequantisation), which gives the same
+    numbers up to accumulation order.
+    """
     global _scaled_mm_broken
     x_Nin = x.reshape(-1, x.shape[-1])
     x_q, x_s = quantize_fp8_blockwise(x_Nin, ACT_BLOCK)
@@ -220,7 +227,8 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
         except (RuntimeError, NotImplementedError):
             _scaled_mm_broken = True
     if y is None:
-        y = F.linear(dequantize_fp8_blockwise(x_q, x_s, ACT_BLOCK, dtype), dequantize_fp8_blockwise(w_q, w_scale_inv, dtype=dtype))
+        w = w_dequantized if w_dequantized is not None else dequantize_fp8_blockwise(w_q, w_scale_inv, dtype=dtype)
+        y = F.linear(dequantize_fp8_blockwise(x_q, x_s, ACT_BLOCK, dtype), w)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], out_f)
@@ -237,9 +245,14 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_f, in_f, dtype=FP8, device=dev))
         self.register_buffer("weight_scale_inv", torch.ones(-(-out_f // 128), -(-in_f // 128), device=dev))
         self.bias = linear.bias
+        self.dequantized = None  # the weight dequantised once per weight update (`refresh`)
+
+    def refresh(self):
+        """Cache the dequantised weight (call after loading new values)."""
+        self.dequantized = dequantize_fp8_blockwise(self.weight, self.weight_scale_inv, dtype=self.dtype)
 
     def forward(self, x):
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.dtype)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.dtype, self.dequantized)
 
 
 class FP8GroupedExperts(nn.Module):
@@ -252,11 +265,19 @@ class FP8GroupedExperts(nn.Module):
             E, R, C = w.shape
             self.register_buffer(name, torch.zeros(E, R, C, dtype=FP8, device=w.device))
             self.register_buffer(f"{name}_scale_inv", torch.ones(E, -(-R // 128), -(-C // 128), device=w.device))
+        self.dequantized = None
+
+    def refresh(self):
+        """Cache the dequantised weights (call after loading new values): torch 2.13 has no
+        blockwise-scaled grouped GEMM, so experts always run dequantise-then-matmul."""
+        self.dequantized = (dequantize_fp8_blockwise(self.w13, self.w13_scale_inv, dtype=self.dtype),
+                            dequantize_fp8_blockwise(self.w2, self.w2_scale_inv, dtype=self.dtype))
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) dequantised to the engine dtype."""
-        return (dequantize_fp8_blockwise(self.w13, self.w13_scale_inv, dtype=self.dtype),
-                dequantize_fp8_blockwise(self.w2, self.w2_scale_inv, dtype=self.dtype))
+        if self.dequantized is None:
+            self.refresh()
+        return self.dequantized
 
     def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         """Rows grouped by expert (counts_e rows each) -> expert outputs, as GroupedExperts.forward."""
@@ -485,6 +506,9 @@ class NativeEngine:
                 seen.add(name)
         if missing := self._required - seen:
             raise ValueError(f"update_weights: missing {sorted(missing)[:5]} ({len(missing)} in all)")
+        for module in self.model.modules():
+            if isinstance(module, (FP8Linear, FP8GroupedExperts)):
+                module.refresh()
         self.weight_version = version
 
     @torch.no_grad()
