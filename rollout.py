@@ -7,16 +7,17 @@ Two engines behind one interface, `generate(prompts, *, n, ...) -> list[Rollout]
   each unique prompt is prefilled once through the model's own forward, its KV cache is
   copied to its n sample rows, then a decode step specialised for one token per row runs
   over a static cache addressed by column. The decode step calls the model's own modules
-  (norms, projections, q/k norms, `apply_rope`, `MoE.route`, shared and dense FFNs) and
-  specialises only two things for T = 1: attention is two batched matmuls over the
-  cache prefix (no mask rebuilt per step: a precomputed additive row mask), and on CPU
-  the experts run as one capacity-padded `bmm` (at ~16 rows per expert it is about twice
-  as fast as `torch._grouped_mm`, which loops over experts). Per step nothing is
-  allocated beyond activations, nothing is synced but one capacity read per MoE layer on
-  CPU, and no Python loop runs over rows. Batched temperature / top-k / top-p sampling
-  from a seeded `torch.Generator`; per-row stop on EOS; optional `torch.compile` of the
-  decode step (it pays where per-op launch cost dominates, on GPU; on CPU the
-  data-dependent expert grouping breaks the graph and it measured no gain).
+  (norms, fused qkv projection, q/k norms, `apply_rope`, `MoE.route`, the experts, shared
+  and dense FFNs) and specialises only two things for T = 1: attention is two batched
+  matmuls over the cache prefix with a precomputed additive row mask, and the experts
+  run over the index-sorted (token, expert) pairs with grouped GEMMs (the model's own
+  dispatch, minus its generality). Per step nothing is allocated beyond activations, no
+  shape depends on data, the host syncs only for the stop check every
+  `STOP_CHECK_EVERY` steps, and no Python loop runs over rows. Temperature / top-k /
+  top-p sampling with one uniform per row per step from a counter-based stream keyed by
+  (seed, group id, sample index), so a rollout never depends on its batch-mates; per-row
+  stop on EOS; optional `torch.compile` of the decode step (it pays where per-op launch
+  cost dominates, on GPU; on a CPU decode step the expert GEMMs dominate).
 - `SGLangEngine` wraps `sglang.Engine` (imported lazily; GPU only) with
   `enable_return_routed_experts`, optional blockwise FP8, and weight sync through
   `update_weights_from_tensor`.
@@ -665,8 +666,12 @@ def decode_routed_experts(payload, num_tokens: int, cfg: ModelConfig) -> torch.T
 
     SGLang sends base64 of int32 [num_tokens, num_hidden_layers, top_k] (logical expert
     ids); the first `first_k_dense_replace` layers are dense (GLM-4.5) and their rows are
-    dropped. Raises ValueError when the size does not match.
+    dropped. num_tokens is P + C - 1 when the request set routed_experts_start_len=0.
+    Raises ValueError when the size does not match.
     """
+    # Format as SGLang documents it (sgl-project/sglang R3 usage notes, and sglang-jax
+    # docs/features/return_routed_experts.md, after sglang PR 12162): base64-decode,
+    # read int32, reshape(-1, num_layers, top_k); a list payload is accepted as well.
     if isinstance(payload, (str, bytes)):
         flat = torch.frombuffer(bytearray(base64.b64decode(payload)), dtype=torch.int32)
     else:
@@ -729,6 +734,10 @@ class SGLangEngine:
     Logprobs are SGLang's `output_token_logprobs` (the tempered distribution unless
     SGLANG_RETURN_ORIGINAL_LOGPROB is set, which would not match the trainer).
     """
+    # Weight-update sessions: sglang PR 28001 ("refactor weight processing in RL weight
+    # update") added begin_weight_update / end_weight_update and makes
+    # update_weights_from_* assert that a session is open; Engine.update_weights_from_tensor
+    # takes (named_tensors, load_format=None, flush_cache=True) in the versions we read.
 
     def __init__(self, model_path: str, *, eos_id: int, fp8: bool = False, tp_size: int = 1,
                  mem_fraction_static: float = 0.8, seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **engine_kwargs):
