@@ -76,6 +76,7 @@ def main():
     engines = {"native_engine": NativeEngine(cfg, eos_id=NO_EOS, pad_id=0)}
     if args.compile:
         engines["native_engine_compiled"] = NativeEngine(cfg, eos_id=NO_EOS, pad_id=0, compile=True)
+    load_before = os.getloadavg()[0]
     rows, results = prompts.tolist(), {}
     for name, engine in engines.items():
         engine.update_weights(ours.named_parameters(), version=0)
@@ -107,7 +108,13 @@ def main():
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "rollout.json"), "w") as f:
+        load = (load_before, os.getloadavg()[0])
+        busy = max(load) > os.cpu_count()
         json.dump({"config": vars(args), "logit_parity": parity, "transformers_version": transformers.__version__,
+                   "torch_version": torch.__version__, "cpu_count": os.cpu_count(), "load_average_1min": load,
+                   "note": (f"contended: the 1-minute load average ({max(load):.1f}) exceeded the {os.cpu_count()} CPUs "
+                            f"while this ran, so absolute times are inflated and noisy; both sides ran in the same "
+                            f"window, so the ratio is the number to read" if busy else "quiet machine"),
                    **table}, f, indent=1)
     ours_row = table["native_engine"]
     print(f"{ours_row['decode_speedup']:.2f}x decode tokens/s vs transformers generate (KV cache, plain sampling; "
