@@ -435,6 +435,11 @@ def _experts(experts, x_ND, ids_NK, weights_NK):
     return torch.zeros_like(x_ND).index_add_(0, token_R, y_RD)
 
 
+# torch 2.13's compile-time (fake) kernel of _grouped_mm accepts only bf16, so a compiled
+# decode step runs the experts eagerly between its compiled regions (no effect in eager mode).
+_experts_outside_compile = torch.compiler.disable(_experts)
+
+
 def decode_step(model: Transformer, tokens_B, cos_B1r, sin_B1r, k_LBGSd, v_LBGSd, col: int, bias_B11S, routes_BLK):
     """Logits [B, V] fp32 of the next token after feeding tokens_B at cache column col.
 
@@ -451,7 +456,7 @@ def decode_step(model: Transformer, tokens_B, cos_B1r, sin_B1r, k_LBGSd, v_LBGSd
             x = x + block.mlp(h)
             continue
         ids_NK, weights_NK = block.mlp.route(h, None)
-        y = _experts(block.mlp.experts, h, ids_NK, weights_NK)
+        y = _experts_outside_compile(block.mlp.experts, h, ids_NK, weights_NK)
         if block.mlp.shared is not None:
             y = y + block.mlp.shared(h)
         x = x + y

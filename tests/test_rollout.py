@@ -364,3 +364,18 @@ def test_mismatch_metrics_are_zero_for_identical_policies_and_count_route_flips(
     m = mismatch_metrics(lp, [x + 0.1 for x in lp], infer_routes=routes, trainer_routes=flipped)
     assert m["mismatch/route_diff/layer0"] == 0 and m["mismatch/route_diff/layer1"] == 0.5
     assert abs(m["mismatch/max_abs_logp"] - 0.1) < 1e-6 and abs(m["mismatch/kl"] - (math.exp(0.1) - 1 - 0.1)) < 1e-6
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_eager_rollouts(tiny_cfg):
+    model = Transformer(tiny_cfg)
+    eager = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD)
+    compiled = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, compile=True)
+    for e in (eager, compiled):
+        e.update_weights(model.named_parameters(), version=0)
+    a = eager.generate(PROMPTS, n=2, max_new_tokens=6, seed=0)
+    b = compiled.generate(PROMPTS, n=2, max_new_tokens=6, seed=0)
+    assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
+        assert torch.equal(x.routes, y.routes)
