@@ -8,7 +8,8 @@ replaying the engine's recorded expert ids (R3, arXiv 2510.11370). Reported per 
 precision (`rollout.mismatch_metrics`): KL(pi_infer || pi_trainer) (k3 estimate over
 sampled tokens), max and mean |delta logp|, and the fraction of (token, MoE layer) routes
 where the trainer's own top-k set differs from the engine's (0 under replay, by
-construction). A control row uses an fp32 engine against the fp32 trainer.
+construction). Control rows: a bf16 engine against the fp32 trainer (finer rounding than
+FP8, so routing's share of the gap shows), and an fp32 engine against the fp32 trainer.
 
 Each row also splits the KL between the completion tokens predicted at a position where
 the free-routing trainer flipped some layer's expert set and the rest: replay acts on the
@@ -124,13 +125,16 @@ def main():
     eos, pad = tok.encode_single_token(EOS), tok.encode_single_token(PAD)
 
     engines = {"fp8": NativeEngine(cfg.model, eos_id=eos, pad_id=pad, fp8=True),
+               "bf16": NativeEngine(cfg.model, eos_id=eos, pad_id=pad, dtype=torch.bfloat16),
                "fp32": NativeEngine(cfg.model, eos_id=eos, pad_id=pad)}
     engines["fp8"].update_weights(quantize_fp8(policy_tensors(model)), version=0)  # quantised on the trainer side
+    engines["bf16"].update_weights(policy_tensors(model), version=0)
     engines["fp32"].update_weights(policy_tensors(model), version=0)
     trainers = {"bf16": copy.deepcopy(model).to(torch.bfloat16), "fp32": model}
 
     rows = {}
-    for engine_name, trainer_name in (("fp8", "bf16"), ("fp8", "fp32"), ("fp32", "fp32")):
+    # bf16 engine / fp32 trainer: rounding 16x finer than e4m3's, so routing's share of the gap shows
+    for engine_name, trainer_name in (("fp8", "bf16"), ("fp8", "fp32"), ("bf16", "fp32"), ("fp32", "fp32")):
         rollouts = engines[engine_name].generate(prompts, n=args.samples, max_new_tokens=cfg.max_new_tokens,
                                                  temperature=cfg.temperature, seed=args.seed)
         for replay in (False, True):
