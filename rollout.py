@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
