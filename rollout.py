@@ -426,8 +426,9 @@ def _experts(experts, x_ND, ids_NK, weights_NK):
     """
     N, K = ids_NK.shape
     E = experts.w13.shape[0]
-    order_R = ids_NK.flatten().argsort(stable=True)  # (N*K,) pair indices, grouped by expert
-    counts_E = torch.bincount(ids_NK.flatten(), minlength=E)
+    e_R = ids_NK.flatten()
+    counts_E = e_R.new_zeros(E).scatter_add_(0, e_R, torch.ones_like(e_R))  # (E,): bincount would sync on CUDA
+    order_R = e_R.argsort(stable=True)  # (N*K,) pair indices, grouped by expert
     token_R = order_R // K  # which token each sorted pair belongs to
     y_RD = experts(x_ND[token_R], counts_E)  # (N*K, D) in sorted order
     y_RD = y_RD * weights_NK.flatten()[order_R, None].to(y_RD.dtype)
