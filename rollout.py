@@ -1,159 +1,833 @@
 """Rollout engines: generate completions with their logprobs and routed expert ids.
 
-`NativeEngine` is a plain PyTorch engine over `model.Transformer`: prefill then decode
-over a static KV cache addressed by position (gpt-fast style), batched, with
-temperature / top-p sampling from a seeded `torch.Generator`, per-sequence stop on EOS
-or the token limit. For every rollout it records what the trainer needs:
+Two engines behind one interface, `generate(prompts, *, n, ...) -> list[Rollout]` and
+`update_weights(named_tensors, version)`:
 
-- the logprob of each sampled token under softmax(logits / temperature), before top-p
-  truncation: the same quantity the trainer computes, so the two can be compared;
-- the top-k expert ids every MoE layer used for every token that went through the
-  model, in SGLang's layout [prompt_len + completion_len - 1, L, K] (the last sampled
-  token is never fed back), which the trainer replays (R3, arXiv 2510.11370);
-- the weight version that produced it (set by `update_weights`).
+- `NativeEngine`, plain PyTorch over `model.Transformer`, CPU or GPU (gpt-fast style):
+  each unique prompt is prefilled once through the model's own forward, its KV cache is
+  copied to its n sample rows, then a decode step specialised for one token per row runs
+  over a static cache addressed by column. The decode step calls the model's own modules
+  (norms, fused qkv projection, q/k norms, `apply_rope`, `MoE.route`, the experts, shared
+  and dense FFNs) and specialises only two things for T = 1: attention is two batched
+  matmuls over the cache prefix with a precomputed additive row mask, and the experts
+  run over the index-sorted (token, expert) pairs with grouped GEMMs (the model's own
+  dispatch, minus its generality). Per step nothing is allocated beyond activations, no
+  shape depends on data, the host syncs only for the stop check every
+  `STOP_CHECK_EVERY` steps, and no Python loop runs over rows. Temperature / top-k /
+  top-p sampling with one uniform per row per step from a counter-based stream keyed by
+  (seed, group id, sample index), so a rollout never depends on its batch-mates; per-row
+  stop on EOS; optional `torch.compile` of the decode step (it pays where per-op launch
+  cost dominates, on GPU; on a CPU decode step the expert GEMMs dominate).
+- `SGLangEngine` wraps `sglang.Engine` (imported lazily; GPU only) with
+  `enable_return_routed_experts`, optional blockwise FP8, and weight sync through
+  `update_weights_from_tensor`.
 
-Batches are left-padded so that every row's next token lands in the same cache column;
-RoPE positions are per row (column - padding), so a rollout's numbers do not depend on
-the batch it was generated in beyond float rounding.
+For every rollout both record what the trainer needs (`Rollout`): the logprob of each
+sampled token under softmax(logits / temperature) before top-k/top-p truncation (what
+the trainer computes for the same token), the top-k expert ids every MoE layer used for
+every token that went through the model, in SGLang's layout [P + C - 1, L, K] (the last
+sampled token is never fed back), for router replay (R3, arXiv 2510.11370), and the
+weight version that produced it.
 
-Legend: B rows (prompts x samples), P longest prompt in the batch, S cache columns,
-C completion tokens, L MoE layers, K experts per token, V vocabulary.
+FP8 weights (`NativeEngine(fp8=True)`): blockwise e4m3 with one fp32 scale per 128x128
+block of each attention and expert (routed, shared, dense FFN) matrix, activations
+quantised per token in 1x128 groups when used (dynamic), DeepSeek-V3's recipe (arXiv
+2412.19437, section 3.3); the router gate, embeddings, lm_head and norms stay in high
+precision. A matmul uses `torch._scaled_mm` where it supports blockwise scales (Hopper
+GPUs, dims multiples of 128), else dequantise-then-matmul in the engine dtype (CPU,
+and the experts everywhere: torch 2.13 has no blockwise grouped FP8 GEMM), which gives
+the same numbers up to accumulation order. Scales are stored as their inverse
+(`<name>_scale_inv`, multiply to dequantise), DeepSeek-V3's checkpoint convention that
+SGLang loads. The trainer quantises before sending (`quantize_fp8`).
+
+`mismatch_metrics` measures the train-inference gap of a batch: KL(pi_infer || pi_trainer)
+(k3 estimator), max |delta logp|, and the fraction of routes that differ per layer.
+
+Legend: U unique prompts, B rows (prompts x samples), P longest prompt, S cache columns,
+C completion tokens, L MoE layers, K experts per token, E experts, R routed (token,
+expert) pairs, D model dim, H query heads, G kv heads, d head dim, r rotary dims, V vocab.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import os
+import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-from model import KVCache, ModelConfig, Transformer
+from model import GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, grouped_mm, hf_names, rope, swiglu
+
+Named = Iterable[tuple[str, torch.Tensor]]
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+"""Weight-sync bucket: bounds the staging memory and sets the size of one transfer."""
+STOP_CHECK_EVERY = 8
+"""Decode steps between checks that every row has stopped (each check syncs a GPU)."""
 
 
 @dataclass
 class Rollout:
-    """One sampled completion of one prompt."""
+    """One sampled completion of one prompt, whichever engine produced it."""
     prompt_ids: list[int]
     completion_ids: list[int]  # includes the EOS token when finish_reason == "stop"
     logprobs: torch.Tensor  # [C] fp32, engine's log pi(completion token)
     routes: torch.Tensor  # [P + C - 1, L, K] int32 routed expert ids
     finish_reason: str  # "stop" (EOS sampled) or "length" (max_new_tokens reached)
-    group_id: int  # index of the prompt in the generate() call; rollouts of one prompt share it
+    group_id: int  # index of the prompt in the generate() call (or group_ids[i]); rollouts of one prompt share it
     weight_version: int
 
 
-def sample(logits_BV: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator | None):
+def sample(logits_BV: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0,
+           generator: torch.Generator | None = None, u_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled ids [B] int64 and their logprobs [B] fp32 under softmax(logits / temperature).
 
-    temperature == 0 is greedy (logprobs then under the untempered softmax). top_p < 1
-    keeps the smallest set of most likely tokens whose mass reaches top_p (nucleus
-    sampling, arXiv 1904.09751); the returned logprob ignores that truncation.
+    temperature == 0 is greedy (logprobs then under the untempered softmax). top_k > 0
+    keeps the k most likely tokens; top_p < 1 then keeps the smallest set of most likely
+    tokens whose mass reaches top_p of what is left (nucleus sampling, arXiv 1904.09751);
+    the returned logprob ignores both truncations. Each row draws one uniform u and takes
+    the first token whose cumulative probability exceeds u * total (inverse-CDF sampling,
+    in float64 so u * total stays below the total): one random number per row, where
+    torch.multinomial or a Gumbel/exponential race spend one per vocabulary entry (on
+    CPU those dominate the sampler's time). A token of zero probability is never drawn.
+    u_B: the rows' uniforms in [0, 1) (float64, e.g. from `row_uniforms`); without it they
+    come from `generator` (or torch's global one).
     """
+    logits_BV = logits_BV.float()
     if temperature == 0:
-        ids = logits_BV.argmax(dim=-1)
-        return ids, logits_BV.log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+        logp_BV = logits_BV.log_softmax(dim=-1)
+        ids_B = logp_BV.argmax(dim=-1)
+        return ids_B, logp_BV.gather(-1, ids_B[:, None]).squeeze(-1)
     logp_BV = (logits_BV / temperature).log_softmax(dim=-1)
-    probs = logp_BV.exp()
+    probs_BV = logp_BV.exp()
+    if 0 < top_k < probs_BV.shape[-1]:
+        top = probs_BV.topk(top_k, dim=-1)
+        probs_BV = torch.zeros_like(probs_BV).scatter_(-1, top.indices, top.values)
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before this token already reaches top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-    ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return ids, logp_BV.gather(-1, ids[:, None]).squeeze(-1)
+        sorted_p, order = probs_BV.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop = cum - sorted_p >= top_p * cum[:, -1:]  # mass before this token already reaches top_p
+        probs_BV = probs_BV.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    cdf_BV = probs_BV.double().cumsum(dim=-1)
+    if u_B is None:
+        u_B = torch.rand(cdf_BV.shape[0], dtype=torch.float64, device=cdf_BV.device, generator=generator)
+    u_B1 = u_B.to(torch.float64)[:, None]
+    ids_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True).squeeze(-1)
+    return ids_B, logp_BV.gather(-1, ids_B[:, None]).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------- per-row random streams
+# A counter-based generator: the uniform of (row key, step) is a hash of the pair, so a
+# rollout's random numbers depend on its seed, group id and sample index only, never on
+# which other prompts share its batch or in what order (a multi-rank run then samples
+# what one process would). One stateful torch.Generator per row would do the same at one
+# kernel launch per row per step; the hash is a handful of elementwise int64 ops for all
+# rows at once, on any device.
+
+_MIX1, _MIX2 = -4658895280553007687, -7723592293110705685  # 0xbf58476d1ce4e5b9, 0x94d049bb133111eb as int64
+_GOLDEN = -7046029254386353131  # 0x9e3779b97f4a7c15 as int64: the stream increment
+_MANTISSA = (1 << 53) - 1  # a float64 holds 53 significant bits
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic on negative values)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (wrapping arithmetic): a bijective 64-bit hash
+    (Steele, Lea and Flood 2014, "Fast splittable pseudorandom number generators")."""
+    x = (x ^ _srl(x, 30)) * _MIX1
+    x = (x ^ _srl(x, 27)) * _MIX2
+    return x ^ _srl(x, 31)
+
+
+def row_keys(seed: int, group_ids: list[int], sample_index: list[int], device=None) -> torch.Tensor:
+    """int64 [B] stream keys of rows (seed, group id, sample index): equal triples, equal streams."""
+    g = torch.tensor(group_ids, dtype=torch.int64, device=device)
+    j = torch.tensor(sample_index, dtype=torch.int64, device=device)
+    return mix64(mix64(mix64(torch.full_like(g, seed)) ^ g) ^ j)
+
+
+def row_uniforms(keys_B: torch.Tensor, step: int) -> torch.Tensor:
+    """float64 [B] uniforms in [0, 1), the step-th draw of each row's stream (53 random bits each)."""
+    offset = ((step + 1) * _GOLDEN + (1 << 63)) % (1 << 64) - (1 << 63)  # wrapped to int64 like the tensor sum
+    return (_srl(mix64(keys_B + offset), 11) & _MANTISSA).double() * 2.0 ** -53
+
+# ----------------------------------------------------------------------------- FP8 weights
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448: e4m3 has 4 exponent bits, 3 mantissa bits (OCP FP8 spec)
+WEIGHT_BLOCK = (128, 128)  # one scale per 128x128 tile of a weight matrix (DeepSeek-V3)
+ACT_BLOCK = (1, 128)  # one scale per token per 128 input features (dynamic activations)
+_AMAX_FLOOR = 1e-12  # an all-zero block gets a tiny scale instead of dividing by zero
+
+# Which of our tensors are FP8 (everything else stays in high precision), and the same in HF names
+FP8_TARGETS = re.compile(r"layers\.\d+\.(attn\.(wqkv|wo)\.weight|mlp\.experts\.w(13|2)|mlp\.(shared\.)?w(13|2)\.weight)")
+HF_FP8_TARGETS = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_experts\.)?"
+                            r"(gate|up|down)_proj)\.weight")
+
+
+def quantize_fp8_blockwise(w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values (w's shape) and fp32 inverse scales [..., ceil(R/br), ceil(C/bc)] of the last two dims.
+
+    Each block is scaled so its largest |value| maps to 448, e4m3's largest finite value;
+    dequantise with `dequantize_fp8_blockwise`. Partial edge blocks are padded with zeros.
+    """
+    *lead, R, C = w.shape
+    br, bc = block
+    nr, nc = -(-R // br), -(-C // bc)
+    padded = F.pad(w.float(), (0, nc * bc - C, 0, nr * br - R))
+    tiles = padded.view(*lead, nr, br, nc, bc)  # (..., nr, br, nc, bc)
+    scale = tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=_AMAX_FLOOR) / FP8_MAX
+    q = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(*lead, nr * br, nc * bc)[..., :R, :C]
+    return q.contiguous(), scale.view(*lead, nr, nc)
+
+
+def dequantize_fp8_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_fp8_blockwise`: q * scale of its block, in `dtype`."""
+    R, C = q.shape[-2:]
+    s = scale_inv.repeat_interleave(block[0], dim=-2)[..., :R, :].repeat_interleave(block[1], dim=-1)[..., :C]
+    return (q.float() * s).to(dtype)
+
+
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x quantised to e4m3 per token in 1x128 groups and back: the numbers an FP8 GEMM sees."""
+    return dequantize_fp8_blockwise(*quantize_fp8_blockwise(x, ACT_BLOCK), ACT_BLOCK, x.dtype)
+
+
+_scaled_mm_broken = False  # set once _scaled_mm has refused blockwise scales on this machine
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None,
+               dtype: torch.dtype, w_dequantized: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W^T [..., out] in `dtype`, for W [out, in] stored blockwise-FP8 (w_q e4m3,
+    w_scale_inv fp32 per 128x128 block), activations quantised per token in 1x128 groups.
+
+    `torch._scaled_mm` on Hopper when both dims are multiples of 128; elsewhere the
+    activations are quantised and dequantised and multiplied by the dequantised weight
+    (w_dequantized when given, saving the per-call dequantisation), which gives the same
+    numbers up to accumulation order.
+    """
+    global _scaled_mm_broken
+    x_Nin = x.reshape(-1, x.shape[-1])
+    x_q, x_s = quantize_fp8_blockwise(x_Nin, ACT_BLOCK)
+    y = None
+    out_f, in_f = w_q.shape
+    if (x.is_cuda and not _scaled_mm_broken and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and in_f % 128 == 0 and out_f % 128 == 0):
+        try:  # cuBLAS blockwise (1x128 x 128x128) scaling on Hopper; activation scales outer-dim-major
+            y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s.t().contiguous().t(), scale_b=w_scale_inv.t(), out_dtype=dtype)
+        except (RuntimeError, NotImplementedError):
+            _scaled_mm_broken = True
+    if y is None:
+        w = w_dequantized if w_dequantized is not None else dequantize_fp8_blockwise(w_q, w_scale_inv, dtype=dtype)
+        y = F.linear(dequantize_fp8_blockwise(x_q, x_s, ACT_BLOCK, dtype), w)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], out_f)
+
+
+class FP8Linear(nn.Module):
+    """Drop-in for nn.Linear with weight [out, in] in e4m3 and weight_scale_inv [ceil(out/128), ceil(in/128)]."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        out_f, in_f = linear.weight.shape
+        dev = linear.weight.device
+        self.dtype = dtype
+        self.register_buffer("weight", torch.zeros(out_f, in_f, dtype=FP8, device=dev))
+        self.register_buffer("weight_scale_inv", torch.ones(-(-out_f // 128), -(-in_f // 128), device=dev))
+        self.bias = linear.bias
+        self.dequantized = None  # the weight dequantised once per weight update (`refresh`)
+
+    def refresh(self):
+        """Cache the dequantised weight (call after loading new values)."""
+        self.dequantized = dequantize_fp8_blockwise(self.weight, self.weight_scale_inv, dtype=self.dtype)
+
+    def forward(self, x):
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.dtype, self.dequantized)
+
+
+class FP8GroupedExperts(nn.Module):
+    """Drop-in for model.GroupedExperts: w13 [E, D, 2I] and w2 [E, I, D] in e4m3 with 128x128-block inverse scales."""
+
+    def __init__(self, experts: GroupedExperts, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        for name, w in (("w13", experts.w13), ("w2", experts.w2)):
+            E, R, C = w.shape
+            self.register_buffer(name, torch.zeros(E, R, C, dtype=FP8, device=w.device))
+            self.register_buffer(f"{name}_scale_inv", torch.ones(E, -(-R // 128), -(-C // 128), device=w.device))
+        self.dequantized = None
+
+    def refresh(self):
+        """Cache the dequantised weights (call after loading new values): torch 2.13 has no
+        blockwise-scaled grouped GEMM, so experts always run dequantise-then-matmul."""
+        self.dequantized = (dequantize_fp8_blockwise(self.w13, self.w13_scale_inv, dtype=self.dtype),
+                            dequantize_fp8_blockwise(self.w2, self.w2_scale_inv, dtype=self.dtype))
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) dequantised to the engine dtype."""
+        if self.dequantized is None:
+            self.refresh()
+        return self.dequantized
+
+    def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by expert (counts_e rows each) -> expert outputs, as GroupedExperts.forward."""
+        w13, w2 = self.weights()
+        offs = counts_e.cumsum(0).to(torch.int32)
+        h = swiglu(grouped_mm(fake_quantize_activations(x_RD), w13, offs))  # (R, I)
+        return grouped_mm(fake_quantize_activations(h), w2, offs)  # (R, D)
+
+
+def to_fp8_modules(model: Transformer, dtype: torch.dtype) -> Transformer:
+    """Swap every FP8_TARGETS matrix of `model` for its FP8 module, in place (values zero until loaded)."""
+    for block in model.layers:
+        for name in ("wqkv", "wo"):
+            setattr(block.attn, name, FP8Linear(getattr(block.attn, name), dtype))
+        ffns = [block.mlp] if not block.is_moe else ([block.mlp.shared] if block.mlp.shared is not None else [])
+        for ffn in ffns:
+            ffn.w13, ffn.w2 = FP8Linear(ffn.w13, dtype), FP8Linear(ffn.w2, dtype)
+        if block.is_moe:
+            block.mlp.experts = FP8GroupedExperts(block.mlp.experts, dtype)
+    return model
+
+
+def quantize_fp8(named_tensors: Named, *, hf: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Trainer side of the FP8 weight sync: each FP8 target becomes (name, e4m3) and
+    (name + "_scale_inv", fp32 scales), quantised in 128x128 blocks of its last two dims;
+    other tensors pass through. hf=True matches HF hub names (expert weights [out, in]),
+    whose inverse scales SGLang reads as `<...>.weight_scale_inv`. Lazy: one tensor at a time.
+    """
+    targets = HF_FP8_TARGETS if hf else FP8_TARGETS
+    for name, t in named_tensors:
+        if targets.fullmatch(name) and t.dtype != FP8:
+            q, s = quantize_fp8_blockwise(t.detach())
+            yield name, q
+            yield name + "_scale_inv", s
+        else:
+            yield name, t
+
+
+# ----------------------------------------------------------------------------- weight sync
+
+def policy_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """Everything an engine needs from the trainer: parameters (a tied lm_head once) and
+    persistent buffers (GLM-4.5's expert_bias), detached."""
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        name = name.replace("._checkpoint_wrapped_module", "")  # activation checkpointing's wrapper
+        if name in persistent:
+            yield name, t.detach()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective: every rank of its mesh must call it), else t, detached."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def weight_buckets(named_tensors: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors of at most bucket_bytes each (a larger tensor alone), in order."""
+    bucket, size = [], 0
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def _stage(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """The bucket on `device`: one flat copy per dtype when it lives elsewhere (one transfer, not one per tensor)."""
+    if all(t.device == device for _, t in bucket):
+        return bucket
+    out = {}
+    for dtype in {t.dtype for _, t in bucket}:
+        part = [(n, t) for n, t in bucket if t.dtype == dtype]
+        flat = torch.cat([t.detach().reshape(-1) for _, t in part]).to(device, non_blocking=True)
+        for (n, t), piece in zip(part, flat.split([t.numel() for _, t in part])):
+            out[n] = piece.view(t.shape)
+    return [(n, out[n]) for n, _ in bucket]
+
+
+def hf_tensors(named_tensors: Named, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our (name, tensor) pairs in the HF hub layout (one [out, in] matrix per expert), as `model.save_hf` writes them."""
+    for name, t in named_tensors:
+        if name.rsplit(".", 1)[-1] == "expert_bias" and cfg.router != "sigmoid":
+            continue
+        keys = hf_names(name)
+        if "{e}" in keys[0]:  # stacked experts [E, in, out]: each fused part transposed back to [out, in]
+            for e in range(t.shape[0]):
+                for k, part in zip(keys, t[e].chunk(len(keys), dim=1)):
+                    yield k.format(e=e), part.T.contiguous()
+        else:  # fused q|k|v (unequal parts) or gate|up rows
+            sizes = ([cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2 if ".wqkv." in name
+                     else [t.shape[0] // len(keys)] * len(keys))
+            yield from zip(keys, t.split(sizes, dim=0))
+
+
+def save_fp8_hf(model: Transformer, path: str, *, max_shard_bytes: int = 4 << 30):
+    """Write `model` as a blockwise-FP8 HF checkpoint (the DeepSeek-V3 / Qwen3-FP8 format SGLang
+    serves with quantization="fp8"): config.json with its quantization_config, safetensors shards."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    config = model.cfg.to_hf()
+    config["torch_dtype"] = "bfloat16"
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(WEIGHT_BLOCK)}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    tensors = quantize_fp8(hf_tensors(policy_tensors(model), model.cfg), hf=True)
+    shards = list(weight_buckets(((n, t if t.dtype == FP8 or n.endswith("_scale_inv") else t.to(torch.bfloat16))
+                                  for n, t in tensors), max_shard_bytes))
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: t.contiguous().cpu() for n, t in shard}, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n, _ in shard})
+    if len(shards) > 1:
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+
+
+# ----------------------------------------------------------------------------- native engine
+
+def _attend(attn, h_BD, cos_B1r, sin_B1r, k_BGSd, v_BGSd, col: int, bias_B11S):
+    """One query token per row against cache columns [0, col] (col is written here)."""
+    cfg, B = attn.cfg, h_BD.shape[0]
+    H, G, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qkv = attn.wqkv(h_BD).view(B, H + 2 * G, 1, d)  # (B, H+2G, 1, d): heads already in front of T
+    q, k, v = qkv.split([H, G, G], dim=1)  # (B, H|G|G, 1, d)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rope(q, cos_B1r, sin_B1r), apply_rope(k, cos_B1r, sin_B1r)
+    k_BGSd[:, :, col] = k[:, :, 0]
+    v_BGSd[:, :, col] = v[:, :, 0]
+    keys, values = k_BGSd[:, :, :col + 1], v_BGSd[:, :, :col + 1]  # (B, G, n, d) views, no copy
+    # GQA: query heads [g * H/G, (g+1) * H/G) read kv head g
+    scores = torch.matmul(q.view(B, G, H // G, d), keys.transpose(-1, -2)) * d ** -0.5  # (B, G, H/G, n)
+    probs = (scores.float() + bias_B11S[..., :col + 1]).softmax(dim=-1).to(values.dtype)
+    return attn.wo(torch.matmul(probs, values).view(B, H * d))  # (B, G, H/G, d) -> (B, D)
+
+
+def _experts(experts, x_ND, ids_NK, weights_NK):
+    """Weighted sum over each token's K experts [N, D]: the N*K (token, expert) pairs sorted
+    by expert, two grouped GEMMs over exactly those rows (no capacity padding), the
+    results scattered back and summed per token. No host sync: shapes never depend on data.
+    """
+    N, K = ids_NK.shape
+    E = experts.w13.shape[0]
+    e_R = ids_NK.flatten()
+    counts_E = e_R.new_zeros(E).scatter_add_(0, e_R, torch.ones_like(e_R))  # (E,): bincount would sync on CUDA
+    order_R = e_R.argsort(stable=True)  # (N*K,) pair indices, grouped by expert
+    token_R = order_R // K  # which token each sorted pair belongs to
+    y_RD = experts(x_ND[token_R], counts_E)  # (N*K, D) in sorted order
+    y_RD = y_RD * weights_NK.flatten()[order_R, None].to(y_RD.dtype)
+    return torch.zeros_like(x_ND).index_add_(0, token_R, y_RD)
+
+
+# torch 2.13's compile-time (fake) kernel of _grouped_mm accepts only bf16, so a compiled
+# decode step runs the experts eagerly between its compiled regions (no effect in eager mode).
+_experts_outside_compile = torch.compiler.disable(_experts)
+
+
+def decode_step(model: Transformer, tokens_B, cos_B1r, sin_B1r, k_LBGSd, v_LBGSd, col: int, bias_B11S, routes_BLK):
+    """Logits [B, V] fp32 of the next token after feeding tokens_B at cache column col.
+
+    Writes this token's keys/values at column col of every layer and its routed experts
+    into routes_BLK (int32). Arithmetic is the model's forward for T = 1, with the model's
+    own modules; only attention over the cache and the expert dispatch are specialised.
+    """
+    x = model.embed(tokens_B)  # (B, D)
+    moe = 0
+    for i, block in enumerate(model.layers):
+        x = x + _attend(block.attn, block.attn_norm(x), cos_B1r, sin_B1r, k_LBGSd[i], v_LBGSd[i], col, bias_B11S)
+        h = block.ffn_norm(x)
+        if not block.is_moe:
+            x = x + block.mlp(h)
+            continue
+        ids_NK, weights_NK = block.mlp.route(h, None)
+        y = _experts_outside_compile(block.mlp.experts, h, ids_NK, weights_NK)
+        if block.mlp.shared is not None:
+            y = y + block.mlp.shared(h)
+        x = x + y
+        routes_BLK[:, moe] = ids_NK
+        moe += 1
+    return model.lm_head(model.norm(x)).float()
 
 
 class NativeEngine:
-    """A PyTorch rollout engine holding its own copy of the policy weights."""
+    """A PyTorch rollout engine holding its own copy of the policy weights (optionally FP8)."""
 
-    def __init__(self, cfg: ModelConfig, *, eos_id: int, pad_id: int, device="cpu", dtype=torch.float32):
+    def __init__(self, cfg: ModelConfig, *, eos_id: int, pad_id: int, device="cpu", dtype=torch.float32,
+                 fp8: bool = False, compile: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.cfg, self.eos_id, self.pad_id = cfg, eos_id, pad_id
-        self.device, self.dtype = torch.device(device), dtype
+        self.device, self.dtype, self.fp8, self.bucket_bytes = torch.device(device), dtype, fp8, bucket_bytes
         self.model = Transformer(cfg).to(self.device, dtype).eval().requires_grad_(False)
+        if fp8:
+            to_fp8_modules(self.model, dtype)
         self.weight_version = 0
+        named = list(self.model.named_parameters(remove_duplicate=False)) + list(self.model.named_buffers())
+        self._slots = dict(named)  # every name a trainer may send, tied names included
+        persistent = set(self.model.state_dict())
+        self._required = {n for n, _ in list(self.model.named_parameters()) + list(self.model.named_buffers())
+                          if n in persistent}
+        self._fp8_weights = {n for n, t in self._slots.items() if t.dtype == FP8}
+        cos, sin = rope(torch.arange(cfg.max_seq_len, device=self.device)[None], cfg)
+        self._cos_Sr, self._sin_Sr = cos[0], sin[0]  # RoPE for every position, computed once
+        self._decode = torch.compile(decode_step, dynamic=True) if compile else decode_step
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int):
-        """Copy the trainer's weights in (cast to the engine dtype). Every parameter must be sent.
+    def update_weights(self, named_tensors: Named, version: int):
+        """Copy the trainer's tensors in, bucket by bucket (`policy_tensors(model)`, or the
+        `quantize_fp8` of it for an FP8 engine; a high-precision tensor sent for an FP8
+        weight is quantised on arrival). Every parameter and persistent buffer must arrive.
 
-        Raises ValueError on an unknown name, a shape mismatch or a missing parameter.
+        Raises ValueError on an unknown name, a shape mismatch or a missing tensor.
         """
-        params = dict(self.model.named_parameters())
         seen = set()
-        for name, t in named_tensors:
-            if name not in params:
-                raise ValueError(f"update_weights: unknown tensor {name!r}")
-            if params[name].shape != t.shape:
-                raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, expected {tuple(params[name].shape)}")
-            params[name].copy_(t)
-            seen.add(name)
-        if missing := params.keys() - seen:
+        named_tensors = ((n, full_tensor(t)) for n, t in named_tensors)
+        for bucket in weight_buckets(named_tensors, self.bucket_bytes):
+            for name, t in _stage(bucket, self.device):
+                slot = self._slots.get(name)
+                if slot is None:
+                    raise ValueError(f"update_weights: unknown tensor {name!r}")
+                if slot.shape != t.shape:
+                    raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, expected {tuple(slot.shape)}")
+                if name in self._fp8_weights and t.dtype != FP8:
+                    q, s = quantize_fp8_blockwise(t)
+                    self._slots[name + "_scale_inv"].copy_(s)
+                    t = q
+                    seen.add(name + "_scale_inv")
+                slot.copy_(t)
+                seen.add(name)
+        if missing := self._required - seen:
             raise ValueError(f"update_weights: missing {sorted(missing)[:5]} ({len(missing)} in all)")
+        for module in self.model.modules():
+            if isinstance(module, (FP8Linear, FP8GroupedExperts)):
+                module.refresh()
         self.weight_version = version
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int | None = None, group_ids: list[int] | None = None) -> list[Rollout]:
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 group_ids: list[int] | None = None) -> list[Rollout]:
         """n rollouts of each prompt, returned prompt-major ([p0 s0, p0 s1, ..., p1 s0, ...]).
 
-        Raises ValueError on an empty prompt or one that cannot fit max_new_tokens within max_seq_len.
+        Each distinct prompt is prefilled once; its rows share that prefill. Sampling is
+        batch-invariant: sample j of group g draws from its own random stream keyed by
+        (seed, g, j) (`row_keys`), so it does not depend on the other prompts in the call
+        or their order (pass global group_ids to split a batch across calls or ranks and
+        sample the same tokens, up to the float rounding of differently shaped matmuls).
+        group_ids: one per prompt (default 0..len-1), copied into `Rollout.group_id`.
+        seed None draws one from torch's global RNG.
+        Raises ValueError on an empty prompt, max_new_tokens < 1, or a prompt that cannot
+        fit max_new_tokens within max_seq_len.
         """
         if not prompts:
             return []
         lens = [len(p) for p in prompts]
-        if min(lens) == 0 or max(lens) + max_new_tokens > self.cfg.max_seq_len:
-            raise ValueError(f"prompt lengths span [{min(lens)}, {max(lens)}]; need >= 1 and "
-                             f"<= max_seq_len - max_new_tokens = {self.cfg.max_seq_len - max_new_tokens}")
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(self.device).manual_seed(seed)
-        rows = [p for p in prompts for _ in range(n)]
-        B, P, dev = len(rows), max(lens), self.device
-        S = P + max_new_tokens
-        pad_B = torch.tensor([P - len(r) for r in rows], device=dev)
-        tokens_BP = torch.full((B, P), self.pad_id, dtype=torch.long, device=dev)
-        for i, r in enumerate(rows):
-            tokens_BP[i, P - len(r):] = torch.tensor(r)
+        if max_new_tokens < 1 or min(lens) == 0 or max(lens) + max_new_tokens > self.cfg.max_seq_len:
+            raise ValueError(f"prompt lengths span [{min(lens)}, {max(lens)}] with max_new_tokens={max_new_tokens}; need "
+                             f"prompts >= 1 token, max_new_tokens >= 1, and prompt + max_new_tokens <= "
+                             f"max_seq_len = {self.cfg.max_seq_len}")
+        cfg, dev = self.cfg, self.device
+        if seed is None:  # an unseeded call still varies from call to call, through torch's global RNG
+            seed = int(torch.randint(1 << 62, (1,)))
+        groups = group_ids if group_ids is not None else list(range(len(prompts)))
+        if len(groups) != len(prompts):
+            raise ValueError(f"group_ids has {len(groups)} entries for {len(prompts)} prompts")
+        keys_B = row_keys(seed, [g for g in groups for _ in range(n)], [j for _ in prompts for j in range(n)], dev)
+        unique: dict[tuple, int] = {}
+        for p in prompts:
+            unique.setdefault(tuple(p), len(unique))
+        uprompts = list(unique)
+        row_u = torch.tensor([unique[tuple(p)] for p in prompts for _ in range(n)], device=dev)  # (B,) row -> unique prompt
+        U, B, P, C = len(uprompts), len(row_u), max(lens), max_new_tokens
+        S = P + C - 1  # the last sampled token is never fed back
+
+        # prefill the unique prompts, left-padded so every row's next token lands in column P
+        pad_U = torch.tensor([P - len(p) for p in uprompts], device=dev)
+        tokens_UP = torch.full((U, P), self.pad_id, dtype=torch.long, device=dev)
+        for u, p in enumerate(uprompts):
+            tokens_UP[u, P - len(p):] = torch.tensor(p, device=dev)
+        col_P = torch.arange(P, device=dev)
+        key_ok_UP = col_P[None] >= pad_U[:, None]  # left padding is never attended to
+        causal_PP = col_P[:, None] >= col_P[None]
+        # pad queries may see themselves so their softmax rows are not empty
+        mask_U1PP = (causal_PP & (key_ok_UP[:, None] | torch.eye(P, dtype=torch.bool, device=dev)))[:, None]
+        prefill = KVCache(cfg, U, P, dtype=self.dtype, device=dev)
+        h_UPD, routes_UPLK = self.model.hidden(tokens_UP, pos_BT=(col_P[None] - pad_U[:, None]).clamp(min=0),
+                                               return_routes=True, cache=prefill, cache_start=0, mask_B1TS=mask_U1PP)
+        last_BV = self.model.lm_head(h_UPD[:, -1]).float()[row_u]
+
+        # decode state, allocated once: cache, outputs, per-row RoPE and the additive key mask
+        k_LBGSd = torch.empty(cfg.n_layers, B, cfg.n_kv_heads, S, cfg.head_dim, dtype=self.dtype, device=dev)
+        v_LBGSd = torch.empty_like(k_LBGSd)
+        k_LBGSd[:, :, :, :P] = prefill.k[:, row_u]
+        v_LBGSd[:, :, :, :P] = prefill.v[:, row_u]
+        routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=torch.int32, device=dev)
+        routes_BSLK[:, :P] = routes_UPLK[row_u]
+        pad_B = pad_U[row_u]
         col_S = torch.arange(S, device=dev)
-        key_ok_BS = col_S[None] >= pad_B[:, None]  # left padding is never attended to
-        causal_SS = col_S[:, None] >= col_S[None]
-        cache = KVCache(self.cfg, B, S, dtype=self.dtype, device=dev)
-
-        # prefill: pad queries may see themselves so their softmax rows are not empty
-        mask = (causal_SS[:P, :P] & (key_ok_BS[:, None, :P] | torch.eye(P, dtype=torch.bool, device=dev)))[:, None]
-        pos_BP = (col_S[None, :P] - pad_B[:, None]).clamp(min=0)
-        logits, routes = self.model(tokens_BP, pos_BT=pos_BP, return_routes=True, cache=cache, cache_start=0, mask_B1TS=mask)
-        route_steps = [routes]  # each (B, T, L, K)
-        out_ids, out_logp = [], []
+        pos_BS = (col_S[None] - pad_B[:, None]).clamp(min=0)
+        cos_BSr, sin_BSr = self._cos_Sr[pos_BS], self._sin_Sr[pos_BS]
+        bias_B11S = torch.zeros(B, 1, 1, S, device=dev).masked_fill_((col_S[None] < pad_B[:, None])[:, None, None], float("-inf"))
+        ids_BC = torch.full((B, C), self.pad_id, dtype=torch.long, device=dev)
+        logp_BC = torch.zeros(B, C, device=dev)
         done_B = torch.zeros(B, dtype=torch.bool, device=dev)
-        last_BV = logits[:, -1]
-        for step in range(max_new_tokens):
-            ids_B, logp_B = sample(last_BV, temperature=temperature, top_p=top_p, generator=gen)
-            ids_B = ids_B.masked_fill(done_B, self.pad_id)
-            out_ids.append(ids_B)
-            out_logp.append(logp_B)
-            done_B = done_B | (ids_B == self.eos_id)
-            if step == max_new_tokens - 1 or bool(done_B.all()):
+        steps = C
+        for t in range(C):
+            ids_B, logp_B = sample(last_BV, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   u_B=row_uniforms(keys_B, t))
+            ids_B = ids_B.masked_fill_(done_B, self.pad_id)  # finished rows emit padding
+            ids_BC[:, t] = ids_B
+            logp_BC[:, t] = logp_B
+            done_B |= ids_B == self.eos_id
+            if t == C - 1 or (t % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1 and bool(done_B.all())):
+                steps = t + 1
                 break
-            col = P + step
-            mask = key_ok_BS[:, None, None, :col + 1]  # (B, 1, 1, col+1): causal by construction
-            pos = (col - pad_B)[:, None]
-            logits, routes = self.model(ids_B[:, None], pos_BT=pos, return_routes=True, cache=cache,
-                                        cache_start=col, mask_B1TS=mask)
-            route_steps.append(routes)
-            last_BV = logits[:, -1]
+            col = P + t
+            last_BV = self._decode(self.model, ids_B, cos_BSr[:, col:col + 1], sin_BSr[:, col:col + 1], k_LBGSd, v_LBGSd,
+                                   col, bias_B11S, routes_BSLK[:, col])
 
-        ids_BC = torch.stack(out_ids, dim=1).cpu()
-        logp_BC = torch.stack(out_logp, dim=1).float().cpu()
-        routes_BSLK = torch.cat(route_steps, dim=1).to(torch.int32).cpu()  # (B, P + steps fed, L, K)
+        ids = ids_BC[:, :steps].tolist()
+        logp_BC, routes_BSLK, pads = logp_BC.float().cpu(), routes_BSLK.cpu(), pad_B.tolist()
         rollouts = []
-        for i, prompt in enumerate(rows):
-            ids = ids_BC[i].tolist()
-            stop = self.eos_id in ids
-            C = ids.index(self.eos_id) + 1 if stop else len(ids)
-            pad = P - len(prompt)
+        for i, row in enumerate(ids):
+            stop = self.eos_id in row
+            c = row.index(self.eos_id) + 1 if stop else steps
+            prompt = prompts[i // n]
             rollouts.append(Rollout(
-                prompt_ids=list(prompt), completion_ids=ids[:C], logprobs=logp_BC[i, :C].clone(),
-                routes=routes_BSLK[i, pad:P + C - 1].clone(), finish_reason="stop" if stop else "length",
-                group_id=(group_ids[i // n] if group_ids is not None else i // n),
-                weight_version=self.weight_version))
+                prompt_ids=list(prompt), completion_ids=row[:c], logprobs=logp_BC[i, :c].clone(),
+                routes=routes_BSLK[i, pads[i]:P + c - 1].clone(), finish_reason="stop" if stop else "length",
+                group_id=groups[i // n], weight_version=self.weight_version))
         return rollouts
+
+
+# ----------------------------------------------------------------------------- SGLang engine
+
+def _import_sglang():
+    """sglang, or an error that says what is missing: the package (GPU machines only) or a CUDA device."""
+    try:
+        import sglang
+    except ImportError as e:
+        raise ImportError("SGLangEngine needs sglang, which runs on CUDA GPUs only: on a GPU machine run "
+                          "`pip install -r requirements-gpu.txt`; on CPU use NativeEngine") from e
+    if not torch.cuda.is_available():
+        raise RuntimeError("SGLangEngine needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
+                           "on CPU use NativeEngine")
+    return sglang
+
+
+def sglang_engine_args(model_path: str, *, fp8: bool, tp_size: int = 1, mem_fraction_static: float = 0.8,
+                       seed: int = 0, **extra) -> dict:
+    """Keyword arguments of `sglang.Engine`: token ids in and out, routed-expert capture, optional FP8."""
+    args = dict(model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static, random_seed=seed,
+                skip_tokenizer_init=True, enable_return_routed_experts=True)
+    if fp8:
+        args["quantization"] = "fp8"
+    return args | extra
+
+
+SGLANG_SEED_BITS = 31  # per-request sampling_seed kept a non-negative int32, a range every SGLang version takes
+
+
+def sglang_request(prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
+                   top_k: int, seed: int | None, eos_id: int, group_ids: list[int] | None = None) -> dict:
+    """Keyword arguments of `sglang.Engine.generate` for n samples of each prompt, prompt-major.
+
+    Each sample is its own request (SGLang's radix cache shares the prompt's prefill).
+    Sample j of group g gets sampling_seed derived from (seed, g, j) as NativeEngine keys
+    its streams, so a request's seed does not depend on its batch. Logprobs of output
+    tokens only (logprob_start_len=-1); routes from the first prompt token
+    (routed_experts_start_len=0: SGLang's io_struct documents the response as covering
+    [routed_experts_start_len, seqlen - 1)). top_k 0 (off) is SGLang's -1.
+    """
+    rows = [list(p) for p in prompts for _ in range(n)]
+    base = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                top_k=top_k if top_k > 0 else -1, stop_token_ids=[eos_id], skip_special_tokens=False, no_stop_trim=True)
+    params = [dict(base) for _ in rows]
+    if seed is not None:
+        groups = group_ids if group_ids is not None else list(range(len(prompts)))
+        keys = row_keys(seed, [g for g in groups for _ in range(n)], [j for _ in prompts for j in range(n)])
+        for p, k in zip(params, (keys & ((1 << SGLANG_SEED_BITS) - 1)).tolist()):
+            p["sampling_seed"] = k
+    return dict(input_ids=rows, sampling_params=params, return_logprob=True, logprob_start_len=-1,
+                return_routed_experts=True, routed_experts_start_len=0)
+
+
+def decode_routed_experts(payload, num_tokens: int, cfg: ModelConfig) -> torch.Tensor:
+    """SGLang's meta_info["routed_experts"] -> int32 [num_tokens, L, K] over the MoE layers only.
+
+    SGLang sends base64 of int32 [num_tokens, num_hidden_layers, top_k] (logical expert
+    ids); the first `first_k_dense_replace` layers are dense (GLM-4.5) and their rows are
+    dropped. num_tokens is P + C - 1 when the request set routed_experts_start_len=0.
+    Raises ValueError when the size does not match.
+    """
+    # Format as SGLang documents it (sgl-project/sglang R3 usage notes, and sglang-jax
+    # docs/features/return_routed_experts.md, after sglang PR 12162): base64-decode,
+    # read int32, reshape(-1, num_layers, top_k); a list payload is accepted as well.
+    if isinstance(payload, (str, bytes)):
+        flat = torch.frombuffer(bytearray(base64.b64decode(payload)), dtype=torch.int32)
+    else:
+        flat = torch.as_tensor(payload).to(torch.int32).flatten()
+    want = num_tokens * cfg.n_layers * cfg.top_k
+    if flat.numel() != want:
+        raise ValueError(f"routed_experts holds {flat.numel()} ids; expected {num_tokens} tokens x {cfg.n_layers} "
+                         f"layers x {cfg.top_k} = {want}")
+    return flat.view(num_tokens, cfg.n_layers, cfg.top_k)[:, cfg.first_k_dense_replace:].clone()
+
+
+def decode_sglang_output(out: dict, prompt_ids: list[int], *, cfg: ModelConfig, group_id: int,
+                         weight_version: int) -> Rollout:
+    """One SGLang generate() result -> Rollout.
+
+    Reads meta_info["output_token_logprobs"] ((logprob, token id, text) per output token,
+    the stop token included), meta_info["finish_reason"] ({"type": "stop" | "length" |
+    "abort", ...}) and meta_info["routed_experts"]. Raises ValueError on a payload that
+    does not add up, RuntimeError on an aborted request.
+    """
+    meta = out["meta_info"]
+    lp = meta["output_token_logprobs"]
+    ids = [int(x[1]) for x in lp]
+    if "output_ids" in out and [int(i) for i in out["output_ids"]] != ids:
+        raise ValueError(f"output_ids {list(out['output_ids'])[:8]}... disagree with output_token_logprobs' ids {ids[:8]}...")
+    reason = meta["finish_reason"]
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind == "abort":
+        raise RuntimeError(f"SGLang aborted the request: {reason}")
+    if kind not in ("stop", "length"):
+        raise ValueError(f"finish_reason {reason!r}; expected type 'stop', 'length' or 'abort'")
+    P, C = len(prompt_ids), len(ids)
+    return Rollout(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=torch.tensor([float(x[0]) for x in lp]),
+                   routes=decode_routed_experts(meta["routed_experts"], P + C - 1, cfg), finish_reason=kind,
+                   group_id=group_id, weight_version=weight_version)
+
+
+def _ok(result, what: str):
+    """Raise RuntimeError when an SGLang control call reports failure ((ok, msg), {"success": ...} or .success)."""
+    ok, msg = True, ""
+    if isinstance(result, tuple) and result and isinstance(result[0], bool):
+        ok, msg = result[0], " ".join(map(str, result[1:]))
+    elif isinstance(result, dict) and "success" in result:
+        ok, msg = result["success"], result.get("message", "")
+    elif hasattr(result, "success"):
+        ok, msg = result.success, getattr(result, "message", "")
+    if not ok:
+        raise RuntimeError(f"SGLang {what} failed: {msg}")
+
+
+class SGLangEngine:
+    """Rollouts from `sglang.Engine` (CUDA only), in the same `Rollout` record as NativeEngine.
+
+    fp8=True serves a blockwise-FP8 checkpoint (write one with `save_fp8_hf`) and syncs
+    weights quantised on the trainer side (`quantize_fp8`, HF names); otherwise weights go
+    in the trainer's dtype. Weight sync sends buckets with `update_weights_from_tensor`
+    inside `begin_weight_update()` / `end_weight_update()` where the installed SGLang has
+    them (0.5.23: begin restores packed quantised weights to a loadable layout, end
+    re-finalises them), and without them where not (0.5.7), then flushes the prefix cache.
+    Logprobs are SGLang's `output_token_logprobs` (the tempered distribution unless
+    SGLANG_RETURN_ORIGINAL_LOGPROB is set, which would not match the trainer).
+    """
+    # Weight-update sessions: sglang PR 28001 ("refactor weight processing in RL weight
+    # update") added begin_weight_update / end_weight_update and makes
+    # update_weights_from_* assert that a session is open; Engine.update_weights_from_tensor
+    # takes (named_tensors, load_format=None, flush_cache=True) in the versions we read.
+
+    def __init__(self, model_path: str, *, eos_id: int, fp8: bool = False, tp_size: int = 1,
+                 mem_fraction_static: float = 0.8, seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **engine_kwargs):
+        sglang = _import_sglang()
+        with open(os.path.join(model_path, "config.json")) as f:
+            hf_config = json.load(f)
+        if fp8 and (hf_config.get("quantization_config") or {}).get("quant_method") != "fp8":
+            raise ValueError(f"fp8=True needs a blockwise-FP8 checkpoint and {model_path} has no fp8 quantization_config; "
+                             f"write one with rollout.save_fp8_hf(model, path)")
+        engine = sglang.Engine(**sglang_engine_args(model_path, fp8=fp8, tp_size=tp_size,
+                                                    mem_fraction_static=mem_fraction_static, seed=seed, **engine_kwargs))
+        self._setup(engine, ModelConfig.from_hf(hf_config), eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes)
+
+    @classmethod
+    def from_engine(cls, engine, cfg: ModelConfig, *, eos_id: int, fp8: bool = False,
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SGLangEngine:
+        """Wrap an already running sglang.Engine (or anything with its methods)."""
+        self = cls.__new__(cls)
+        self._setup(engine, cfg, eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes)
+        return self
+
+    def _setup(self, engine, cfg: ModelConfig, *, eos_id: int, fp8: bool, bucket_bytes: int):
+        self.engine, self.cfg, self.eos_id, self.fp8, self.bucket_bytes = engine, cfg, eos_id, fp8, bucket_bytes
+        self.weight_version = 0
+        self.sessions = hasattr(engine, "begin_weight_update") and hasattr(engine, "end_weight_update")
+
+    def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 group_ids: list[int] | None = None) -> list[Rollout]:
+        """As NativeEngine.generate (prompt-major n rollouts per prompt)."""
+        if not prompts:
+            return []
+        outs = self.engine.generate(**sglang_request(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                     top_p=top_p, top_k=top_k, seed=seed, eos_id=self.eos_id,
+                                                     group_ids=group_ids))
+        if len(outs) != len(prompts) * n:
+            raise RuntimeError(f"SGLang returned {len(outs)} outputs for {len(prompts) * n} requests")
+        return [decode_sglang_output(out, prompts[i // n], cfg=self.cfg, weight_version=self.weight_version,
+                                     group_id=group_ids[i // n] if group_ids is not None else i // n)
+                for i, out in enumerate(outs)]
+
+    def update_weights(self, named_tensors: Named, version: int):
+        """Send the trainer's tensors (`policy_tensors(model)`) in HF names, FP8-quantised when fp8, bucket by bucket."""
+        tensors = hf_tensors(((n, full_tensor(t)) for n, t in named_tensors), self.cfg)
+        if self.fp8:
+            tensors = quantize_fp8(tensors, hf=True)
+        if self.sessions:
+            _ok(self.engine.begin_weight_update(), "begin_weight_update")
+        try:
+            for bucket in weight_buckets(tensors, self.bucket_bytes):
+                _ok(self.engine.update_weights_from_tensor(named_tensors=[(k, t.detach().contiguous()) for k, t in bucket],
+                                                           flush_cache=False), "update_weights_from_tensor")
+        finally:
+            if self.sessions:
+                _ok(self.engine.end_weight_update(), "end_weight_update")
+        self.engine.flush_cache()  # cached prefixes were computed with the old weights
+        self.weight_version = version
+
+
+# ----------------------------------------------------------------------------- train-inference mismatch
+
+def mismatch_metrics(infer_logp: list[torch.Tensor], trainer_logp: list[torch.Tensor], *,
+                     infer_routes: list[torch.Tensor] | None = None,
+                     trainer_routes: list[torch.Tensor] | None = None) -> dict[str, float]:
+    """Train-inference mismatch of one batch, on the engine's own samples.
+
+    infer_logp / trainer_logp: per sequence, log pi(token) [C_i] of the sampled tokens
+    under the engine and under the trainer. With d = log pi_infer - log pi_trainer:
+    mismatch/kl is the k3 estimate of KL(pi_infer || pi_trainer), mean(exp(-d) - 1 + d)
+    (unbiased and non-negative for samples from pi_infer; Schulman 2020, "Approximating
+    KL Divergence"), mismatch/kl_k1 the plain mean(d), mismatch/max_abs_logp and
+    mismatch/mean_abs_logp over tokens. infer_routes / trainer_routes: per sequence
+    [T_i, L, K] expert ids; mismatch/route_diff/layer{l} is the fraction of tokens whose
+    expert set in MoE layer l differs (order within the top-k ignored, rows with -1
+    skipped), mismatch/route_diff its mean over layers.
+    """
+    d = torch.cat([a.double().flatten() - b.double().flatten().to(a.device) for a, b in zip(infer_logp, trainer_logp)])
+    m = {"mismatch/kl": (torch.exp(-d) - 1 + d).mean().item(), "mismatch/kl_k1": d.mean().item(),
+         "mismatch/max_abs_logp": d.abs().max().item(), "mismatch/mean_abs_logp": d.abs().mean().item()}
+    if infer_routes is not None and trainer_routes is not None:
+        a = torch.cat([r.long() for r in infer_routes]).sort(dim=-1).values  # (N, L, K)
+        b = torch.cat([r.long().to(a.device) for r in trainer_routes]).sort(dim=-1).values
+        valid_N = ((a >= 0) & (b >= 0)).all(-1).all(-1)
+        diff_L = (a[valid_N] != b[valid_N]).any(-1).double().mean(0)
+        m.update({f"mismatch/route_diff/layer{l}": v for l, v in enumerate(diff_L.tolist())})
+        m["mismatch/route_diff"] = diff_L.mean().item()
+    return m

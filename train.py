@@ -66,7 +66,7 @@ from filter import PromptHistory, Scored, StageConfig, collect_groups, post_roll
 from model import ModelConfig, Transformer, token_entropy, token_logprobs
 from reward import (RewardPool, StubRewardModel, TaskMix, adjust_rewards, demonstration, overlong_penalty,
                     repetition_penalty, rm_score)
-from rollout import NativeEngine
+from rollout import NativeEngine, full_tensor, policy_tensors
 from scheduler import LengthPredictor, length_buckets, pack_microbatches
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, save_tokenizer, train_tokenizer
 
@@ -387,11 +387,11 @@ def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> 
     return model
 
 
-def full_named_parameters(model):
-    """(name, full tensor) per parameter: DTensor shards gathered (a collective: every rank must call it)."""
-    for name, p in model.named_parameters():
-        t = p.detach()
-        yield name.replace("._checkpoint_wrapped_module", ""), (t.full_tensor() if hasattr(t, "full_tensor") else t)
+def full_policy_tensors(model):
+    """(name, full tensor) of every parameter and persistent buffer (rollout.policy_tensors), DTensor
+    shards gathered: a collective, every rank must call it."""
+    for name, t in policy_tensors(model):
+        yield name, full_tensor(t)
 
 
 def all_gather_list(items: list) -> list:
@@ -860,7 +860,7 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
     m["filter/zvp_sequences"] = int(all_reduce_float(len(batch.adv_tokens)))
     m.update(mismatch)
     m.update(policy_update(model, opt, batch, old_logp, old_ent, cfg, step, pad_id, ref_model=ref_model))
-    engine.update_weights(full_named_parameters(model), version=step + 1)
+    engine.update_weights(full_policy_tensors(model), version=step + 1)
     m["t_train"] = time.perf_counter() - t1
     m["trained_sequences"] = len(kept)
     return m
@@ -1061,7 +1061,7 @@ def save_checkpoint(model, cfg: TrainConfig, out_dir: str):
     tmp = os.path.join(out_dir, "model.safetensors.tmp")
     rank, world = rank_world()
     if world > 1:
-        tensors = {n: t.contiguous() for n, t in full_named_parameters(model)}
+        tensors = {n: t.contiguous() for n, t in full_policy_tensors(model)}
         if rank == 0:
             save_file(tensors, tmp, metadata={"config": cfg_json})
     else:
@@ -1218,7 +1218,7 @@ def run(cfg: TrainConfig, dims=None) -> dict:
             used = sft(model, tok, task, order, cfg, log, opt=sft_opt, start=start, used=used,
                        after_step=lambda step, used, opt: checkpoint(step + 1, opt, "sft", step, used))
         del sft_opt
-        engine.update_weights(full_named_parameters(model), version=0)
+        engine.update_weights(full_policy_tensors(model), version=0)
         evals["after_sft"] = evals["after_rl"] = run_eval(0)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         # the KL penalty's reference: a frozen copy of the policy as RL starts, kept only when used
@@ -1236,7 +1236,7 @@ def run(cfg: TrainConfig, dims=None) -> dict:
         state.history.load_state_dict(resumed["history"])
         state.rng.setstate(resumed["filter_rng"])
         set_rng_state(resumed["rng"])
-        engine.update_weights(full_named_parameters(model), version=rl_start)
+        engine.update_weights(full_policy_tensors(model), version=rl_start)
     if cfg.pass_rate_file and resumed is None:
         n = state.history.load_offline(cfg.pass_rate_file)
         if rank == 0:

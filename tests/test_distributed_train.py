@@ -171,7 +171,7 @@ def build_worker(rank, world, port, cfg, out):
     try:
         dims = train.build_parallel_dims(world, dp_shard=world, ep=cfg.ep)
         torch.manual_seed(cfg.seed)
-        full = dict(train.full_named_parameters(train.build_model(cfg, dims)))
+        full = dict(train.full_policy_tensors(train.build_model(cfg, dims)))
         if rank == 0:
             torch.save(full, out)
     finally:
