@@ -73,6 +73,16 @@ def test_async_rollouts_are_at_most_max_staleness_versions_old_and_the_policy_tr
         assert torch.equal(p, q), n
 
 
+def test_async_loop_runs_the_filter_stages_and_rl_zvp_on_the_producer(tmp_path):
+    cfg, model, engine, before, metrics, drawn = run_async(tmp_path, [
+        "max_staleness=1", "rl_steps=3", "probe_size=2", "enlarged_group_size=6", "oversample_rounds=1",
+        "zero_variance=rl-zvp"])
+    for m in metrics:
+        assert "skipped_update" not in m and m["trained_sequences"] == m["filter/rollouts_generated"]
+        assert m["filter/zvp_sequences"] >= 2 * m["filter/zvp_groups"]
+    assert sum(drawn) >= 3 * cfg.prompts_per_step
+
+
 def test_stale_rollouts_show_a_logprob_gap_that_tis_sees(tmp_path):
     metrics = run_async(tmp_path, ["max_staleness=1", "rl_steps=4", "tis_cap=2.0"])[4]
     by_staleness = {}
