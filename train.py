@@ -14,6 +14,11 @@ arXiv 2512.07710, also starts RL from an SFT model), then the RL loop, each step
       -> mini-batches of packed micro-batches: policy forward with the engine's routes
          replayed -> ESPO loss -> AdamW step -> weight sync to the engine
 
+With `max_staleness` k > 0 the rollout half of each step (up to the advantages) runs on a
+producer thread up to k steps ahead of the trainer, from weights at most k steps old
+(`rl_loop_async`); the trainer recomputes pi_old, and TIS / IcePop can correct for the
+engine's older policy.
+
 Bracketed parts are off by default (see the filter and reward fields of TrainConfig);
 with them off a run is bitwise identical to one without them.
 
@@ -67,7 +72,7 @@ from model import ModelConfig, Transformer, token_entropy, token_logprobs
 from reward import (RewardPool, StubRewardModel, TaskMix, adjust_rewards, demonstration, overlong_penalty,
                     repetition_penalty, rm_score)
 from rollout import NativeEngine, full_tensor, policy_tensors
-from scheduler import LengthPredictor, length_buckets, pack_microbatches
+from scheduler import LengthPredictor, Pipeline, length_buckets, pack_microbatches
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, save_tokenizer, train_tokenizer
 
 # Small-number arithmetic in two surface forms, with item spaces large enough (tens of
@@ -78,6 +83,7 @@ DEFAULT_TASKS = [
                               allow_parentheses=False, allow_negation=False)),
 ]
 STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds; stream 0 keeps the old seeds
+ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken as hung
 RM_SCORE_SCALE = 1.0  # reward-model score units per tanh unit in the shaping score (the stub's scores lie in [-1, 1])
 
 @dataclass
@@ -223,6 +229,13 @@ class TrainConfig:
     """Threads that score rollouts while generation goes on (0 = score inline after generating)."""
     reward_timeout_s: float = 30.0
     """Per-rollout scoring limit; a timeout or an exception gives reward 0, counted in the metrics."""
+    # async rollouts (scheduler.Pipeline)
+    max_staleness: int = 0
+    """Rollouts may come from weights up to this many RL steps old, generated while the trainer trains (0 = synchronous on-policy)."""
+    rollout_threads: int = 0
+    """With max_staleness > 0: torch CPU threads of the rollout producer thread (0 = half of torch's on CPU, else default)."""
+    trainer_threads: int = 0
+    """With max_staleness > 0: torch CPU threads of the trainer thread during RL (0 = the rest of torch's on CPU)."""
     eval_every: int = 50
     """RL steps between evals."""
     eval_samples: int = 4
@@ -801,13 +814,16 @@ def group_advantages_ragged(rewards: list[torch.Tensor], cfg: TrainConfig) -> li
     return adv
 
 
-def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, step: int, state: RLState | None = None,
-            draw=None, ref_model=None) -> dict:
-    """One RL step over `items` (prompts): stages 1-2 of the filter while generating and scoring (with
-    over-sampling from draw(n) if configured), stage 3, advantages, update, sync. Returns metrics.
-    ref_model: the frozen reference policy of the KL penalty (needed when cfg.kl_coef != 0)."""
+def collect_rollouts(engine, tok, task, items, predictor, cfg: TrainConfig, step: int, state: RLState, draw=None):
+    """The rollout half of an RL step over `items` (prompts): stages 1-2 of the filter while generating
+    and scoring (with over-sampling from draw(n) if configured), stage 3 and advantages.
+
+    Touches the engine, predictor and `state`, never the trainer's model, so in the async loop it
+    runs on the producer thread. Returns (metrics, batch, zvp): batch is None when every group was
+    dropped; zvp maps a batch index to its correctness for RL-ZVP sequences (token advantages are
+    made by the trainer, from its own old entropy).
+    """
     t0 = time.perf_counter()
-    state = state or RLState()
     streams, reasons = itertools.count(), Counter()
 
     def sample(batch_items, n):  # each call is a generate round of its own: probes, the rest, over-sampling
@@ -839,30 +855,51 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
          **{f"filter/{k}": v for k, v in fstats.items()}, **{f"filter/{k}": v for k, v in counts.items()},
          "filter/rollouts_generated": len(rollouts), "filter/tokens_generated": int(torch.cat(lengths).sum()),
          "reward/timeouts": reasons["timeout"], "reward/errors": sum(v for k, v in reasons.items() if k.startswith("error"))}
+    versions = [r.weight_version for r in rollouts]
+    m["weight_version_min"], m["weight_version_max"] = min(versions), max(versions)
     kept = [i for i in range(len(rollouts)) if keep_P[group_of[i]]]
     if not kept:
-        m["skipped_update"] = 1
-        return m
-    t1 = time.perf_counter()
-    pad_id = tok.encode_single_token(PAD)
+        return m, None, {}
     batch = TrainBatch(seqs=[rollouts[i].prompt_ids + rollouts[i].completion_ids for i in kept],
                        starts=[len(rollouts[i].prompt_ids) for i in kept],
                        routes=[rollouts[i].routes for i in kept], adv_B=adv[kept],
                        infer_logp=[rollouts[i].logprobs for i in kept])
-    mine = local_sequences(len(kept), cfg, step) if rank_world()[1] > 1 else None
-    old_logp, old_ent, mismatch = old_policy(model, batch, [rollouts[i].logprobs for i in kept], cfg, pad_id, seqs=mine)
-    for j, i in enumerate(kept):  # RL-ZVP: zero-variance groups learn from token entropy instead
-        if zero_var_P[group_of[i]] and j in old_ent:
-            n, s = len(batch.seqs[j]) - 1, batch.starts[j] - 1
-            a = torch.zeros(n)
-            a[s:] = zvp_token_advantages(old_ent[j][s:n].cpu(), correct=bool(correct_flat[i] > 0), alpha=cfg.zvp_alpha)
-            batch.adv_tokens[j] = a
-    m["filter/zvp_sequences"] = int(all_reduce_float(len(batch.adv_tokens)))
-    m.update(mismatch)
+    zvp = {j: bool(correct_flat[i] > 0) for j, i in enumerate(kept) if zero_var_P[group_of[i]]}
+    return m, batch, zvp
+
+
+def train_on_rollouts(model, opt, batch: TrainBatch, zvp: dict[int, bool], cfg: TrainConfig, step: int, pad_id: int,
+                      ref_model=None) -> dict:
+    """The trainer half of an RL step: pi_old and its entropy recomputed by the trainer (so with stale
+    rollouts the PPO ratio is taken against the current weights, and pi_infer / pi_old is what TIS or
+    IcePop correct), RL-ZVP token advantages, then the policy update. Returns metrics."""
+    mine = local_sequences(len(batch.seqs), cfg, step) if rank_world()[1] > 1 else None  # this rank's share
+    old_logp, old_ent, mismatch = old_policy(model, batch, batch.infer_logp, cfg, pad_id, seqs=mine)
+    for j, is_correct in zvp.items():  # RL-ZVP: zero-variance groups learn from token entropy instead
+        if j not in old_ent:  # another rank's sequence
+            continue
+        n, s = len(batch.seqs[j]) - 1, batch.starts[j] - 1
+        a = torch.zeros(n)
+        a[s:] = zvp_token_advantages(old_ent[j][s:n].cpu(), correct=is_correct, alpha=cfg.zvp_alpha)
+        batch.adv_tokens[j] = a
+    m = {"filter/zvp_sequences": int(all_reduce_float(len(batch.adv_tokens))), **mismatch}
     m.update(policy_update(model, opt, batch, old_logp, old_ent, cfg, step, pad_id, ref_model=ref_model))
+    return m
+
+
+def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, step: int, state: RLState | None = None,
+            draw=None, ref_model=None) -> dict:
+    """One synchronous RL step over `items` (prompts): collect_rollouts, train_on_rollouts, weight sync.
+    Returns metrics. ref_model: the frozen reference policy of the KL penalty (needed when cfg.kl_coef != 0)."""
+    m, batch, zvp = collect_rollouts(engine, tok, task, items, predictor, cfg, step, state or RLState(), draw)
+    if batch is None:
+        m["skipped_update"] = 1
+        return m
+    t1 = time.perf_counter()
+    m.update(train_on_rollouts(model, opt, batch, zvp, cfg, step, tok.encode_single_token(PAD), ref_model=ref_model))
     engine.update_weights(full_policy_tensors(model), version=step + 1)
     m["t_train"] = time.perf_counter() - t1
-    m["trained_sequences"] = len(kept)
+    m["trained_sequences"] = len(batch.seqs)
     return m
 
 
@@ -994,6 +1031,75 @@ def resume_path(cfg: TrainConfig) -> str | None:
     return cfg.resume
 
 
+# ----------------------------------------------------------------------------- the async loop
+
+def rl_loop_async(model, opt, engine, tok, task, draw, predictor, cfg: TrainConfig, state: RLState, ref_model=None,
+                  start: int = 0):
+    """RL steps start..cfg.rl_steps - 1 with rollouts generated up to cfg.max_staleness weight versions
+    ahead; yields each step's metrics. One process only, no checkpoints (main refuses both).
+
+    A producer thread (scheduler.Pipeline) runs collect_rollouts for step s+1..s+k on its own
+    engine copy while the trainer runs train_on_rollouts for step s. After each step the
+    trainer publishes a snapshot of its weights as version s + 1; the producer loads the
+    newest one between steps and never starts step s with a version older than s - k, so
+    every rollout of step s has weight version in [s - k, s] (its staleness, logged as
+    `async/staleness_max`, is at most k). `engine` (the caller's, used for eval) is kept in
+    sync with the trainer on the trainer thread. The prompts of each step are drawn by the
+    producer in step order, so they are the same as in the synchronous loop; the numbers
+    are not, since rollouts come from older weights.
+
+    Thread counts (OpenMP teams are per thread): the producer uses cfg.rollout_threads and the
+    trainer cfg.trainer_threads torch CPU threads. 0 on a CPU device = split torch's count
+    between the two, since two full teams on the same cores spin against each other (a 2-core
+    test ran 7x slower oversubscribed); 0 on a GPU = torch's default.
+    Raises whatever the producer raised, or TimeoutError if no batch arrives in ROLLOUT_TIMEOUT_S.
+    """
+    pad_id = tok.encode_single_token(PAD)
+    producer_engine = copy.deepcopy(engine)
+
+    def produce(step):
+        if rollout_threads:
+            torch.set_num_threads(rollout_threads)  # the producer thread's own OpenMP team
+        t = time.perf_counter()
+        out = collect_rollouts(producer_engine, tok, task, draw(cfg.prompts_per_step), predictor, cfg, step, state, draw)
+        out[0]["t_rollout"] = time.perf_counter() - t
+        return out
+
+    def apply(weights, version):
+        producer_engine.update_weights(weights.items(), version=version)
+
+    threads = torch.get_num_threads()
+    rollout_threads, trainer_threads = cfg.rollout_threads, cfg.trainer_threads
+    if torch.device(cfg.device).type == "cpu":
+        rollout_threads = rollout_threads or max(1, threads // 2)
+        trainer_threads = trainer_threads or max(1, threads - rollout_threads)
+    if trainer_threads:
+        torch.set_num_threads(trainer_threads)
+    pipe = Pipeline(produce, apply, steps=cfg.rl_steps, max_staleness=cfg.max_staleness,
+                    start_step=start, start_version=engine.weight_version, timeout=ROLLOUT_TIMEOUT_S)
+    try:
+        for step in range(start, cfg.rl_steps):
+            t0 = time.perf_counter()
+            m, batch, zvp = pipe.next()
+            t1 = time.perf_counter()
+            m["async/wait"] = t1 - t0  # trainer idle, waiting for rollouts
+            m["async/staleness_max"] = step - m["weight_version_min"]
+            m["async/staleness_min"] = step - m["weight_version_max"]
+            if batch is None:
+                m["skipped_update"] = 1
+            else:
+                m.update(train_on_rollouts(model, opt, batch, zvp, cfg, step, pad_id, ref_model=ref_model))
+                m["trained_sequences"] = len(batch.seqs)
+            # a snapshot, so the trainer's next steps cannot change weights the producer is loading
+            pipe.publish({n: t.clone() for n, t in policy_tensors(model)}, version=step + 1)
+            engine.update_weights(policy_tensors(model), version=step + 1)
+            m["t_train"] = time.perf_counter() - t1
+            yield m
+    finally:
+        pipe.close()
+        torch.set_num_threads(threads)
+
+
 # ----------------------------------------------------------------------------- outputs
 
 class MetricsLog:
@@ -1121,6 +1227,15 @@ def main(cfg: TrainConfig) -> dict:
         raise ValueError(f"need 0 <= shaping_margin < 0.5 and 0 <= overlong_buffer <= max_new_tokens; "
                          f"got {cfg.shaping_margin}, {cfg.overlong_buffer}")
     stage_config(cfg)  # raises on bad filter settings now, not after the SFT warm-up
+    if cfg.max_staleness < 0 or cfg.rollout_threads < 0 or cfg.trainer_threads < 0:
+        raise ValueError(f"max_staleness={cfg.max_staleness}, rollout_threads={cfg.rollout_threads}, "
+                         f"trainer_threads={cfg.trainer_threads}: each must be >= 0")
+    if cfg.max_staleness and (cfg.ckpt_every or cfg.resume or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        # the producer runs up to k steps ahead, owning the draw position, filter history and predictor:
+        # an exact checkpoint would need the pipeline drained or its in-flight rollouts saved
+        raise ValueError(f"max_staleness={cfg.max_staleness} runs in one process without checkpoints for now: "
+                         f"set ckpt_every=0 and resume='' (got ckpt_every={cfg.ckpt_every}, resume={cfg.resume!r}, "
+                         f"WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}), or max_staleness=0")
     if cfg.eval_seed - cfg.train_seed <= cfg.train_size:
         raise ValueError(f"eval_seed={cfg.eval_seed} overlaps the training items: it must exceed "
                          f"train_seed + train_size = {cfg.train_seed + cfg.train_size}")
@@ -1251,14 +1366,22 @@ def run(cfg: TrainConfig, dims=None) -> dict:
 
     bar = tqdm(range(rl_start, cfg.rl_steps), desc="rl", dynamic_ncols=True, initial=rl_start, total=cfg.rl_steps,
                disable=rank != 0)
+    steps = (rl_loop_async(model, opt, engine, tok, task, draw, predictor, cfg, state, ref_model, start=rl_start)
+             if cfg.max_staleness else None)
     for step in bar:
-        m = rl_step(model, opt, engine, tok, task, draw(cfg.prompts_per_step), predictor, cfg, step, state, draw, ref_model=ref_model)
+        if steps is not None:
+            m = next(steps)
+        else:
+            m = rl_step(model, opt, engine, tok, task, draw(cfg.prompts_per_step), predictor, cfg, step, state, draw, ref_model=ref_model)
         m["time"] = time.perf_counter() - t_start
         log(m)
         bar.set_postfix(reward=f"{m['reward']:.2f}", zv=f"{m['filter/zero_variance_frac']:.2f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.rl_steps:
             evals["after_rl"] = run_eval(step + 1)
-        checkpoint(cfg.sft_steps + step + 1, opt, "rl", step, used, ref_model)
+        if steps is None:  # the async loop's producer runs ahead: main refuses checkpoints with it
+            checkpoint(cfg.sft_steps + step + 1, opt, "rl", step, used, ref_model)
+    if steps is not None:
+        steps.close()
     if state.pool is not None:
         state.pool.close()
     log.close()

@@ -138,3 +138,26 @@ def test_pipeline_reraises_a_producer_error_in_the_trainer():
     with pytest.raises(RuntimeError, match="engine fell over"):
         pipe.next()
     pipe.close()
+
+
+def test_pipeline_with_staleness_two_stays_within_two_versions_and_runs_ahead():
+    events = run_pipeline(2, steps=6)
+    produced = [(s, v) for kind, s, v in events if kind == "produce"]
+    assert [s for s, _ in produced] == list(range(6))
+    assert all(s - 2 <= v <= s for s, v in produced)
+
+
+def test_pipeline_next_times_out_instead_of_hanging_and_close_stops_a_waiting_producer():
+    import time
+    pipe = Pipeline(lambda step: step, lambda w, v: None, steps=10, max_staleness=0, timeout=0.2)
+    assert pipe.next() == 0
+    with pytest.raises(TimeoutError):
+        pipe.next()  # step 1 waits for version 1, never published
+    t = time.perf_counter()
+    pipe.close()
+    assert not pipe.thread.is_alive() and time.perf_counter() - t < 0.2
+
+
+def test_pipeline_rejects_negative_staleness():
+    with pytest.raises(ValueError, match="max_staleness"):
+        Pipeline(lambda s: s, lambda w, v: None, steps=1, max_staleness=-1)

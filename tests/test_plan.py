@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import train
-from plan import param_counts
+from plan import param_counts, print_plan
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "*.py")))
 
@@ -33,3 +33,25 @@ def test_qwen3_30b_a3b_param_count_equals_transformers_on_meta():
     with torch.device("meta"):
         ref = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**cfg.to_hf()))
     assert param_counts(cfg)["total"] == sum(p.numel() for p in ref.parameters())
+
+
+class ChecksPassed(Exception):
+    """Raised where main() starts building the task: every setting was accepted up to there."""
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
+def test_every_config_passes_the_checks_a_real_run_makes_before_training(path, tmp_path, monkeypatch):
+    def stop(*args, **kwargs):
+        raise ChecksPassed
+
+    monkeypatch.setattr(train, "TaskMix", stop)
+    with pytest.raises(ChecksPassed):
+        train.main(train.parse_args([path, f"out_dir={tmp_path}"]))
+
+
+def test_small_config_fits_one_80gb_gpu():
+    cfg = train.parse_args([os.path.join(os.path.dirname(CONFIGS[0]), "small.py")])
+    rows = print_plan(cfg.model, gpus_per_node=cfg.gpus_per_node, ep=cfg.ep, microbatch_tokens=cfg.microbatch_tokens,
+                      activation_checkpoint=cfg.activation_checkpoint, nodes=(1,))
+    assert rows[0]["gpus"] == 1 and "H100 80GB" in rows[0]["fits"]
+    assert 2e8 < param_counts(cfg.model)["total"] < 1e9  # "a few hundred M"

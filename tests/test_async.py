@@ -1,0 +1,137 @@
+import json
+
+import pytest
+import torch
+
+import train
+from model import Transformer
+from reward import Item
+from rollout import NativeEngine
+from scheduler import LengthPredictor
+from tokenizer import EOS, PAD, build_tokenizer
+
+MICRO = """
+model = dict(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
+             moe_inter_dim=32, max_seq_len=64)
+bpe_merges = 40
+train_size = 300
+eval_size = 24
+sft_steps = 4
+sft_batch_size = 8
+rl_steps = 3
+prompts_per_step = 4
+group_size = 4
+max_new_tokens = 8
+eval_every = 2
+"""
+
+
+class ParityTask:
+    """Stand-in verifier: reward 1 for completions of even character length, so groups have mixed rewards."""
+
+    def score(self, completion, item):
+        return float(len(completion) % 2 == 0)
+
+
+def run_async(tmp_path, overrides):
+    path = tmp_path / "cfg.py"
+    path.write_text(MICRO)
+    cfg = train.load_config(str(path), ["temperature=1.5", "lr=1e-2"] + overrides)
+    tok = build_tokenizer(cfg.model.vocab_size)
+    model = Transformer(cfg.model)
+    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
+    engine.update_weights(model.named_parameters(), version=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    fresh = (Item(f"question {i}", "0", 0, i) for i in range(10_000))
+    drawn = []
+
+    def draw(n):
+        drawn.append(n)
+        return [next(fresh) for _ in range(n)]
+
+    steps = train.rl_loop_async(model, opt, engine, tok, ParityTask(), draw, LengthPredictor(4.0), cfg, train.RLState())
+    metrics = list(steps)
+    return cfg, model, engine, before, metrics, drawn
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_async_rollouts_are_at_most_max_staleness_versions_old_and_the_policy_trains(tmp_path, k):
+    cfg, model, engine, before, metrics, drawn = run_async(tmp_path, [f"max_staleness={k}", "rl_steps=5", "tis_cap=2.0"])
+    assert [m["step"] for m in metrics] == list(range(5))
+    for s, m in enumerate(metrics):
+        assert max(0, s - k) <= m["weight_version_min"] <= m["weight_version_max"] <= s
+        assert 0 <= m["async/staleness_min"] <= m["async/staleness_max"] <= k
+    assert metrics[1]["async/staleness_max"] >= 1  # step 1 is generated while step 0 trains
+    assert drawn == [cfg.prompts_per_step] * 5  # every step's prompts drawn once, in step order
+    trained = [m for m in metrics if "skipped_update" not in m]
+    assert trained and all(m["trained_sequences"] > 0 and "loss" in m for m in trained)
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    # the caller's engine ends on the trainer's final weights
+    assert engine.weight_version == 5
+    for (n, p), (_, q) in zip(model.named_parameters(), engine.model.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_async_loop_runs_the_filter_stages_and_rl_zvp_on_the_producer(tmp_path):
+    cfg, model, engine, before, metrics, drawn = run_async(tmp_path, [
+        "max_staleness=1", "rl_steps=3", "probe_size=2", "enlarged_group_size=6", "oversample_rounds=1",
+        "zero_variance=rl-zvp"])
+    for m in metrics:
+        assert "skipped_update" not in m and m["trained_sequences"] == m["filter/rollouts_generated"]
+        assert m["filter/zvp_sequences"] >= 2 * m["filter/zvp_groups"]
+    assert sum(drawn) >= 3 * cfg.prompts_per_step
+
+
+def test_stale_rollouts_show_a_logprob_gap_that_tis_sees(tmp_path):
+    metrics = run_async(tmp_path, ["max_staleness=1", "rl_steps=4", "tis_cap=2.0"])[4]
+    by_staleness = {}
+    for m in metrics:
+        if "skipped_update" not in m and m["async/staleness_min"] == m["async/staleness_max"]:
+            by_staleness.setdefault(m["async/staleness_max"], []).append(m)
+    # fresh rollouts: the engine's logprobs are the trainer's pi_old (router replay, same weights)
+    assert all(m["mismatch/max_abs_logp"] <= 1e-5 for m in by_staleness.get(0, []))
+    # one version old: pi_old is recomputed with the newer weights, so pi_infer differs and TIS reweights
+    stale = by_staleness[1]
+    assert all(m["mismatch/max_abs_logp"] > 1e-4 for m in stale)
+    assert any(abs(m["loss/mismatch/is_weight_mean"] - 1) > 1e-5 for m in stale)
+
+
+def test_a_producer_error_reaches_the_trainer(tmp_path):
+    class Broken:
+        def score(self, completion, item):
+            raise KeyError("verifier fell over")
+
+    path = tmp_path / "cfg.py"
+    path.write_text(MICRO)
+    cfg = train.load_config(str(path), ["max_staleness=1"])
+    tok = build_tokenizer(cfg.model.vocab_size)
+    model = Transformer(cfg.model)
+    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
+    opt = torch.optim.AdamW(model.parameters())
+    draw = lambda n: [Item(f"q{i}", "0", 0, i) for i in range(n)]  # noqa: E731
+    with pytest.raises(KeyError, match="verifier fell over"):
+        list(train.rl_loop_async(model, opt, engine, tok, Broken(), draw, LengthPredictor(4.0), cfg, train.RLState()))
+
+
+def test_main_with_max_staleness_runs_and_logs_staleness(tmp_path):
+    out, threads = tmp_path / "run", torch.get_num_threads()
+    path = tmp_path / "cfg.py"
+    path.write_text(MICRO + f"out_dir = {str(out)!r}\n")
+    train.main(train.parse_args([str(path), "sft_lr=1e-3", "max_staleness=1", "ckpt_every=0"]))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert [r["step"] for r in rl] == [0, 1, 2]
+    assert all(0 <= r["async/staleness_max"] <= 1 for r in rl)
+    assert [r["step"] for r in records if r["stage"] == "eval"] == [0, 2, 3]
+    assert torch.get_num_threads() == threads  # the trainer thread's count is restored after RL
+
+
+def test_max_staleness_with_checkpoints_is_a_value_error_naming_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="set ckpt_every=0"):
+        train.main(train.load_config(None, ["max_staleness=1", "ckpt_every=10", f"out_dir={tmp_path}"]))
+
+
+def test_negative_max_staleness_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="max_staleness"):
+        train.main(train.load_config(None, ["max_staleness=-1", f"out_dir={tmp_path}"]))
