@@ -296,12 +296,20 @@ def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tenso
     """
     aligned = all((s * x_Nin.element_size()) % 16 == 0 for s in w_Ein_out.shape[1:])
     if hasattr(torch, "_grouped_mm") and (x_Nin.device.type == "cpu" or x_Nin.dtype == torch.bfloat16) and aligned:
+        if x_Nin.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+            return _grouped_mm_eager(x_Nin, w_Ein_out, offs_E)  # torch 2.13 compiles it for bf16 only
         return torch._grouped_mm(x_Nin, w_Ein_out, offs=offs_E)
     outs, start = [], 0
     for e, end in enumerate(offs_E.tolist()):
         outs.append(x_Nin[start:end] @ w_Ein_out[e])
         start = end
     return torch.cat(outs)
+
+
+@torch.compiler.disable
+def _grouped_mm_eager(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm run eagerly: a graph break inside torch.compile'd blocks."""
+    return torch._grouped_mm(x_Nin, w_Ein_out, offs=offs_E)
 
 
 class _ScaleGrad(torch.autograd.Function):
