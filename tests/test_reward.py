@@ -188,6 +188,16 @@ def test_pool_never_loses_a_rollout_and_counts_why_a_reward_is_zero():
     assert pool.counts == {"ok": 2, "error: ZeroDivisionError": 1, "error: non-finite reward": 1, "timeout": 1}
 
 
+def test_a_timed_out_thread_worker_is_replaced_so_later_items_are_scored():
+    with RewardPool(flaky, workers=1, timeout_s=0.3) as pool:
+        keys = ["hang", "fine", "hang", "okay"]
+        for i, k in enumerate(keys):
+            pool.submit(i, k)
+        rewards, reasons = pool.gather(list(range(len(keys))))
+    assert rewards == [0.0, 4.0, 0.0, 4.0] and reasons == ["timeout", "ok", "timeout", "ok"]
+    assert pool.counts == {"timeout": 2, "ok": 2}
+
+
 def test_pool_scores_while_the_caller_goes_on():
     started, release = threading.Event(), threading.Event()
 
