@@ -30,13 +30,13 @@ and after). Writes to out_dir: metrics.jsonl, model.safetensors + config.json,
 tokenizer.tiktoken, plot.png, ckpt/step_N/ (and tensorboard/ with logger=tensorboard).
 
 Several ranks: `torchrun --nproc_per_node=N train.py ... ep=E` shards the policy with FSDP2
-over N ranks and its experts over E of them (setup_distributed, build_model). Rank r
+over N ranks and its experts over E of them (distributed.py: setup_distributed, build_model). Rank r
 generates generation batches r, r + N, ... with the seeds a 1-process run gives them, the
 scored rollouts are all-gathered (so filter, advantages and history agree on every rank),
 and rank r trains members r, r + N, ... of each mini-batch with the whole mini-batch's
 normaliser: losses equal the 1-process run's to float rounding. Only rank 0 writes files.
 
-Checkpoints (write_checkpoint / read_checkpoint): every ckpt_every optimizer steps, with
+Checkpoints (checkpoint.py: write_checkpoint / read_checkpoint): every ckpt_every optimizer steps, with
 torch.distributed.checkpoint, atomically; `resume=auto` continues bit-exactly.
 
 Config: `TrainConfig` below holds every default; a config file is plain assignments of
@@ -59,19 +59,21 @@ import random
 import runpy
 import sys
 import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
+from checkpoint import read_checkpoint, resume_path, rng_state, save_checkpoint, set_rng_state, write_checkpoint
+from distributed import (all_gather_list, all_reduce_float, build_model, full_policy_tensors, idle_forward,
+                         padded_microbatches, rank_world, setup_distributed)
 from espo import group_advantages, policy_loss, resolve_aggregation
 from filter import PromptHistory, Scored, StageConfig, collect_groups, post_rollout_filter, zvp_token_advantages
 from model import ModelConfig, Transformer, token_entropy, token_logprobs
 from reward import (RewardPool, StubRewardModel, TaskMix, adjust_rewards, demonstration, overlong_penalty,
                     repetition_penalty, rm_score)
-from rollout import NativeEngine, full_tensor, policy_tensors
+from rollout import NativeEngine, policy_tensors
 from scheduler import LengthPredictor, Pipeline, length_buckets, pack_microbatches
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, save_tokenizer, train_tokenizer
 
@@ -300,146 +302,6 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
         else:
             raise _unknown(key, fields)
     return TrainConfig(**values, model=ModelConfig(**model_kw))
-
-
-# ----------------------------------------------------------------------------- distributed
-
-def build_parallel_dims(world_size: int, *, dp_shard: int = -1, ep: int = 1):
-    """torchtitan ParallelDims with its meshes built for (dp_shard x ep) data + expert parallel.
-
-    The process group must already be initialised. On a machine without CUDA the meshes
-    are CPU (gloo) meshes: torchtitan assumes CUDA unless told, and its DTensor-only
-    ("partial_dtensor") SPMD backend is the one that runs there.
-    """
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend torchtitan uses for size-1 mesh dims
-    import torchtitan.distributed.parallel_dims as titan_dims
-    from torchtitan.distributed.utils import set_spmd_backend
-    if not torch.cuda.is_available():
-        titan_dims.device_type = "cpu"
-    set_spmd_backend("partial_dtensor")
-    dims = titan_dims.ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=ep,
-                                   world_size=world_size, spmd_backend="partial_dtensor")
-    dims.build_mesh()
-    return dims
-
-
-def rank_world() -> tuple[int, int]:
-    """(rank, world size) of the default process group, or (0, 1) when not distributed."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def setup_distributed(cfg: TrainConfig):
-    """Join the torchrun job if launched by one (WORLD_SIZE > 1); returns torchtitan ParallelDims or None.
-
-    Backend nccl with CUDA, else gloo; every collective fails after cfg.dist_timeout_s
-    instead of waiting for a dead rank forever. The mesh is dp_shard = world size, ep =
-    cfg.ep (experts sharded over ep ranks, FSDP over all). Sets cfg.device to this rank's GPU.
-    Raises ValueError if world size is not a multiple of ep.
-    """
-    import datetime
-
-    import torch.distributed as dist
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return None
-    if world % cfg.ep:
-        raise ValueError(f"ep={cfg.ep} must divide the world size {world}")
-    if torch.cuda.is_available():
-        cfg.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-        torch.cuda.set_device(cfg.device)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
-    return build_parallel_dims(world, dp_shard=world, ep=cfg.ep)
-
-
-def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> Transformer:
-    """The policy: a plain Transformer, or (dims given) built on meta, parallelized, then filled.
-
-    Weights come from init_state (a full state dict) or, absent it, from a full model
-    initialised on CPU under the current torch seed, so N ranks start from exactly the
-    weights one process would (every rank builds the same full model, then keeps its slice).
-    With cfg.init_hf the weights come from that HF checkpoint instead (model.load_hf; a
-    sharded model is built on meta and each rank reads only its slice, never the full model).
-    fp32 throughout, so multi-rank losses match the 1-process run.
-    Raises ValueError (from load_hf) if the checkpoint lacks a tensor or has another shape.
-    """
-    from model import load_hf, parallelize
-    if dims is None:
-        model = Transformer(cfg.model)
-        if cfg.init_hf:
-            load_hf(cfg.init_hf, model)
-        model = model.to(cfg.device)
-        if init_state is not None:
-            model.load_state_dict(init_state)
-        return model
-    if cfg.init_hf:
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
-        parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint)
-        model.to_empty(device=cfg.device)
-        with torch.no_grad():
-            for b in model.buffers():  # the only buffer is the router's expert bias, 0 at init (load_hf sets it if stored)
-                b.zero_()
-        load_hf(cfg.init_hf, model)
-        return model
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    full = Transformer(cfg.model)
-    if init_state is not None:
-        full.load_state_dict(init_state)
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint)
-    model.to_empty(device=cfg.device)
-    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
-    with torch.no_grad():  # non-persistent buffers are not in a state dict
-        for (name, b), (_, src) in zip(model.named_buffers(), full.named_buffers()):
-            b.copy_(src)
-    return model
-
-
-def full_policy_tensors(model):
-    """(name, full tensor) of every parameter and persistent buffer (rollout.policy_tensors), DTensor
-    shards gathered: a collective, every rank must call it."""
-    for name, t in policy_tensors(model):
-        yield name, full_tensor(t)
-
-
-def all_gather_list(items: list) -> list:
-    """Concatenation over ranks (in rank order) of each rank's list of picklable objects."""
-    rank, world = rank_world()
-    if world == 1:
-        return items
-    import torch.distributed as dist
-    out = [None] * world
-    dist.all_gather_object(out, items)
-    return [x for part in out for x in part]
-
-
-def all_reduce_float(x: float, op: str = "sum") -> float:
-    """Sum (or max) of a float over ranks."""
-    if rank_world()[1] == 1:
-        return x
-    import torch.distributed as dist
-    t = torch.tensor([x], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")  # nccl: GPU only
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return t.item()
-
-
-def padded_microbatches(micro: list[list[int]]) -> list[list[int]]:
-    """This rank's micro-batches, padded with empty ones to the most any rank has:
-    FSDP and the EP all-to-all are collectives, so every rank runs the same number of forwards."""
-    most = int(all_reduce_float(float(len(micro)), "max"))
-    return micro + [[] for _ in range(most - len(micro))]
-
-
-def idle_forward(model, cfg: TrainConfig, backward: bool):
-    """A one-token forward (and zero-loss backward) that joins the ranks' collectives without data."""
-    logits, _ = model(torch.zeros(1, 1, dtype=torch.long, device=cfg.device))
-    if backward:
-        (logits.sum() * 0.0).backward()
 
 
 # ----------------------------------------------------------------------------- batches
@@ -903,134 +765,6 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
     return m
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-CKPT_SUBDIR = "ckpt"  # under out_dir: one folder per checkpoint, step_<position>
-COMPLETE_MARKER = "COMPLETE"  # written last inside the temporary folder: its presence means every file is there
-DCP_SINGLE_PROCESS_WARNING = "torch.distributed is disabled"  # DCP's note that one process saves alone: expected here
-
-
-def _barrier():
-    if rank_world()[1] > 1:
-        import torch.distributed as dist
-        dist.barrier()
-
-
-def _fsync_dir(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_trainer_state(path: str, state: dict):
-    torch.save(state, path)
-
-
-def latest_checkpoint(out_dir: str) -> str | None:
-    """The newest complete checkpoint folder under out_dir/ckpt (by position), or None.
-
-    Temporary folders (a save that crashed) and folders without the marker are ignored.
-    """
-    root = os.path.join(out_dir, CKPT_SUBDIR)
-    if not os.path.isdir(root):
-        return None
-    names = sorted(n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp")
-                   and os.path.exists(os.path.join(root, n, COMPLETE_MARKER)))
-    return os.path.join(root, names[-1]) if names else None
-
-
-def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dict, cfg: TrainConfig) -> str:
-    """Save model and optimizer (torch.distributed.checkpoint, each rank its shards) and the
-    replicated trainer state (RNGs, data position, filter history, length predictor; rank 0)
-    to out_dir/ckpt/step_<position>, atomically: all is written to a `.tmp` folder, the
-    completeness marker last, then the folder is renamed. A crash at any point leaves the
-    previous checkpoints as they were. Keeps the newest cfg.ckpt_keep. Collective.
-    Returns the checkpoint folder.
-    """
-    import shutil
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    rank, _ = rank_world()
-    root = os.path.join(out_dir, CKPT_SUBDIR)
-    final = os.path.join(root, f"step_{position:08d}")
-    tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
-        os.makedirs(tmp)
-    _barrier()
-    model_sd, optim_sd = get_state_dict(model, opt)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=DCP_SINGLE_PROCESS_WARNING)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    if rank == 0:
-        _write_trainer_state(os.path.join(tmp, "trainer_state.pt"), trainer_state)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            f.write(json.dumps(dataclasses.asdict(cfg), default=str, indent=1))
-    _barrier()
-    if rank == 0:
-        with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
-            f.write(f"{position}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # a run resumed from an older checkpoint passes this position again
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        done = sorted(n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp"))
-        for name in done[:-cfg.ckpt_keep] if cfg.ckpt_keep > 0 else []:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    _barrier()
-    return final
-
-
-def read_checkpoint(path: str, model, opt) -> dict:
-    """Load model and optimizer from a write_checkpoint folder (in place; any world size's
-    shards) and return its trainer state. Raises ValueError if the folder is not complete."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    if not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
-        raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=DCP_SINGLE_PROCESS_WARNING)
-        dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
-
-
-def rng_state() -> dict:
-    """torch (CPU and CUDA) and python `random` generator states."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict):
-    """Restore what rng_state() returned."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def resume_path(cfg: TrainConfig) -> str | None:
-    """The checkpoint to resume from: cfg.resume "" (none), "auto" (newest complete in out_dir, if any) or a folder."""
-    if not cfg.resume:
-        return None
-    if cfg.resume == "auto":
-        return latest_checkpoint(cfg.out_dir)
-    if not os.path.exists(os.path.join(cfg.resume, COMPLETE_MARKER)):
-        raise ValueError(f"resume={cfg.resume!r}: not a complete checkpoint folder (valid: '', 'auto', or a folder "
-                         f"under {os.path.join(cfg.out_dir, CKPT_SUBDIR)} holding {COMPLETE_MARKER})")
-    return cfg.resume
-
-
 # ----------------------------------------------------------------------------- the async loop
 
 def rl_loop_async(model, opt, engine, tok, task, draw, predictor, cfg: TrainConfig, state: RLState, ref_model=None,
@@ -1155,27 +889,6 @@ class MetricsLog:
             self.file.close()
             if self.backend is not None:
                 (self.backend.close if hasattr(self.backend, "add_scalar") else self.backend.finish)()
-
-
-def save_checkpoint(model, cfg: TrainConfig, out_dir: str):
-    """model.safetensors (config JSON in its metadata) and config.json, written atomically.
-
-    Multi-rank: every rank gathers the full tensors (a collective), rank 0 writes.
-    """
-    from safetensors.torch import save_file, save_model
-    cfg_json = json.dumps(dataclasses.asdict(cfg), default=str, indent=1)
-    tmp = os.path.join(out_dir, "model.safetensors.tmp")
-    rank, world = rank_world()
-    if world > 1:
-        tensors = {n: t.contiguous() for n, t in full_policy_tensors(model)}
-        if rank == 0:
-            save_file(tensors, tmp, metadata={"config": cfg_json})
-    else:
-        save_model(model, tmp, metadata={"config": cfg_json})
-    if rank == 0:
-        os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            f.write(cfg_json)
 
 
 def plot(records: list[dict], path: str):

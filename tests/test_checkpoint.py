@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoint
 import train
 from filter import PromptHistory
 from model import Transformer
@@ -83,14 +84,14 @@ def test_killed_run_resumed_with_auto_ends_bitwise_equal_to_uninterrupted(tmp_pa
     path, over = config(tmp_path, out, "ckpt_every=1", "ckpt_keep=2")
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), path, *over]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    marker = out / "ckpt" / f"step_{kill_at:08d}" / train.COMPLETE_MARKER
+    marker = out / "ckpt" / f"step_{kill_at:08d}" / checkpoint.COMPLETE_MARKER
     deadline = time.monotonic() + 120
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)  # somewhere in the step after kill_at, or in its checkpoint
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, f"the run ended before checkpoint {kill_at}: {proc.stderr.read()[-2000:]}"
-    assert train.latest_checkpoint(str(out)) is not None
+    assert checkpoint.latest_checkpoint(str(out)) is not None
     done = subprocess.run(cmd + ["resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming from" in done.stdout
@@ -101,7 +102,7 @@ def test_crash_during_a_checkpoint_save_leaves_the_previous_one_loadable(tmp_pat
     out = tmp_path / "run"
     path, over = config(tmp_path, out, "ckpt_every=2")
     calls = []
-    real = train._write_trainer_state
+    real = checkpoint._write_trainer_state
 
     def crash_on_second_save(p, state):  # the model and optimizer shards are already written by now
         calls.append(p)
@@ -109,22 +110,22 @@ def test_crash_during_a_checkpoint_save_leaves_the_previous_one_loadable(tmp_pat
             raise OSError("disk full (injected)")
         real(p, state)
 
-    monkeypatch.setattr(train, "_write_trainer_state", crash_on_second_save)
+    monkeypatch.setattr(checkpoint, "_write_trainer_state", crash_on_second_save)
     with pytest.raises(OSError, match="injected"):
         train.main(train.load_config(path, over))
     ckpt_dir = out / "ckpt"
     assert sorted(os.listdir(ckpt_dir)) == ["step_00000002", "step_00000004.tmp"]
-    assert not (ckpt_dir / "step_00000004.tmp" / train.COMPLETE_MARKER).exists()
-    assert train.latest_checkpoint(str(out)) == str(ckpt_dir / "step_00000002")
+    assert not (ckpt_dir / "step_00000004.tmp" / checkpoint.COMPLETE_MARKER).exists()
+    assert checkpoint.latest_checkpoint(str(out)) == str(ckpt_dir / "step_00000002")
     saved = json.loads((ckpt_dir / "step_00000002" / "config.json").read_text())  # the resolved config beside it
     assert saved["ckpt_every"] == 2 and saved["model"]["dim"] == 32
     cfg = train.load_config(path, over)
     model = Transformer(cfg.model)
-    state = train.read_checkpoint(str(ckpt_dir / "step_00000002"), model, train.sft_optimizer(model, cfg))
+    state = checkpoint.read_checkpoint(str(ckpt_dir / "step_00000002"), model, train.sft_optimizer(model, cfg))
     assert (state["phase"], state["step"], state["used"]) == ("sft", 1, 2 * cfg.sft_batch_size)
     with pytest.raises(ValueError, match="not a complete checkpoint"):
-        train.read_checkpoint(str(ckpt_dir / "step_00000004.tmp"), model, train.sft_optimizer(model, cfg))
-    monkeypatch.setattr(train, "_write_trainer_state", real)
+        checkpoint.read_checkpoint(str(ckpt_dir / "step_00000004.tmp"), model, train.sft_optimizer(model, cfg))
+    monkeypatch.setattr(checkpoint, "_write_trainer_state", real)
     train.main(train.load_config(path, over + ["resume=auto"]))  # the crashed save is redone, the run finishes
     assert_same_run(out, uninterrupted)
     assert sorted(os.listdir(ckpt_dir)) == ["step_00000004", "step_00000006"]  # ckpt_keep=2, no temporaries left

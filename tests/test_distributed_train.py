@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+import checkpoint
+import distributed
 import train
 from model import Transformer, save_hf
 
@@ -153,7 +155,7 @@ def test_two_rank_run_resumed_from_its_checkpoint_ends_bitwise_equal(tmp_path):
     done = subprocess.run(torchrun(str(cfg_path), f"out_dir={first}", "ep=2", "ckpt_every=4", "ckpt_keep=1"),
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    ckpt = train.latest_checkpoint(str(first))
+    ckpt = checkpoint.latest_checkpoint(str(first))
     assert ckpt.endswith("step_00000004")  # after RL step 0: SFT's 3 steps, then one RL step
     shutil.copytree(ckpt, resumed / "ckpt" / os.path.basename(ckpt))
     shutil.copy(first / "metrics.jsonl", resumed / "metrics.jsonl")
@@ -169,9 +171,9 @@ def build_worker(rank, world, port, cfg, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        dims = train.build_parallel_dims(world, dp_shard=world, ep=cfg.ep)
+        dims = distributed.build_parallel_dims(world, dp_shard=world, ep=cfg.ep)
         torch.manual_seed(cfg.seed)
-        full = dict(train.full_policy_tensors(train.build_model(cfg, dims)))
+        full = dict(distributed.full_policy_tensors(distributed.build_model(cfg, dims)))
         if rank == 0:
             torch.save(full, out)
     finally:
@@ -194,7 +196,7 @@ def test_two_rank_model_starts_from_the_one_process_weights(tmp_path, init):
         save_hf(saved, str(tmp_path / "hf"))
         cfg = train.load_config(None, overrides + [f"init_hf={tmp_path / 'hf'}"])
         torch.manual_seed(cfg.seed)
-    want = dict(train.build_model(cfg).named_parameters())
+    want = dict(distributed.build_model(cfg).named_parameters())
     if init == "hf":
         assert all(torch.equal(want[n], p) for n, p in saved.named_parameters())
     with socket.socket() as sock:

@@ -33,8 +33,8 @@ def worker(rank, world, port, ep, ac, ckpt, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        import train
-        dims = train.build_parallel_dims(world, dp_shard=world, ep=ep)
+        import distributed
+        dims = distributed.build_parallel_dims(world, dp_shard=world, ep=ep)
         with torch.device("meta"):
             model = Transformer(ModelConfig(**CFG))
         parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=ac)  # fp32 end to end

@@ -1,0 +1,160 @@
+"""Several ranks under torchrun: process group, torchtitan meshes, the sharded policy, collectives.
+
+`torchrun --nproc_per_node=N train.py ... ep=E` runs train.main on N ranks: FSDP2 over all
+of them and the experts sharded over E (model.parallelize, torchtitan's ParallelDims and
+all-to-all token dispatch). The policy starts from exactly the weights one process would
+build; every rank runs the same number of forwards (FSDP and the expert all-to-all are
+collectives); a rank that dies makes the others' next collective fail after
+cfg.dist_timeout_s. With one process every helper here is a no-op or a plain call.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from model import Transformer
+from rollout import full_tensor, policy_tensors
+
+if TYPE_CHECKING:
+    from train import TrainConfig
+
+
+def build_parallel_dims(world_size: int, *, dp_shard: int = -1, ep: int = 1):
+    """torchtitan ParallelDims with its meshes built for (dp_shard x ep) data + expert parallel.
+
+    The process group must already be initialised. On a machine without CUDA the meshes
+    are CPU (gloo) meshes: torchtitan assumes CUDA unless told, and its DTensor-only
+    ("partial_dtensor") SPMD backend is the one that runs there.
+    """
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend torchtitan uses for size-1 mesh dims
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.distributed.utils import set_spmd_backend
+    if not torch.cuda.is_available():
+        titan_dims.device_type = "cpu"
+    set_spmd_backend("partial_dtensor")
+    dims = titan_dims.ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=ep,
+                                   world_size=world_size, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    return dims
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, or (0, 1) when not distributed."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def setup_distributed(cfg: TrainConfig):
+    """Join the torchrun job if launched by one (WORLD_SIZE > 1); returns torchtitan ParallelDims or None.
+
+    Backend nccl with CUDA, else gloo; every collective fails after cfg.dist_timeout_s
+    instead of waiting for a dead rank forever. The mesh is dp_shard = world size, ep =
+    cfg.ep (experts sharded over ep ranks, FSDP over all). Sets cfg.device to this rank's GPU.
+    Raises ValueError if world size is not a multiple of ep.
+    """
+    import datetime
+
+    import torch.distributed as dist
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return None
+    if world % cfg.ep:
+        raise ValueError(f"ep={cfg.ep} must divide the world size {world}")
+    if torch.cuda.is_available():
+        cfg.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(cfg.device)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                            timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
+    return build_parallel_dims(world, dp_shard=world, ep=cfg.ep)
+
+
+def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> Transformer:
+    """The policy: a plain Transformer, or (dims given) built on meta, parallelized, then filled.
+
+    Weights come from init_state (a full state dict) or, absent it, from a full model
+    initialised on CPU under the current torch seed, so N ranks start from exactly the
+    weights one process would (every rank builds the same full model, then keeps its slice).
+    With cfg.init_hf the weights come from that HF checkpoint instead (model.load_hf; a
+    sharded model is built on meta and each rank reads only its slice, never the full model).
+    fp32 throughout, so multi-rank losses match the 1-process run.
+    Raises ValueError (from load_hf) if the checkpoint lacks a tensor or has another shape.
+    """
+    from model import load_hf, parallelize
+    if dims is None:
+        model = Transformer(cfg.model)
+        if cfg.init_hf:
+            load_hf(cfg.init_hf, model)
+        model = model.to(cfg.device)
+        if init_state is not None:
+            model.load_state_dict(init_state)
+        return model
+    if cfg.init_hf:
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint)
+        model.to_empty(device=cfg.device)
+        with torch.no_grad():
+            for b in model.buffers():  # the only buffer is the router's expert bias, 0 at init (load_hf sets it if stored)
+                b.zero_()
+        load_hf(cfg.init_hf, model)
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    full = Transformer(cfg.model)
+    if init_state is not None:
+        full.load_state_dict(init_state)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint)
+    model.to_empty(device=cfg.device)
+    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():  # non-persistent buffers are not in a state dict
+        for (name, b), (_, src) in zip(model.named_buffers(), full.named_buffers()):
+            b.copy_(src)
+    return model
+
+
+def full_policy_tensors(model):
+    """(name, full tensor) of every parameter and persistent buffer (rollout.policy_tensors), DTensor
+    shards gathered: a collective, every rank must call it."""
+    for name, t in policy_tensors(model):
+        yield name, full_tensor(t)
+
+
+def all_gather_list(items: list) -> list:
+    """Concatenation over ranks (in rank order) of each rank's list of picklable objects."""
+    rank, world = rank_world()
+    if world == 1:
+        return items
+    import torch.distributed as dist
+    out = [None] * world
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+def all_reduce_float(x: float, op: str = "sum") -> float:
+    """Sum (or max) of a float over ranks."""
+    if rank_world()[1] == 1:
+        return x
+    import torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")  # nccl: GPU only
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t.item()
+
+
+def padded_microbatches(micro: list[list[int]]) -> list[list[int]]:
+    """This rank's micro-batches, padded with empty ones to the most any rank has:
+    FSDP and the EP all-to-all are collectives, so every rank runs the same number of forwards."""
+    most = int(all_reduce_float(float(len(micro)), "max"))
+    return micro + [[] for _ in range(most - len(micro))]
+
+
+def idle_forward(model, cfg: TrainConfig, backward: bool):
+    """A one-token forward (and zero-loss backward) that joins the ranks' collectives without data."""
+    logits, _ = model(torch.zeros(1, 1, dtype=torch.long, device=cfg.device))
+    if backward:
+        (logits.sum() * 0.0).backward()
