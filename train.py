@@ -919,20 +919,12 @@ def parse_args(argv: list[str]) -> TrainConfig:
     return load_config(path, argv[1:] if path else argv)
 
 
-def main(cfg: TrainConfig) -> dict:
-    """Run SFT then RL as configured; returns the held-out accuracies before and after RL.
-
-    Under torchrun (WORLD_SIZE > 1) every rank runs this: see setup_distributed. With
-    cfg.resume it continues from a checkpoint exactly where that run was (same weights,
-    optimizer, data position, RNGs, filter history and length predictor), so a resumed run
-    ends with the weights an uninterrupted one would have.
-    """
-    if cfg.dry_run:
-        print(json.dumps(dataclasses.asdict(cfg), default=str))
-        from plan import print_plan
-        rows = print_plan(cfg.model, gpus_per_node=cfg.gpus_per_node, ep=cfg.ep, microbatch_tokens=cfg.microbatch_tokens,
-                          activation_checkpoint=cfg.activation_checkpoint)
-        return {"plan": rows}
+def check_config(cfg: TrainConfig):
+    """Refuse settings that cannot run, before any work (tokenizer, SFT). Raises ValueError naming
+    the value and what would be valid."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.kl_coef != 0:
+        raise ValueError(f"kl_coef={cfg.kl_coef}: a reference model is not supported with more than one rank yet; "
+                         f"use kl_coef=0 or one process")
     if cfg.zero_variance not in ("drop", "rl-zvp") or cfg.reward_model not in ("", "stub"):
         raise ValueError(f"zero_variance={cfg.zero_variance!r} (valid: 'drop', 'rl-zvp'), "
                          f"reward_model={cfg.reward_model!r} (valid: '', 'stub')")
@@ -955,6 +947,23 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.ckpt_every < 0 or cfg.ckpt_keep < 1 or cfg.dist_timeout_s <= 0 or cfg.logger not in ("none", "tensorboard", "wandb"):
         raise ValueError(f"need ckpt_every >= 0, ckpt_keep >= 1, dist_timeout_s > 0 and logger in 'none', 'tensorboard', "
                          f"'wandb'; got {cfg.ckpt_every}, {cfg.ckpt_keep}, {cfg.dist_timeout_s}, {cfg.logger!r}")
+
+
+def main(cfg: TrainConfig) -> dict:
+    """Run SFT then RL as configured; returns the held-out accuracies before and after RL.
+
+    Under torchrun (WORLD_SIZE > 1) every rank runs this: see setup_distributed. With
+    cfg.resume it continues from a checkpoint exactly where that run was (same weights,
+    optimizer, data position, RNGs, filter history and length predictor), so a resumed run
+    ends with the weights an uninterrupted one would have.
+    """
+    if cfg.dry_run:
+        print(json.dumps(dataclasses.asdict(cfg), default=str))
+        from plan import print_plan
+        rows = print_plan(cfg.model, gpus_per_node=cfg.gpus_per_node, ep=cfg.ep, microbatch_tokens=cfg.microbatch_tokens,
+                          activation_checkpoint=cfg.activation_checkpoint)
+        return {"plan": rows}
+    check_config(cfg)
     dims = setup_distributed(cfg)
     try:
         return run(cfg, dims)
@@ -967,8 +976,6 @@ def main(cfg: TrainConfig) -> dict:
 def run(cfg: TrainConfig, dims=None) -> dict:
     """main's body once the config is checked and the process group (if any) is up."""
     rank, world = rank_world()
-    if world > 1 and cfg.kl_coef != 0:
-        raise ValueError("kl_coef != 0 (a reference model) is not supported with more than one rank yet")
     if rank == 0:
         print(json.dumps(dataclasses.asdict(cfg), default=str))  # the resolved config
     t_start = time.perf_counter()
@@ -1006,7 +1013,7 @@ def run(cfg: TrainConfig, dims=None) -> dict:
     if rank == 0:
         print(f"model: {n_params / 1e6:.2f}M params; {len(task)} train prompts, {len(eval_items)} held-out prompts"
               + (f"; {world} ranks (ep={cfg.ep})" if world > 1 else "")
-              + (f"; resuming from {ckpt} ({resumed['phase']} step {resumed['step']})" if ckpt else ""))
+              + (f"; resuming from {ckpt} ({resumed['step'] + 1} {resumed['phase']} steps done)" if ckpt else ""))
     log = MetricsLog(cfg, keep=resumed["num_records"] if resumed else None)
     order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     predictor = LengthPredictor(prior=cfg.max_new_tokens / 2)
@@ -1113,7 +1120,8 @@ def run(cfg: TrainConfig, dims=None) -> dict:
         summary[["sampled", "greedy"][k]] = {"sft_acc": a0, "sft_se": s0, "rl_acc": a1, "rl_se": s1,
                                              "gain": gain, "gain_paired_se": paired_se}
     if rank == 0:
-        print(f"wrote {cfg.out_dir}/: metrics.jsonl, model.safetensors, config.json, tokenizer.tiktoken, plot.png "
+        print(f"wrote {cfg.out_dir}/: metrics.jsonl, model.safetensors, config.json, tokenizer.tiktoken, plot.png"
+              f"{', ckpt/' if cfg.ckpt_every else ''} "
               f"in {time.perf_counter() - t_start:.0f}s")
     return summary
 
@@ -1121,7 +1129,9 @@ def run(cfg: TrainConfig, dims=None) -> dict:
 if __name__ == "__main__":
     try:
         config = parse_args(sys.argv[1:])
-    except ValueError as e:  # a config mistake: say what is wrong, without a traceback
+        if not config.dry_run:
+            check_config(config)
+    except (ValueError, FileNotFoundError) as e:  # a config mistake: say what is wrong, without a traceback
         sys.exit(f"config error: {e}")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         main(config)
