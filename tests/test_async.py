@@ -8,22 +8,8 @@ from model import Transformer
 from reward import Item
 from rollout import NativeEngine
 from scheduler import LengthPredictor
+from test_train import MICRO  # the same micro config as the synchronous tests
 from tokenizer import EOS, PAD, build_tokenizer
-
-MICRO = """
-model = dict(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
-             moe_inter_dim=32, max_seq_len=64)
-bpe_merges = 40
-train_size = 300
-eval_size = 24
-sft_steps = 4
-sft_batch_size = 8
-rl_steps = 3
-prompts_per_step = 4
-group_size = 4
-max_new_tokens = 8
-eval_every = 2
-"""
 
 
 class ParityTask:
