@@ -44,6 +44,7 @@ import math
 import multiprocessing
 import queue
 import re
+import sys
 import threading
 import time
 from collections import Counter
@@ -356,6 +357,9 @@ def _process_worker(conn, fn):
         conn.send(_call(fn, args))
 
 
+GIL_SWITCH_INTERVAL_S = 0.05  # while a thread-mode RewardPool is open (see its docstring)
+
+
 class RewardPool:
     """Scores submitted items on `workers` workers while the caller goes on (e.g. generating).
 
@@ -367,7 +371,11 @@ class RewardPool:
     gives an item that overruns reward 0 ("timeout") and starts a fresh worker in place of
     the stuck one, which is abandoned (a thread cannot be killed; it ends on its own or
     with the process); a timed-out process is killed and replaced. No thread is started
-    per item: thread churn slowed the generation it overlaps by about a quarter.
+    per item: thread churn slowed the generation it overlaps by about a quarter. While a
+    thread-mode pool is open the interpreter's GIL switch interval is at least
+    GIL_SWITCH_INTERVAL_S: at the default 5 ms, workers waking to record a score made the
+    generating thread hand the GIL over mid-step, which cost the overlapped generation ~10%
+    (bench/reward_overlap.py); they get it anyway whenever a torch op releases it.
     `counts` tallies the reasons: "ok", "timeout", "error: <exception type>".
     """
 
@@ -382,10 +390,12 @@ class RewardPool:
         self._running: dict = {}  # thread-mode runner -> (key, start time) of the item it is scoring
         self._closed = threading.Event()
         self._runners = [self._start_runner() for _ in range(workers)]
-        self._watchdog = None
+        self._watchdog, self._switch_interval = None, None
         if not processes:
             self._watchdog = threading.Thread(target=self._watch, daemon=True)
             self._watchdog.start()
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(max(self._switch_interval, GIL_SWITCH_INTERVAL_S))
 
     def _start_runner(self) -> threading.Thread:
         t = threading.Thread(target=self._runner, daemon=True)
@@ -418,6 +428,9 @@ class RewardPool:
         self._closed.set()
         if self._watchdog is not None:
             self._watchdog.join()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     def __enter__(self):
         return self

@@ -198,6 +198,14 @@ def test_a_timed_out_thread_worker_is_replaced_so_later_items_are_scored():
     assert pool.counts == {"timeout": 2, "ok": 2}
 
 
+def test_thread_pool_raises_the_gil_switch_interval_only_while_open():
+    import sys
+    before = sys.getswitchinterval()
+    with RewardPool(flaky, workers=1, timeout_s=1.0):
+        assert sys.getswitchinterval() == pytest.approx(max(before, reward.GIL_SWITCH_INTERVAL_S))
+    assert sys.getswitchinterval() == before
+
+
 def test_pool_scores_while_the_caller_goes_on():
     started, release = threading.Event(), threading.Event()
 
