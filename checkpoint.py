@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from distributed import full_policy_tensors, rank_world
+from model import umask_mode
 
 if TYPE_CHECKING:
     from train import TrainConfig
@@ -168,6 +169,7 @@ def save_checkpoint(model, cfg: TrainConfig, out_dir: str):
     else:
         save_model(model, tmp, metadata={"config": cfg_json})
     if rank == 0:
+        umask_mode(tmp)
         os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             f.write(cfg_json)

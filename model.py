@@ -40,7 +40,7 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -671,6 +671,13 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
     return model
 
 
+def umask_mode(path: str):
+    """Give a file the mode an ordinary open() would (0666 less the umask): safetensors writes 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_bytes: int = 4 << 30):
     """Write the model as an HF checkpoint: config.json plus safetensors in the hub layout
     (one key per expert), sharded with model.safetensors.index.json above max_shard_bytes.
@@ -707,11 +714,13 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
         json.dump(config, f, indent=1)
     if len(shards) == 1:
         save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        umask_mode(os.path.join(path, "model.safetensors"))
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+        umask_mode(os.path.join(path, file))
         weight_map.update({k: file for k in shard})
     total = sum(v.numel() * v.element_size() for s in shards for v in s.values())
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:

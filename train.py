@@ -1121,7 +1121,7 @@ def run(cfg: TrainConfig, dims=None) -> dict:
                                              "gain": gain, "gain_paired_se": paired_se}
     if rank == 0:
         print(f"wrote {cfg.out_dir}/: metrics.jsonl, model.safetensors, config.json, tokenizer.tiktoken, plot.png"
-              f"{', ckpt/' if cfg.ckpt_every else ''} "
+              f"{', ckpt/' if os.path.isdir(os.path.join(cfg.out_dir, 'ckpt')) else ''} "
               f"in {time.perf_counter() - t_start:.0f}s")
     return summary
 

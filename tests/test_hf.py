@@ -83,3 +83,16 @@ def test_save_hf_loads_in_transformers_with_the_same_logits(tmp_path, make):
 def test_from_hf_rejects_other_model_types():
     with pytest.raises(ValueError, match="llama"):
         ModelConfig.from_hf({"model_type": "llama"})
+
+
+def test_saved_safetensors_get_the_umask_mode_not_0600(tmp_path):
+    import os
+    import stat
+
+    from model import ModelConfig, Transformer, save_hf
+    cfg = ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, num_experts=2, top_k=1,
+                      moe_inter_dim=16, max_seq_len=16, qk_norm=True)
+    save_hf(Transformer(cfg), str(tmp_path))
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(os.stat(tmp_path / "model.safetensors").st_mode) == 0o666 & ~mask
