@@ -435,13 +435,18 @@ def generate_rollouts(engine: NativeEngine, prompts: list[list[int]], predicted:
     return rollouts
 
 
+def predict_length(predictor: LengthPredictor, item, prompt_len: int) -> float:
+    """Predicted completion tokens of a prompt: its own history, else its task's at this prompt length."""
+    return predictor.predict(item.question, task=item.task, prompt_len=prompt_len)
+
+
 def sample_groups(engine, tok, task, items, n: int, predictor, cfg: TrainConfig, step: int, stream: int, pool):
     """n scored rollouts of each item (filter.Scored, payload = the Rollout) and the scoring reasons.
 
     With a RewardPool each generation batch is scored while the next one is generated.
     """
     prompts = [encode_prompt(tok, it.question) for it in items]
-    predicted = [len(p) + predictor.predict(it.question) for p, it in zip(prompts, items)]
+    predicted = [len(p) + predict_length(predictor, it, len(p)) for p, it in zip(prompts, items)]
     submit = None
     if pool is not None:
         def submit(batch):  # rollouts of a prompt come out in order, so (group, j) names each one
@@ -693,14 +698,16 @@ def collect_rollouts(engine, tok, task, items, predictor, cfg: TrainConfig, step
         reasons.update(why)
         return groups
 
+    def predicted_tokens(it):
+        return predict_length(predictor, it, len(encode_prompt(tok, it.question)))
+
     groups, counts = collect_groups(items, sample, state.history, step, stage_config(cfg), key=lambda it: it.question,
-                                    predicted_tokens=lambda it: predictor.predict(it.question), rng=state.rng, draw=draw,
-                                    target=len(items))
+                                    predicted_tokens=predicted_tokens, rng=state.rng, draw=draw, target=len(items))
     t_gen = time.perf_counter() - t0
     rollouts = [s.payload for _, g in groups for s in g]
     for (item, g) in groups:
         for s in g:
-            predictor.observe(item.question, s.num_tokens)
+            predictor.observe(item.question, s.num_tokens, task=item.task, prompt_len=len(s.payload.prompt_ids))
     correct = [torch.tensor([s.reward for s in g]) for _, g in groups]
     lengths = [torch.tensor([s.num_tokens for s in g]) for _, g in groups]
     rewards = final_rewards(groups, correct, cfg, state.reward_model, tok)
