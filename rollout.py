@@ -18,9 +18,9 @@ Two engines behind one interface, `generate(prompts, *, n, ...) -> list[Rollout]
   (seed, group id, sample index), so a rollout never depends on its batch-mates; per-row
   stop on EOS; optional `torch.compile` of the decode step (it pays where per-op launch
   cost dominates, on GPU; on a CPU decode step the expert GEMMs dominate).
-- `SGLangEngine` wraps `sglang.Engine` (imported lazily; GPU only) with
-  `enable_return_routed_experts`, optional blockwise FP8, and weight sync through
-  `update_weights_from_tensor`.
+- `SGLangEngine` (sglang_engine.py) wraps `sglang.Engine` (imported lazily; GPU only)
+  with `enable_return_routed_experts`, optional blockwise FP8, and weight sync through
+  `update_weights_from_tensor`; it uses this file's Rollout, FP8 and weight-sync pieces.
 
 For every rollout both record what the trainer needs (`Rollout`): the logprob of each
 sampled token under softmax(logits / temperature) before top-k/top-p truncation (what
@@ -50,7 +50,6 @@ expert) pairs, D model dim, H query heads, G kv heads, d head dim, r rotary dims
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
@@ -613,194 +612,6 @@ class NativeEngine:
                 routes=routes_BSLK[i, pads[i]:P + c - 1].clone(), finish_reason="stop" if stop else "length",
                 group_id=groups[i // n], weight_version=self.weight_version))
         return rollouts
-
-
-# ----------------------------------------------------------------------------- SGLang engine
-
-def _import_sglang():
-    """sglang, or an error that says what is missing: the package (GPU machines only) or a CUDA device."""
-    try:
-        import sglang
-    except ImportError as e:
-        raise ImportError("SGLangEngine needs sglang, which runs on CUDA GPUs only: on a GPU machine run "
-                          "`pip install -r requirements-gpu.txt`; on CPU use NativeEngine") from e
-    if not torch.cuda.is_available():
-        raise RuntimeError("SGLangEngine needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
-                           "on CPU use NativeEngine")
-    return sglang
-
-
-def sglang_engine_args(model_path: str, *, fp8: bool, tp_size: int = 1, mem_fraction_static: float = 0.8,
-                       seed: int = 0, **extra) -> dict:
-    """Keyword arguments of `sglang.Engine`: token ids in and out, routed-expert capture, optional FP8."""
-    args = dict(model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static, random_seed=seed,
-                skip_tokenizer_init=True, enable_return_routed_experts=True)
-    if fp8:
-        args["quantization"] = "fp8"
-    return args | extra
-
-
-SGLANG_SEED_BITS = 31  # per-request sampling_seed kept a non-negative int32, a range every SGLang version takes
-
-
-def sglang_request(prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-                   top_k: int, seed: int | None, eos_id: int, group_ids: list[int] | None = None) -> dict:
-    """Keyword arguments of `sglang.Engine.generate` for n samples of each prompt, prompt-major.
-
-    Each sample is its own request (SGLang's radix cache shares the prompt's prefill).
-    Sample j of group g gets sampling_seed derived from (seed, g, j) as NativeEngine keys
-    its streams, so a request's seed does not depend on its batch. Logprobs of output
-    tokens only (logprob_start_len=-1); routes from the first prompt token
-    (routed_experts_start_len=0: SGLang's io_struct documents the response as covering
-    [routed_experts_start_len, seqlen - 1)). top_k 0 (off) is SGLang's -1.
-    """
-    rows = [list(p) for p in prompts for _ in range(n)]
-    base = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                top_k=top_k if top_k > 0 else -1, stop_token_ids=[eos_id], skip_special_tokens=False, no_stop_trim=True)
-    params = [dict(base) for _ in rows]
-    if seed is not None:
-        groups = group_ids if group_ids is not None else list(range(len(prompts)))
-        keys = row_keys(seed, [g for g in groups for _ in range(n)], [j for _ in prompts for j in range(n)])
-        for p, k in zip(params, (keys & ((1 << SGLANG_SEED_BITS) - 1)).tolist()):
-            p["sampling_seed"] = k
-    return dict(input_ids=rows, sampling_params=params, return_logprob=True, logprob_start_len=-1,
-                return_routed_experts=True, routed_experts_start_len=0)
-
-
-def decode_routed_experts(payload, num_tokens: int, cfg: ModelConfig) -> torch.Tensor:
-    """SGLang's meta_info["routed_experts"] -> int32 [num_tokens, L, K] over the MoE layers only.
-
-    SGLang sends base64 of int32 [num_tokens, num_hidden_layers, top_k] (logical expert
-    ids); the first `first_k_dense_replace` layers are dense (GLM-4.5) and their rows are
-    dropped. num_tokens is P + C - 1 when the request set routed_experts_start_len=0.
-    Raises ValueError when the size does not match.
-    """
-    # Format as SGLang documents it (sgl-project/sglang R3 usage notes, and sglang-jax
-    # docs/features/return_routed_experts.md, after sglang PR 12162): base64-decode,
-    # read int32, reshape(-1, num_layers, top_k); a list payload is accepted as well.
-    if isinstance(payload, (str, bytes)):
-        flat = torch.frombuffer(bytearray(base64.b64decode(payload)), dtype=torch.int32)
-    else:
-        flat = torch.as_tensor(payload).to(torch.int32).flatten()
-    want = num_tokens * cfg.n_layers * cfg.top_k
-    if flat.numel() != want:
-        raise ValueError(f"routed_experts holds {flat.numel()} ids; expected {num_tokens} tokens x {cfg.n_layers} "
-                         f"layers x {cfg.top_k} = {want}")
-    return flat.view(num_tokens, cfg.n_layers, cfg.top_k)[:, cfg.first_k_dense_replace:].clone()
-
-
-def decode_sglang_output(out: dict, prompt_ids: list[int], *, cfg: ModelConfig, group_id: int,
-                         weight_version: int) -> Rollout:
-    """One SGLang generate() result -> Rollout.
-
-    Reads meta_info["output_token_logprobs"] ((logprob, token id, text) per output token,
-    the stop token included), meta_info["finish_reason"] ({"type": "stop" | "length" |
-    "abort", ...}) and meta_info["routed_experts"]. Raises ValueError on a payload that
-    does not add up, RuntimeError on an aborted request.
-    """
-    meta = out["meta_info"]
-    lp = meta["output_token_logprobs"]
-    ids = [int(x[1]) for x in lp]
-    if "output_ids" in out and [int(i) for i in out["output_ids"]] != ids:
-        raise ValueError(f"output_ids {list(out['output_ids'])[:8]}... disagree with output_token_logprobs' ids {ids[:8]}...")
-    reason = meta["finish_reason"]
-    kind = reason.get("type") if isinstance(reason, dict) else reason
-    if kind == "abort":
-        raise RuntimeError(f"SGLang aborted the request: {reason}")
-    if kind not in ("stop", "length"):
-        raise ValueError(f"finish_reason {reason!r}; expected type 'stop', 'length' or 'abort'")
-    P, C = len(prompt_ids), len(ids)
-    return Rollout(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=torch.tensor([float(x[0]) for x in lp]),
-                   routes=decode_routed_experts(meta["routed_experts"], P + C - 1, cfg), finish_reason=kind,
-                   group_id=group_id, weight_version=weight_version)
-
-
-def _ok(result, what: str):
-    """Raise RuntimeError when an SGLang control call reports failure ((ok, msg), {"success": ...} or .success)."""
-    ok, msg = True, ""
-    if isinstance(result, tuple) and result and isinstance(result[0], bool):
-        ok, msg = result[0], " ".join(map(str, result[1:]))
-    elif isinstance(result, dict) and "success" in result:
-        ok, msg = result["success"], result.get("message", "")
-    elif hasattr(result, "success"):
-        ok, msg = result.success, getattr(result, "message", "")
-    if not ok:
-        raise RuntimeError(f"SGLang {what} failed: {msg}")
-
-
-class SGLangEngine:
-    """Rollouts from `sglang.Engine` (CUDA only), in the same `Rollout` record as NativeEngine.
-
-    fp8=True serves a blockwise-FP8 checkpoint (write one with `save_fp8_hf`) and syncs
-    weights quantised on the trainer side (`quantize_fp8`, HF names); otherwise weights go
-    in the trainer's dtype. Weight sync sends buckets with `update_weights_from_tensor`
-    inside `begin_weight_update()` / `end_weight_update()` where the installed SGLang has
-    them (0.5.23: begin restores packed quantised weights to a loadable layout, end
-    re-finalises them), and without them where not (0.5.7), then flushes the prefix cache.
-    Logprobs are SGLang's `output_token_logprobs` (the tempered distribution unless
-    SGLANG_RETURN_ORIGINAL_LOGPROB is set, which would not match the trainer).
-    """
-    # Weight-update sessions: sglang PR 28001 ("refactor weight processing in RL weight
-    # update") added begin_weight_update / end_weight_update and makes
-    # update_weights_from_* assert that a session is open; Engine.update_weights_from_tensor
-    # takes (named_tensors, load_format=None, flush_cache=True) in the versions we read.
-
-    def __init__(self, model_path: str, *, eos_id: int, fp8: bool = False, tp_size: int = 1,
-                 mem_fraction_static: float = 0.8, seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **engine_kwargs):
-        sglang = _import_sglang()
-        with open(os.path.join(model_path, "config.json")) as f:
-            hf_config = json.load(f)
-        if fp8 and (hf_config.get("quantization_config") or {}).get("quant_method") != "fp8":
-            raise ValueError(f"fp8=True needs a blockwise-FP8 checkpoint and {model_path} has no fp8 quantization_config; "
-                             f"write one with rollout.save_fp8_hf(model, path)")
-        engine = sglang.Engine(**sglang_engine_args(model_path, fp8=fp8, tp_size=tp_size,
-                                                    mem_fraction_static=mem_fraction_static, seed=seed, **engine_kwargs))
-        self._setup(engine, ModelConfig.from_hf(hf_config), eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes)
-
-    @classmethod
-    def from_engine(cls, engine, cfg: ModelConfig, *, eos_id: int, fp8: bool = False,
-                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SGLangEngine:
-        """Wrap an already running sglang.Engine (or anything with its methods)."""
-        self = cls.__new__(cls)
-        self._setup(engine, cfg, eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes)
-        return self
-
-    def _setup(self, engine, cfg: ModelConfig, *, eos_id: int, fp8: bool, bucket_bytes: int):
-        self.engine, self.cfg, self.eos_id, self.fp8, self.bucket_bytes = engine, cfg, eos_id, fp8, bucket_bytes
-        self.weight_version = 0
-        self.sessions = hasattr(engine, "begin_weight_update") and hasattr(engine, "end_weight_update")
-
-    def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 group_ids: list[int] | None = None) -> list[Rollout]:
-        """As NativeEngine.generate (prompt-major n rollouts per prompt)."""
-        if not prompts:
-            return []
-        outs = self.engine.generate(**sglang_request(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                                     top_p=top_p, top_k=top_k, seed=seed, eos_id=self.eos_id,
-                                                     group_ids=group_ids))
-        if len(outs) != len(prompts) * n:
-            raise RuntimeError(f"SGLang returned {len(outs)} outputs for {len(prompts) * n} requests")
-        return [decode_sglang_output(out, prompts[i // n], cfg=self.cfg, weight_version=self.weight_version,
-                                     group_id=group_ids[i // n] if group_ids is not None else i // n)
-                for i, out in enumerate(outs)]
-
-    def update_weights(self, named_tensors: Named, version: int):
-        """Send the trainer's tensors (`policy_tensors(model)`) in HF names, FP8-quantised when fp8, bucket by bucket."""
-        tensors = hf_tensors(((n, full_tensor(t)) for n, t in named_tensors), self.cfg)
-        if self.fp8:
-            tensors = quantize_fp8(tensors, hf=True)
-        if self.sessions:
-            _ok(self.engine.begin_weight_update(), "begin_weight_update")
-        try:
-            for bucket in weight_buckets(tensors, self.bucket_bytes):
-                _ok(self.engine.update_weights_from_tensor(named_tensors=[(k, t.detach().contiguous()) for k, t in bucket],
-                                                           flush_cache=False), "update_weights_from_tensor")
-        finally:
-            if self.sessions:
-                _ok(self.engine.end_weight_update(), "end_weight_update")
-        self.engine.flush_cache()  # cached prefixes were computed with the old weights
-        self.weight_version = version
 
 
 # ----------------------------------------------------------------------------- train-inference mismatch

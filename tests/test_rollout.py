@@ -248,7 +248,7 @@ def _sglang_output(ids, logps, routes_TLK, reason="stop"):
 
 
 def test_sglang_request_asks_for_logprobs_routes_and_seeded_samples():
-    from rollout import sglang_request
+    from sglang_engine import sglang_request
     req = sglang_request([[1, 2], [3]], n=2, max_new_tokens=5, temperature=1.0, top_p=0.9, top_k=0, seed=7, eos_id=9,
                          group_ids=[4, 5])
     assert req["input_ids"] == [[1, 2], [1, 2], [3], [3]]
@@ -261,7 +261,7 @@ def test_sglang_request_asks_for_logprobs_routes_and_seeded_samples():
 
 
 def test_sglang_output_decodes_to_a_rollout_with_moe_layers_only(tiny_cfg):
-    from rollout import decode_sglang_output
+    from sglang_engine import decode_sglang_output
     cfg = dataclasses.replace(tiny_cfg, n_layers=3, first_k_dense_replace=1, dense_inter_dim=16, router="sigmoid",
                               hf_model_type="glm4_moe")
     prompt, ids, logps = [5, 6, 7], [11, 12, EOS], [-0.5, -1.0, -0.25]
@@ -273,7 +273,7 @@ def test_sglang_output_decodes_to_a_rollout_with_moe_layers_only(tiny_cfg):
 
 
 def test_sglang_payload_of_the_wrong_size_is_a_value_error(tiny_cfg):
-    from rollout import decode_sglang_output
+    from sglang_engine import decode_sglang_output
     out = _sglang_output([11, 12], [-0.1, -0.2], torch.zeros(3, tiny_cfg.n_layers, tiny_cfg.top_k))  # one row short
     with pytest.raises(ValueError, match="routed_experts"):
         decode_sglang_output(out, [5, 6, 7], cfg=tiny_cfg, group_id=0, weight_version=0)
@@ -298,7 +298,8 @@ class _FakeSGLang:
 
 @pytest.mark.parametrize("sessions", [True, False])
 def test_sglang_weight_sync_brackets_buckets_with_sessions_when_present(tiny_cfg, sessions):
-    from rollout import SGLangEngine, policy_tensors
+    from rollout import policy_tensors
+    from sglang_engine import SGLangEngine
     fake = _FakeSGLang(sessions)
     engine = SGLangEngine.from_engine(fake, tiny_cfg, eos_id=EOS, bucket_bytes=64 << 10)
     engine.update_weights(policy_tensors(Transformer(tiny_cfg)), version=5)
@@ -311,7 +312,8 @@ def test_sglang_weight_sync_brackets_buckets_with_sessions_when_present(tiny_cfg
 
 
 def test_sglang_fp8_sync_sends_e4m3_weights_with_inverse_scales(tiny_cfg):
-    from rollout import FP8, SGLangEngine
+    from rollout import FP8
+    from sglang_engine import SGLangEngine
     sent = {}
     fake = _FakeSGLang(True)
     fake.update_weights_from_tensor = lambda named_tensors, flush_cache=True: sent.update(named_tensors) or (True, "")
@@ -323,7 +325,7 @@ def test_sglang_fp8_sync_sends_e4m3_weights_with_inverse_scales(tiny_cfg):
 
 
 def test_sglang_engine_without_sglang_or_cuda_says_what_is_missing():
-    from rollout import SGLangEngine
+    from sglang_engine import SGLangEngine
     with pytest.raises((ImportError, RuntimeError), match="SGLangEngine needs"):
         SGLangEngine("/nonexistent", eos_id=EOS)
 
@@ -335,7 +337,8 @@ def test_sglang_engine_rollouts_match_the_trainer(tiny_cfg, tmp_path):
         pytest.skip("needs a CUDA GPU (SGLang runs on CUDA only)")
     pytest.importorskip("sglang", reason="needs sglang (GPU machines: pip install -r requirements-gpu.txt)")
     from model import save_hf
-    from rollout import SGLangEngine, mismatch_metrics
+    from rollout import mismatch_metrics
+    from sglang_engine import SGLangEngine
     cfg = dataclasses.replace(tiny_cfg, qk_norm=True, vocab_size=256, max_seq_len=128)
     model = Transformer(cfg)
     save_hf(model, str(tmp_path))
