@@ -71,7 +71,22 @@ class Item:
     index: int  # index within that dataset
 
 
-class TaskMix:
+class ItemList:
+    """A task's prompts as a list of Item (`self.items`), indexable, with eval de-duplication."""
+    items: list[Item]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Item:
+        return self.items[i]
+
+    def exclude(self, questions: set[str]) -> list[Item]:
+        """The items whose question is not in `questions` (eval de-duplication)."""
+        return [it for it in self.items if it.question not in questions]
+
+
+class TaskMix(ItemList):
     """Round-robin mix of reasoning-gym datasets: item i comes from dataset i % num_tasks.
 
     specs: list of (dataset name, kwargs) for `reasoning_gym.create_dataset`.
@@ -93,16 +108,6 @@ class TaskMix:
             t, j = i % len(specs), i // len(specs)
             entry = self.datasets[t][j]
             self.items.append(Item(entry["question"], str(entry["answer"]), t, j))
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> Item:
-        return self.items[i]
-
-    def exclude(self, questions: set[str]) -> list[Item]:
-        """This mix's items whose question is not in `questions` (eval de-duplication)."""
-        return [it for it in self.items if it.question not in questions]
 
     def score(self, completion: str, item: Item) -> float:
         """Binary reward: 1.0 iff the scorer gives the last <answer> span full marks."""
@@ -169,7 +174,7 @@ def math_reward(completion: str, gold: str) -> float:
     return 1.0 if answer and math_equal(answer, gold) else 0.0
 
 
-class MathTask:
+class MathTask(ItemList):
     """Rows of a GSM8K (question, answer ending '#### n') or MATH-500 (problem, answer) JSONL file.
 
     Same interface as TaskMix. Raises ValueError on a row with neither layout.
@@ -190,15 +195,6 @@ class MathTask:
                 else:
                     raise ValueError(f"{path} row {i}: expected GSM8K (question, answer with ####) "
                                      f"or MATH (problem, answer) fields, got {sorted(row)}")
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> Item:
-        return self.items[i]
-
-    def exclude(self, questions: set[str]) -> list[Item]:
-        return [it for it in self.items if it.question not in questions]
 
     def score(self, completion: str, item: Item) -> float:
         return math_reward(completion, item.answer)

@@ -21,14 +21,14 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import ModelConfig, load_hf  # noqa: E402
+from model import ModelConfig  # noqa: E402
+from qwen3_small import small_qwen3_moe  # noqa: E402
 
 B, T = 8, 512
 
@@ -68,15 +68,8 @@ def main():
     torch.set_num_threads(args.threads)
     import transformers
 
-    hf_cfg = transformers.Qwen3MoeConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
-        norm_topk_prob=True, max_position_embeddings=T, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).train()
-    with tempfile.TemporaryDirectory() as d:
-        ref.save_pretrained(d)
-        ours = load_hf(d).train()
+    ref, ours = small_qwen3_moe(max_positions=T)
+    ref, ours = ref.train(), ours.train()
     cfg: ModelConfig = ours.cfg
     tokens = torch.randint(0, cfg.vocab_size, (B, T))
     targets = torch.randint(0, cfg.vocab_size, (B, T))

@@ -26,13 +26,12 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import load_hf  # noqa: E402
+from qwen3_small import small_qwen3_moe  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
 
 NO_EOS = -1  # an id never sampled, so every row runs to the token limit
@@ -63,17 +62,9 @@ def main():
     torch.set_num_threads(args.threads)
     import transformers
 
-    hf_cfg = transformers.Qwen3MoeConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
-        norm_topk_prob=True, max_position_embeddings=args.prompt_len + args.new_tokens,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+    ref, ours = small_qwen3_moe(max_positions=args.prompt_len + args.new_tokens)
+    ref.eval()
     ref.generation_config.eos_token_id = None  # nothing stops a row early
-    with tempfile.TemporaryDirectory() as d:
-        ref.save_pretrained(d)
-        ours = load_hf(d)
     cfg = ours.cfg
     prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len))
     with torch.no_grad():
