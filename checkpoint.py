@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from distributed import full_policy_tensors, rank_world
-from model import umask_mode
+from hf import umask_mode
 
 if TYPE_CHECKING:
     from train import TrainConfig

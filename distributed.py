@@ -79,12 +79,13 @@ def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> 
     Weights come from init_state (a full state dict) or, absent it, from a full model
     initialised on CPU under the current torch seed, so N ranks start from exactly the
     weights one process would (every rank builds the same full model, then keeps its slice).
-    With cfg.init_hf the weights come from that HF checkpoint instead (model.load_hf; a
+    With cfg.init_hf the weights come from that HF checkpoint instead (hf.load_hf; a
     sharded model is built on meta and each rank reads only its slice, never the full model).
     fp32 throughout, so multi-rank losses match the 1-process run.
     Raises ValueError (from load_hf) if the checkpoint lacks a tensor or has another shape.
     """
-    from model import load_hf, parallelize
+    from hf import load_hf
+    from model import parallelize
     if dims is None:
         model = Transformer(cfg.model)
         if cfg.init_hf:

@@ -60,7 +60,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, grouped_mm, hf_names, rope, swiglu
+from model import GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, grouped_mm, rope, swiglu
+from hf import hf_names
 
 Named = Iterable[tuple[str, torch.Tensor]]
 
@@ -360,7 +361,7 @@ def _stage(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list
 
 
 def hf_tensors(named_tensors: Named, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our (name, tensor) pairs in the HF hub layout (one [out, in] matrix per expert), as `model.save_hf` writes them."""
+    """Our (name, tensor) pairs in the HF hub layout (one [out, in] matrix per expert), as `hf.save_hf` writes them."""
     for name, t in named_tensors:
         if name.rsplit(".", 1)[-1] == "expert_bias" and cfg.router != "sigmoid":
             continue

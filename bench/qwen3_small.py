@@ -2,7 +2,7 @@
 
 4 layers, hidden 256, 8 heads, 2 KV heads, head dim 32, 16 experts of 256, top-4, vocab
 512 (the shape issues 3 and 4 fix), fp32, random weights under seed 0. Ours is loaded
-from the transformers model's saved checkpoint with `model.load_hf`, so both sides hold
+from the transformers model's saved checkpoint with `hf.load_hf`, so both sides hold
 the same numbers.
 """
 
@@ -12,7 +12,8 @@ import tempfile
 
 import torch
 
-from model import Transformer, load_hf
+from hf import load_hf
+from model import Transformer
 
 
 def small_qwen3_moe(max_positions: int):

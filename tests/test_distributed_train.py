@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 import checkpoint
 import distributed
 import train
-from model import Transformer, save_hf
+from hf import save_hf
+from model import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

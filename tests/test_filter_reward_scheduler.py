@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from filter import post_rollout_filter
-from reward import Item, TaskMix, demonstration
+from reward import TaskMix, demonstration
 from scheduler import LengthPredictor, Pipeline, balance, length_buckets, pack_microbatches
 
 

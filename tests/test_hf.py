@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from model import ModelConfig, Transformer, load_hf, save_hf
+from hf import load_hf, save_hf
+from model import ModelConfig, Transformer
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency (requirements-dev.txt)")
 
@@ -89,7 +90,6 @@ def test_saved_safetensors_get_the_umask_mode_not_0600(tmp_path):
     import os
     import stat
 
-    from model import ModelConfig, Transformer, save_hf
     cfg = ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, num_experts=2, top_k=1,
                       moe_inter_dim=16, max_seq_len=16, qk_norm=True)
     save_hf(Transformer(cfg), str(tmp_path))

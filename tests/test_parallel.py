@@ -8,7 +8,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from model import ModelConfig, Transformer, load_hf, parallelize, save_hf
+from hf import load_hf, save_hf
+from model import ModelConfig, Transformer, parallelize
 
 CFG = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
            moe_inter_dim=16, num_shared_experts=1, first_k_dense_replace=1, dense_inter_dim=24, router="sigmoid",

@@ -336,7 +336,7 @@ def test_sglang_engine_rollouts_match_the_trainer(tiny_cfg, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (SGLang runs on CUDA only)")
     pytest.importorskip("sglang", reason="needs sglang (GPU machines: pip install -r requirements-gpu.txt)")
-    from model import save_hf
+    from hf import save_hf
     from rollout import mismatch_metrics
     from sglang_engine import SGLangEngine
     cfg = dataclasses.replace(tiny_cfg, qk_norm=True, vocab_size=256, max_seq_len=128)
