@@ -24,7 +24,7 @@ from distributed import full_policy_tensors, rank_world
 from hf import umask_mode
 
 if TYPE_CHECKING:
-    from train import TrainConfig
+    from config import TrainConfig
 
 
 CKPT_SUBDIR = "ckpt"  # under out_dir: one folder per checkpoint, step_<position>

@@ -19,7 +19,7 @@ from model import Transformer
 from rollout import full_tensor, policy_tensors
 
 if TYPE_CHECKING:
-    from train import TrainConfig
+    from config import TrainConfig
 
 
 def build_parallel_dims(world_size: int, *, dp_shard: int = -1, ep: int = 1):

@@ -223,7 +223,9 @@ def test_rl_step_passes_loss_options_through_with_a_frozen_reference(tmp_path):
 def test_every_config_field_has_a_docstring():
     import ast
     import inspect
-    for cls in (train.TrainConfig, train.ModelConfig):
+
+    from model import ModelConfig
+    for cls in (train.TrainConfig, ModelConfig):
         body = ast.parse(inspect.getsource(cls)).body[0].body
         for node, nxt in zip(body, body[1:] + [None]):
             if isinstance(node, ast.AnnAssign):
