@@ -320,49 +320,58 @@ def minibatches(num_seqs: int, cfg: TrainConfig, step: int) -> list[list[int]]:
     return [perm[mb::n_mb] for mb in range(n_mb)]
 
 
-def local_sequences(num_seqs: int, cfg: TrainConfig, step: int) -> list[int]:
-    """The sequences this rank trains on: members r, r + world, ... of each mini-batch (all of them on 1 rank)."""
-    rank, world = rank_world()
-    return sorted(i for members in minibatches(num_seqs, cfg, step) for i in members[rank::world])
-
-
 @torch.no_grad()
-def old_policy(model, batch: TrainBatch, engine_logprobs: list[torch.Tensor], cfg: TrainConfig, pad_id: int,
-               seqs: list[int] | None = None):
-    """Per sequence: log pi_old and the full-vocabulary entropy under pi_old (unpadded [len - 1]),
-    from the weights the engine sampled with, plus train-inference mismatch metrics (over all ranks).
-
-    seqs: the sequences to compute (default all; multi-rank: this rank's, see local_sequences).
-    """
-    old_logp, old_ent, deltas = {}, {}, []
-    seqs = list(range(len(batch.seqs))) if seqs is None else seqs
+def old_policy(model, batch: TrainBatch, cfg: TrainConfig, pad_id: int, seqs: list[int], old_logp: dict, old_ent: dict):
+    """Fill old_logp / old_ent for sequences seqs (multi-rank: this rank's): log pi_old and the
+    full-vocabulary entropy under pi_old, unpadded [len - 1], by a no-grad forward of the trainer's
+    current weights."""
     micro = [[seqs[j] for j in idx] for idx in pack_microbatches([len(batch.seqs[i]) for i in seqs], cfg.microbatch_tokens)]
-    world = rank_world()[1]
-    for idx in (padded_microbatches(micro) if world > 1 else micro):
+    for idx in (padded_microbatches(micro) if rank_world()[1] > 1 else micro):
         if not idx:
             idle_forward(model, cfg, backward=False)
             continue
         inputs, targets, _, routes = batch.micro(idx, cfg, pad_id)
         logits, _ = model(inputs, routed_experts=routes)
-        lp, ent = token_logprobs(logits, targets, cfg.temperature), token_entropy(logits, cfg.temperature)
-        for j, i in enumerate(idx):
+        store_old(batch, idx, token_logprobs(logits, targets, cfg.temperature), token_entropy(logits, cfg.temperature),
+                  old_logp, old_ent)
+
+
+def store_old(batch: TrainBatch, idx: list[int], logp_BT: torch.Tensor, ent_BT: torch.Tensor, old_logp: dict, old_ent: dict):
+    for j, i in enumerate(idx):
+        n = len(batch.seqs[i]) - 1  # unpadded: later micro-batches pad to their own width
+        old_logp[i], old_ent[i] = logp_BT[j, :n].detach(), ent_BT[j, :n].detach()
+
+
+def zvp_advantages(batch: TrainBatch, idx: list[int], zvp: dict[int, bool], old_ent: dict, cfg: TrainConfig):
+    """RL-ZVP token advantages of the zero-variance-group sequences among idx, into batch.adv_tokens."""
+    for i in idx:
+        if i in zvp:
             n, s = len(batch.seqs[i]) - 1, batch.starts[i] - 1
-            old_logp[i], old_ent[i] = lp[j, :n], ent[j, :n]  # unpadded: later micro-batches pad to their own width
-            deltas.append(engine_logprobs[i] - lp[j, s:n].cpu())
-    d = torch.cat(deltas) if deltas else torch.zeros(0)  # log pi_infer - log pi_old on the sampled tokens
-    # k3 estimate of KL(pi_infer || pi_old) (Schulman 2020, "Approximating KL divergence")
-    if world == 1:
-        metrics = {"mismatch/max_abs_logp": d.abs().max().item(), "mismatch/kl": (d.exp() - 1 - d).mean().item()}
-    else:
-        metrics = {"mismatch/max_abs_logp": all_reduce_float(d.abs().max().item() if len(d) else 0.0, "max"),
-                   "mismatch/kl": all_reduce_float((d.exp() - 1 - d).sum().item()) / all_reduce_float(float(len(d)))}
-    return old_logp, old_ent, metrics
+            a = torch.zeros(n)
+            a[s:] = zvp_token_advantages(old_ent[i][s:n].cpu(), correct=zvp[i], alpha=cfg.zvp_alpha)
+            batch.adv_tokens[i] = a
 
 
-def policy_update(model, opt, batch: TrainBatch, old_logp, old_ent, cfg: TrainConfig, step: int, pad_id: int,
-                  ref_model=None) -> dict:
+def mismatch_metrics(batch: TrainBatch, old_logp: dict) -> dict:
+    """Train-inference mismatch over the sequences in old_logp (all ranks): max |log pi_infer - log pi_old|
+    and the k3 estimate of KL(pi_infer || pi_old) (Schulman 2020, "Approximating KL divergence") on the
+    sampled completion tokens."""
+    deltas = [batch.infer_logp[i] - lp[batch.starts[i] - 1:].cpu() for i, lp in old_logp.items()]
+    d = torch.cat(deltas) if deltas else torch.zeros(0)
+    if rank_world()[1] == 1:
+        return {"mismatch/max_abs_logp": d.abs().max().item() if len(d) else 0.0, "mismatch/kl": (d.exp() - 1 - d).mean().item()}
+    return {"mismatch/max_abs_logp": all_reduce_float(d.abs().max().item() if len(d) else 0.0, "max"),
+            "mismatch/kl": all_reduce_float((d.exp() - 1 - d).sum().item()) / all_reduce_float(float(len(d)))}
+
+
+def policy_update(model, opt, batch: TrainBatch, old_logp: dict, old_ent: dict, zvp: dict[int, bool], cfg: TrainConfig,
+                  step: int, pad_id: int, ref_model=None) -> dict:
     """num_minibatches optimizer steps over a random split of the batch, each from packed micro-batches.
 
+    old_logp / old_ent hold pi_old for every sequence but those of the first mini-batch: before
+    the first optimizer step pi_old is the current policy, so those come from the same forward
+    as the loss (detached), one no-grad forward fewer; their RL-ZVP advantages (zvp: sequence
+    -> all correct) follow from that entropy. Both dicts are filled in for them here.
     ref_model: the frozen reference policy of the KL penalty (needed when cfg.kl_coef != 0).
     Multi-rank: rank r trains members r, r + world, ... of each mini-batch (old_logp and
     old_ent need only those); the normaliser counts the whole mini-batch and the loss is
@@ -372,7 +381,7 @@ def policy_update(model, opt, batch: TrainBatch, old_logp, old_ent, cfg: TrainCo
     losses, lmetrics, m = [], [], {}
     aggregation = resolve_aggregation(cfg.loss_type, cfg.aggregation or None)
     icepop = (cfg.icepop_low, cfg.icepop_high) if cfg.icepop_high > 0 else None
-    for members in minibatches(len(batch.seqs), cfg, step):
+    for mb, members in enumerate(minibatches(len(batch.seqs), cfg, step)):
         # the loss of one optimizer step is a mean over the whole mini-batch, not per micro-batch
         normalizer = (sum(len(batch.seqs[i]) - batch.starts[i] for i in members) if aggregation == "token-mean"
                       else len(members))
@@ -386,12 +395,17 @@ def policy_update(model, opt, batch: TrainBatch, old_logp, old_ent, cfg: TrainCo
             inputs, targets, mask, routes = batch.micro(idx, cfg, pad_id)
             T = inputs.shape[1]
             logits, _ = model(inputs, routed_experts=routes)
+            logp = token_logprobs(logits, targets, cfg.temperature)
+            if mb == 0:  # pi_old = pi_theta until the first optimizer step
+                with torch.no_grad():
+                    store_old(batch, idx, logp, token_entropy(logits.detach(), cfg.temperature), old_logp, old_ent)
+                zvp_advantages(batch, idx, zvp, old_ent, cfg)
             ref_logp = None
             if ref_model is not None:
                 with torch.no_grad():
                     ref_logp = token_logprobs(ref_model(inputs, routed_experts=routes)[0], targets, cfg.temperature)
             loss, lm = policy_loss(
-                token_logprobs(logits, targets, cfg.temperature), pad_rows([old_logp[i] for i in idx], T),
+                logp, pad_rows([old_logp[i] for i in idx], T),
                 batch.advantages(idx, T).to(cfg.device), mask, loss_type=cfg.loss_type,
                 old_entropy_BT=pad_rows([old_ent[i] for i in idx], T), vocab_size=cfg.model.vocab_size,
                 espo_alpha=cfg.espo_alpha, espo_top_frac=cfg.espo_top_frac, espo_num_groups=cfg.espo_num_groups,
@@ -423,7 +437,8 @@ class RLState:
 
 def stage_config(cfg: TrainConfig) -> StageConfig:
     return StageConfig(group_size=cfg.group_size, skip_prob=cfg.skip_prob, skip_half_life=cfg.skip_half_life,
-                       probe_size=cfg.probe_size, enlarged_group_size=cfg.enlarged_group_size,
+                       probe_size=cfg.probe_size, stop_threshold=cfg.probe_stop_threshold,
+                       enlarged_group_size=cfg.enlarged_group_size,
                        oversample_rounds=cfg.oversample_rounds, keep_zero_variance=cfg.zero_variance == "rl-zvp")
 
 
@@ -518,18 +533,18 @@ def train_on_rollouts(model, opt, batch: TrainBatch, zvp: dict[int, bool], cfg: 
                       ref_model=None) -> dict:
     """The trainer half of an RL step: pi_old and its entropy recomputed by the trainer (so with stale
     rollouts the PPO ratio is taken against the current weights, and pi_infer / pi_old is what TIS or
-    IcePop correct), RL-ZVP token advantages, then the policy update. Returns metrics."""
-    mine = local_sequences(len(batch.seqs), cfg, step) if rank_world()[1] > 1 else None  # this rank's share
-    old_logp, old_ent, mismatch = old_policy(model, batch, batch.infer_logp, cfg, pad_id, seqs=mine)
-    for j, is_correct in zvp.items():  # RL-ZVP: zero-variance groups learn from token entropy instead
-        if j not in old_ent:  # another rank's sequence
-            continue
-        n, s = len(batch.seqs[j]) - 1, batch.starts[j] - 1
-        a = torch.zeros(n)
-        a[s:] = zvp_token_advantages(old_ent[j][s:n].cpu(), correct=is_correct, alpha=cfg.zvp_alpha)
-        batch.adv_tokens[j] = a
-    m = {"filter/zvp_sequences": int(all_reduce_float(len(batch.adv_tokens))), **mismatch}
-    m.update(policy_update(model, opt, batch, old_logp, old_ent, cfg, step, pad_id, ref_model=ref_model))
+    IcePop correct), RL-ZVP token advantages, then the policy update. Returns metrics.
+
+    zvp: sequence index -> all correct, for the sequences of zero-variance groups kept for RL-ZVP."""
+    rank, world = rank_world()
+    parts = [members[rank::world] for members in minibatches(len(batch.seqs), cfg, step)]
+    later = sorted(i for members in parts[1:] for i in members)  # the first mini-batch's pi_old comes with its loss
+    old_logp, old_ent = {}, {}
+    old_policy(model, batch, cfg, pad_id, later, old_logp, old_ent)
+    zvp_advantages(batch, later, zvp, old_ent, cfg)
+    m = policy_update(model, opt, batch, old_logp, old_ent, zvp, cfg, step, pad_id, ref_model=ref_model)
+    m.update(mismatch_metrics(batch, old_logp))
+    m["filter/zvp_sequences"] = int(all_reduce_float(len(batch.adv_tokens)))
     return m
 
 

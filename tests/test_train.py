@@ -131,6 +131,33 @@ def test_rl_step_replays_engine_routes_updates_the_policy_and_syncs_the_engine(t
         assert torch.equal(p, q), n
 
 
+@pytest.mark.parametrize("num_minibatches", [1, 2])
+def test_the_first_minibatch_takes_pi_old_from_its_own_forward(tmp_path, num_minibatches):
+    """Before the first optimizer step pi_old is the current policy: the trainer runs no separate
+    no-grad forward for the first mini-batch (none at all with one mini-batch), and its PPO ratio is 1."""
+    from reward import Item
+    from rollout import NativeEngine
+    from scheduler import LengthPredictor
+    from tokenizer import EOS, PAD, build_tokenizer
+
+    cfg = train.load_config(write_config(tmp_path, MICRO), ["temperature=1.5", f"num_minibatches={num_minibatches}"])
+    tok = build_tokenizer(cfg.model.vocab_size)
+    model = Transformer(cfg.model)
+    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
+    engine.update_weights(model.named_parameters(), version=0)
+    items = [Item(f"question {i}", "0", 0, i) for i in range(4)]
+    m, batch, zvp = train.collect_rollouts(engine, tok, ParityTask(), items, LengthPredictor(4.0), cfg, 0, train.RLState())
+    forwards = []
+    model.register_forward_hook(lambda mod, args, out: forwards.append(torch.is_grad_enabled()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    m = train.train_on_rollouts(model, opt, batch, zvp, cfg, 0, tok.encode_single_token(PAD))
+    no_grad = forwards.count(False)
+    assert (no_grad == 0) if num_minibatches == 1 else (0 < no_grad < forwards.count(True))
+    assert m["mismatch/max_abs_logp"] <= 1e-5
+    if num_minibatches == 1:
+        assert m["loss/ratio_min"] == m["loss/ratio_max"] == 1.0
+
+
 def test_rl_step_with_every_stage_on_trains_and_counts_what_each_stage_saved(tmp_path):
     from reward import Item, StubRewardModel
     from rollout import NativeEngine
