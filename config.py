@@ -142,6 +142,9 @@ class TrainConfig:
     """Stage 1: JSONL of {"id": question, "pass_rate": p} (e.g. from a smaller model), read once ("" = none)."""
     probe_size: int = 0
     """Stage 2: probe rollouts k per prompt; the other G - k are generated only if their rewards differ (0 = off)."""
+    probe_stop_threshold: float = 0.5
+    """Stage 2: agreeing probes stop a prompt when the other G - k would agree too with at least this chance, a
+    posterior given the prompt's last group (filter.rest_agree_probability); 0 = always stop when they agree."""
     enlarged_group_size: int = 0
     """Stage 2: rollouts for prompts whose probes differ, >= group_size (0 = group_size)."""
     zero_variance: str = "drop"

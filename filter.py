@@ -21,16 +21,27 @@ rollouts carry no policy gradient (DAPO, arXiv 2503.14476 sec. 3.2). The seed pa
   more prompts, in rounds) until the step has its target number of informative groups.
 
 Readings chosen:
-1. Stage 1's decay is in training steps since the prompt's last rollout. GRESO instead
+1. Stage 1's decay is in training steps since the prompt's last rollout, and each record
+   gets one uniform draw, compared with the decayed probability at every visit: a prompt
+   drawn many times in a step (over-sampling a small pool) still comes back on the
+   schedule; with a fresh draw per visit its return chance would compound per visit
+   (in bench/zve.py's tiny-model run, which cycles a 512-prompt pool many times a step,
+   that drew about 10% more probes than needed). GRESO instead
    raises the skip probability with consecutive zero-variance epochs and tunes a base
    exploration rate; the seed paper asks for a probability that decays so prompts return.
 2. Offline pass rates count as observed at step 0; online observations replace them.
 3. Stage 2's "agree" means all k probe rewards are equal (k >= 2); a stopped prompt's k
-   probes stay a group of size k, which Stage 3 drops or reshapes like any other. A
-   prompt whose last group was informative is probed but never stopped: its probes
-   agree by chance more often than it turns zero-variance, and a false stop loses the
-   group (and writes a misleading record for stage 1). In bench/zve.py's simulation
-   this took staged/DAPO tokens per informative group from about 0.70x to 0.64x.
+   probes stay a group of size k, which Stage 3 drops or reshapes like any other. The
+   stop is a decision, not a rule: a prompt stops when the chance that its other G - k
+   rollouts would agree with the probes as well is at least `stop_threshold`
+   (`rest_agree_probability`: a Jeffreys Beta(1/2, 1/2) prior on the chance of the probes'
+   outcome, updated with the prompt's last group and the probes; rewards read as pass
+   rates in [0, 1]). Without history that chance is >= 0.52 for every k < G <= 8, so at
+   the default 0.5 agreeing probes stop a new prompt, as the seed paper does; a prompt
+   last seen informative (e.g. 4 of 8 correct) mostly goes on, as its probes agree by
+   chance more often than it turns zero-variance, and a false stop loses the group.
+   Against never stopping such prompts, this took bench/zve.py's tiny-model ratio from
+   about 0.73x to 0.6Nx (the simulation: 0.64x both ways).
 4. RL-ZVP: H_t is the full-vocabulary entropy of pi_old at completion token t (the
    trainer's no-grad recomputation), max_t over the same response's completion tokens,
    detached; a is a config value.
@@ -54,6 +65,8 @@ import torch
 MIN_INFORMATIVE_RATE = 0.05  # over-sampling: below this observed rate, draw as if it were this (bounds one round)
 STAGE1_COUNTS = ("prompts_skipped", "rollouts_saved", "tokens_saved_est")
 STAGE2_COUNTS = ("prompts_stopped", "rollouts_saved", "tokens_saved_est", "rollouts_added")
+OFFLINE_WEIGHT = 8  # rollouts an offline pass rate (or a record without a count) weighs as, in stage 2's posterior
+JEFFREYS = 0.5  # Beta(1/2, 1/2) prior of stage 2's stop decision
 
 
 # ----------------------------------------------------------------------------- stage 1
@@ -62,6 +75,8 @@ STAGE2_COUNTS = ("prompts_stopped", "rollouts_saved", "tokens_saved_est", "rollo
 class PromptRecord:
     pass_rate: float  # mean reward of the prompt's last group (probes included)
     last_step: int  # training step of that group
+    n: int = OFFLINE_WEIGHT  # rollouts in that group (offline rates count as one group of OFFLINE_WEIGHT)
+    draw: float | None = None  # stage 1's uniform draw for this record, made at its first skip decision
 
 
 class PromptHistory:
@@ -70,16 +85,18 @@ class PromptHistory:
     def __init__(self):
         self.records: dict[Any, PromptRecord] = {}
 
-    def observe(self, key, pass_rate: float, step: int):
-        self.records[key] = PromptRecord(pass_rate, step)
+    def observe(self, key, pass_rate: float, step: int, n: int = OFFLINE_WEIGHT):
+        """Record a group of n rollouts with mean reward pass_rate seen at `step`."""
+        self.records[key] = PromptRecord(pass_rate, step, n)
 
     def state_dict(self) -> dict:
-        """Plain data for a checkpoint: {"records": {key: (pass_rate, last_step)}}."""
-        return {"records": {k: (r.pass_rate, r.last_step) for k, r in self.records.items()}}
+        """Plain data for a checkpoint: {"records": {key: (pass_rate, last_step, n, draw)}}."""
+        return {"records": {k: (r.pass_rate, r.last_step, r.n, r.draw) for k, r in self.records.items()}}
 
     def load_state_dict(self, state: dict):
-        """Replace the history with a `state_dict()`'s (insertion order kept)."""
-        self.records = {k: PromptRecord(p, s) for k, (p, s) in state["records"].items()}
+        """Replace the history with a `state_dict()`'s (insertion order kept; 2-tuples of older
+        checkpoints get n = OFFLINE_WEIGHT and no draw)."""
+        self.records = {k: PromptRecord(*rec) for k, rec in state["records"].items()}
 
     def load_offline(self, path: str, *, step: int = 0) -> int:
         """Record pass rates from a JSONL file of {"id": ..., "pass_rate": p}; returns the rows read.
@@ -110,8 +127,10 @@ def pre_rollout_filter(keys: list, history: PromptHistory, step: int, *, skip_pr
                        rng: random.Random, group_size: int, predicted_tokens: list[float]) -> tuple[list[bool], dict]:
     """Stage 1: keep mask over `keys` and counts: prompts_skipped, rollouts_saved, tokens_saved_est.
 
+    A prompt is skipped when its record's uniform draw (made from rng at the first decision
+    after the record was written, then kept) is below its skip probability now, so the chance
+    that it is still skipped at step t is that probability, however often it is drawn.
     predicted_tokens: expected completion length of each prompt (for the token estimate).
-    The rng is drawn from only for prompts with a non-zero skip probability.
     Raises ValueError unless 0 <= skip_prob <= 1 and half_life > 0.
     """
     if not 0.0 <= skip_prob <= 1.0 or half_life <= 0:
@@ -119,7 +138,10 @@ def pre_rollout_filter(keys: list, history: PromptHistory, step: int, *, skip_pr
     keep = []
     for k in keys:
         p = history.skip_probability(k, step, skip_prob=skip_prob, half_life=half_life)
-        keep.append(not (p > 0 and rng.random() < p))
+        if p > 0:
+            rec = history.records[k]
+            rec.draw = rng.random() if rec.draw is None else rec.draw
+        keep.append(not (p > 0 and history.records[k].draw < p))
     skipped = [i for i, kept in enumerate(keep) if not kept]
     return keep, {"prompts_skipped": len(skipped), "rollouts_saved": len(skipped) * group_size,
                   "tokens_saved_est": float(sum(predicted_tokens[i] for i in skipped)) * group_size}
@@ -138,16 +160,34 @@ class Scored:
 Sampler = Callable[[list, int], list[list[Scored]]]  # (prompts, n) -> n scored rollouts per prompt, in order
 
 
+def rest_agree_probability(probe_reward: float, probe_size: int, rest: int, record: PromptRecord | None) -> float:
+    """Posterior predictive chance that `rest` more rollouts all get the agreeing probes' outcome.
+
+    The chance q of that outcome (reward probe_reward read as correct if >= 0.5, else wrong)
+    has a Jeffreys Beta(1/2, 1/2) prior, updated with the prompt's last group (record: its pass
+    rate as a soft count over record.n rollouts; None = no history) and the probe_size probes;
+    returns E[q^rest] = prod_{i < rest} (a + i) / (a + b + i) under the posterior Beta(a, b).
+    """
+    same = 0.0 if record is None else record.n * (record.pass_rate if probe_reward >= 0.5 else 1.0 - record.pass_rate)
+    other = 0.0 if record is None else record.n - same
+    a, b = JEFFREYS + same + probe_size, JEFFREYS + other
+    return math.prod((a + i) / (a + b + i) for i in range(rest))
+
+
 def probe_rollouts(prompts: list, sample: Sampler, *, group_size: int, probe_size: int, enlarged_size: int = 0,
-                   no_stop: list[bool] | None = None) -> tuple[list[list[Scored]], dict]:
+                   history: list[PromptRecord | None] | None = None, stop_threshold: float = 0.5
+                   ) -> tuple[list[list[Scored]], dict]:
     """Stage 2: a group per prompt, of probe_size rollouts where the probes agree, else of G (or enlarged_size).
 
-    probe_size 0 turns the stage off (one call of sample with n = group_size). no_stop[i]:
-    prompt i gets its full group even if its probes agree.
+    probe_size 0 turns the stage off (one call of sample with n = group_size). A prompt whose
+    probes agree stops if rest_agree_probability(...) >= stop_threshold, given history[i] (its
+    last group; None = none seen): without history that is every prompt whose probes agree.
     Counts: prompts_stopped, rollouts_saved, tokens_saved_est, rollouts_added (by enlarging).
-    Raises ValueError unless probe_size is 0 or in [2, group_size), and enlarged_size is 0
-    or >= group_size (with probes on).
+    Raises ValueError unless probe_size is 0 or in [2, group_size), enlarged_size is 0 or
+    >= group_size (with probes on), and 0 <= stop_threshold <= 1.
     """
+    if not 0.0 <= stop_threshold <= 1.0:
+        raise ValueError(f"stop_threshold={stop_threshold} must be in [0, 1]")
     if probe_size and not 2 <= probe_size < group_size:
         raise ValueError(f"probe_size={probe_size}: use 0 (off) or 2..{group_size - 1} (group_size={group_size})")
     if enlarged_size and (enlarged_size < group_size or not probe_size):
@@ -156,8 +196,10 @@ def probe_rollouts(prompts: list, sample: Sampler, *, group_size: int, probe_siz
     if not probe_size or not prompts:
         return (sample(prompts, group_size) if prompts else []), stats
     groups = sample(prompts, probe_size)
-    no_stop = no_stop or [False] * len(prompts)
-    stopped = [i for i, g in enumerate(groups) if not no_stop[i] and len({s.reward for s in g}) == 1]
+    history = history or [None] * len(prompts)
+    rest = group_size - probe_size
+    stopped = [i for i, g in enumerate(groups) if len({s.reward for s in g}) == 1
+               and rest_agree_probability(g[0].reward, probe_size, rest, history[i]) >= stop_threshold]
     go_on = sorted(set(range(len(groups))) - set(stopped))
     more = sample([prompts[i] for i in go_on], max(group_size, enlarged_size) - probe_size) if go_on else []
     for i, extra in zip(go_on, more):
@@ -181,6 +223,7 @@ class StageConfig:
     skip_prob: float = 0.0
     skip_half_life: float = 200.0
     probe_size: int = 0
+    stop_threshold: float = 0.5
     enlarged_group_size: int = 0
     oversample_rounds: int = 0
     keep_zero_variance: bool = False  # Stage 3 keeps them (RL-ZVP): every group counts toward the target
@@ -191,6 +234,8 @@ class StageConfig:
             raise ValueError(f"need 0 <= skip_prob <= 1 and skip_half_life > 0; got {self.skip_prob}, {self.skip_half_life}")
         if self.probe_size and not 2 <= self.probe_size < self.group_size:
             raise ValueError(f"probe_size={self.probe_size}: use 0 (off) or 2..{self.group_size - 1}")
+        if not 0.0 <= self.stop_threshold <= 1.0:
+            raise ValueError(f"stop_threshold={self.stop_threshold} must be in [0, 1]")
         if self.enlarged_group_size and (self.enlarged_group_size < self.group_size or not self.probe_size):
             raise ValueError(f"enlarged_group_size={self.enlarged_group_size} needs probe_size > 0 and must be "
                              f">= group_size={self.group_size}")
@@ -231,23 +276,17 @@ def collect_groups(prompts: list, sample: Sampler, history: PromptHistory, step:
         else:
             keep = [True] * len(prompts)
         kept = [p for p, k in zip(prompts, keep) if k]
-        # a prompt last seen informative is probed but never stopped: a false stop would lose a likely good group
-        trusted = [_was_informative(history, key(p)) for p in kept]
         groups, s2 = probe_rollouts(kept, sample, group_size=cfg.group_size, probe_size=cfg.probe_size,
-                                    enlarged_size=cfg.enlarged_group_size, no_stop=trusted)
+                                    enlarged_size=cfg.enlarged_group_size, stop_threshold=cfg.stop_threshold,
+                                    history=[history.records.get(key(p)) for p in kept])
         if cfg.probe_size:
             _add(counts, s2, "stage2_")
         for p, g in zip(kept, groups):
-            history.observe(key(p), sum(s.reward for s in g) / len(g), step)
+            history.observe(key(p), sum(s.reward for s in g) / len(g), step, n=len(g))
             out.append((p, g))
     counts["prompts_drawn"] = drawn
     counts["groups_informative"] = sum(is_informative(g) for _, g in out)
     return out, counts
-
-
-def _was_informative(history: PromptHistory, key) -> bool:
-    rec = history.records.get(key)
-    return rec is not None and 0.0 < rec.pass_rate < 1.0
 
 
 def _add(total: dict, part: dict, prefix: str):

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from filter import (PromptHistory, Scored, StageConfig, collect_groups, post_rollout_filter, pre_rollout_filter,
-                    probe_rollouts, zvp_token_advantages)
+from filter import (OFFLINE_WEIGHT, PromptHistory, PromptRecord, Scored, StageConfig, collect_groups, post_rollout_filter,
+                    pre_rollout_filter, probe_rollouts, rest_agree_probability, zvp_token_advantages)
 
 
 class ScriptedSampler:
@@ -46,6 +46,21 @@ def test_pre_rollout_filter_skips_recent_zero_variance_prompts_and_counts_the_sa
                                      group_size=8, predicted_tokens=[5.0, 7.0, 9.0])
     assert keep == [False, True, True]
     assert stats == {"prompts_skipped": 1, "rollouts_saved": 8, "tokens_saved_est": 40.0}
+
+
+def test_a_prompt_drawn_many_times_is_skipped_with_its_skip_probability_not_that_to_the_power_of_its_visits():
+    h, rng = PromptHistory(), random.Random(0)
+    keys = [f"q{i}" for i in range(2000)]
+    for k in keys:
+        h.observe(k, 0.0, step=0)
+    kw = dict(skip_prob=1.0, half_life=1.0, rng=rng, group_size=8, predicted_tokens=[1.0] * len(keys))
+    visits = [pre_rollout_filter(keys, h, 1, **kw)[0] for _ in range(5)]  # five draws of every prompt at step 1
+    assert all(v == visits[0] for v in visits)  # one decision per record, not one per visit
+    assert sum(not kept for kept in visits[0]) / len(keys) == pytest.approx(0.5, abs=0.04)  # 2^(-1/1)
+    later = pre_rollout_filter(keys, h, 2, **kw)[0]  # the probability decays: a prompt back at step 1 stays back
+    assert all(k2 for k1, k2 in zip(visits[0], later) if k1) and sum(not k for k in later) / len(keys) == pytest.approx(0.25, abs=0.04)
+    h.observe("q0", 1.0, step=2)  # a new observation gets a new draw
+    assert h.records["q0"].draw is None
 
 
 def test_offline_pass_rates_are_applied_once_and_bad_rows_rejected(tmp_path):
@@ -117,14 +132,47 @@ def test_history_from_one_step_makes_stage_one_skip_the_next():
     assert counts["stage1_prompts_skipped"] == 1 and counts["stage1_tokens_saved_est"] == 12.0
 
 
-def test_a_prompt_last_seen_informative_is_never_stopped_by_its_probes():
+def test_agreeing_probes_stop_a_prompt_unless_its_history_makes_the_rest_likely_to_differ():
     script = {"was_mixed": [1.0, 1.0, 0.0, 0.0], "unseen": [1.0, 1.0, 0.0, 0.0]}  # the first two probes agree
     history = PromptHistory()
-    history.observe("was_mixed", 0.5, step=0)
+    history.observe("was_mixed", 0.5, step=0, n=4)
     sampler = ScriptedSampler(script)
     groups, counts = collect_groups(["was_mixed", "unseen"], sampler, history, 1, StageConfig(group_size=4, probe_size=2),
                                     key=str, predicted_tokens=lambda p: 1.0, rng=random.Random(0))
     assert [len(g) for _, g in groups] == [4, 2] and counts["stage2_prompts_stopped"] == 1
+    assert history.records["unseen"].n == 2 and history.records["was_mixed"].n == 4
+
+
+def test_rest_agree_probability_is_the_beta_posterior_predictive():
+    # no history: Beta(1/2 + k, 1/2); E[q^m] = prod (a + i) / (a + b + i)
+    assert rest_agree_probability(0.0, 4, 4, None) == pytest.approx(4.5 / 5 * 5.5 / 6 * 6.5 / 7 * 7.5 / 8)
+    assert all(rest_agree_probability(1.0, k, 8 - k, None) > 0.5 for k in range(2, 8))  # new prompts stop at 0.5
+    # a last group of 1 correct in 8, then 4 wrong probes: Beta(1/2 + 1, 1/2 + 7 + 4)
+    one_in_8 = PromptRecord(1 / 8, 0, 8)
+    assert rest_agree_probability(0.0, 4, 4, one_in_8) == pytest.approx(11.5 / 13 * 12.5 / 14 * 13.5 / 15 * 14.5 / 16)
+    # the same history makes 4 correct probes' agreement with 4 more correct unlikely
+    assert rest_agree_probability(1.0, 4, 4, one_in_8) < 0.1 < 0.5 < rest_agree_probability(0.0, 4, 4, one_in_8)
+    half = PromptRecord(0.5, 0, 8)
+    assert rest_agree_probability(0.0, 4, 4, half) == pytest.approx(rest_agree_probability(1.0, 4, 4, half))
+    assert rest_agree_probability(0.0, 4, 4, half) < 0.5
+
+
+@pytest.mark.parametrize("threshold", [-0.1, 1.5])
+def test_stop_threshold_outside_unit_interval_is_refused(threshold):
+    with pytest.raises(ValueError, match="stop_threshold"):
+        StageConfig(group_size=8, probe_size=4, stop_threshold=threshold)
+    with pytest.raises(ValueError, match="stop_threshold"):
+        probe_rollouts(["p"], ScriptedSampler({"p": [1.0]}), group_size=8, probe_size=4, stop_threshold=threshold)
+
+
+def test_history_state_dict_round_trips_and_reads_older_two_field_records():
+    h = PromptHistory()
+    h.observe("a", 0.25, step=3, n=8)
+    h2 = PromptHistory()
+    h2.load_state_dict(h.state_dict())
+    assert h2.records == h.records
+    h2.load_state_dict({"records": {"old": (1.0, 7)}})
+    assert h2.records["old"] == PromptRecord(1.0, 7, OFFLINE_WEIGHT)
 
 
 def test_post_rollout_filter_handles_groups_of_different_sizes():
