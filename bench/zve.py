@@ -16,16 +16,22 @@ Two policies, each measured with both pipelines in the same run:
    completion lengths lognormal around 400 tokens; a rollout's reward is Bernoulli(p);
 2. the tiny model on its task (configs/tiny.py's model and tasks): `--sft-steps` of SFT
    from random init, or the weights of `--init-from` (a train.py output dir), then a
-   pool of `--tiny-pool` prompts revisited over the steps, so stage 1 has a history.
+   pool of `--tiny-pool` prompts revisited over the steps, so stage 1 has a history: the
+   default 1024 over 40 steps has DAPO draw each prompt about 4.6 times, as configs/tiny.py's
+   350 steps go about 5 times over its 8000 prompts (a 512 pool is drawn so often that
+   stage 1 soon skips most of it; 2048 leaves stage 1 little history).
 
 Both policies are held fixed while measured (no RL updates), which favours stage 1: a
 prompt's pass rate does not drift between visits. The zero-variance rate is reported
 after each stage: the fraction of zero-variance groups among the prompts drawn (every
 prompt with its full group: the baseline's), among the prompts that went to rollout
 (a prompt stopped by its agreeing probes counts as zero-variance), among the groups
-generated in full, and among the groups trained on (0: stage 3 drops the rest).
+generated in full, and among the groups trained on (0: stage 3 drops the rest). Column
+`short`: steps whose over-sampling rounds ran out before `batch` informative groups (a
+skipped prompt costs nothing, but a round is a generate call; staged needs more rounds
+than DAPO once stage 1 skips most of what is drawn, hence the default 60).
 
-    python bench/zve.py [--steps 200 --tiny-steps 12 --init-from out/tiny --threads 2]
+    python bench/zve.py [--steps 200 --tiny-steps 40 --tiny-pool 1024 --probes 4 --init-from out/tiny --threads 2]
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def run_pipeline(cfg: StageConfig, draw, sample, key, predicted_tokens, *, steps
     """Totals over `steps` steps of collect_groups, plus the zero-variance rate after each stage."""
     history, rng = PromptHistory(), random.Random(seed)
     t = {"rollouts": 0, "tokens": 0, "informative": 0, "drawn": 0, "rolled_out": 0, "rolled_out_zv": 0, "full": 0,
-         "full_zv": 0, "skipped": 0, "stopped": 0}
+         "full_zv": 0, "skipped": 0, "stopped": 0, "steps_short": 0}
     for step in range(steps):
         groups, counts = collect_groups(draw(batch), sample, history, step, cfg, key=key, predicted_tokens=predicted_tokens,
                                         rng=rng, draw=draw, target=batch)
@@ -60,6 +66,7 @@ def run_pipeline(cfg: StageConfig, draw, sample, key, predicted_tokens, *, steps
         t["rollouts"] += sum(len(g) for _, g in groups)
         t["tokens"] += sum(s.num_tokens for _, g in groups for s in g)
         t["informative"] += counts["groups_informative"]
+        t["steps_short"] += counts["groups_informative"] < batch  # over-sampling ran out of rounds
         t["drawn"] += counts["prompts_drawn"]
         t["rolled_out"] += len(groups)
         t["rolled_out_zv"] += sum(not is_informative(g) for _, g in groups)
@@ -78,7 +85,7 @@ def compare(make_draw, sample, key, predicted_tokens, args, *, steps: int) -> di
     """Baseline and staged pipelines over the same prompt order and policy."""
     base = StageConfig(group_size=args.group_size, oversample_rounds=args.rounds)
     staged = StageConfig(group_size=args.group_size, skip_prob=args.skip_prob, skip_half_life=args.half_life,
-                         probe_size=args.probes, oversample_rounds=args.rounds)
+                         probe_size=args.probes, stop_threshold=args.stop_threshold, oversample_rounds=args.rounds)
     out = {}
     for name, cfg in (("dapo", base), ("staged", staged)):
         t0 = time.perf_counter()
@@ -157,11 +164,13 @@ def main():
     ap.add_argument("--batch", type=int, default=64, help="informative groups per step")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--probes", type=int, default=4, help="stage 2 probe rollouts k")
+    ap.add_argument("--stop-threshold", type=float, default=0.5,
+                    help="stage 2 stops agreeing probes when the rest agree with at least this chance")
     ap.add_argument("--skip-prob", type=float, default=1.0, help="stage 1 skip probability")
     ap.add_argument("--half-life", type=float, default=200.0, help="stage 1 half-life in steps")
-    ap.add_argument("--rounds", type=int, default=20, help="over-sampling rounds per step")
-    ap.add_argument("--tiny-steps", type=int, default=12, help="steps with the tiny model (0 = skip it)")
-    ap.add_argument("--tiny-pool", type=int, default=512, help="tiny-model prompts revisited over its steps")
+    ap.add_argument("--rounds", type=int, default=60, help="over-sampling rounds per step")
+    ap.add_argument("--tiny-steps", type=int, default=40, help="steps with the tiny model (0 = skip it)")
+    ap.add_argument("--tiny-pool", type=int, default=1024, help="tiny-model prompts revisited over its steps")
     ap.add_argument("--sft-steps", type=int, default=350, help="SFT steps from random init (without --init-from)")
     ap.add_argument("--init-from", default="", help="a train.py output dir to take the tiny model from")
     ap.add_argument("--seed", type=int, default=0)
@@ -172,7 +181,7 @@ def main():
     if args.tiny_steps:
         results["tiny"] = tiny(args)
     print(f"{'policy':<11}{'pipeline':<9}{'rollouts':>10}{'tokens':>12}{'informative':>13}{'tok/inf':>9}"
-          f"{'skipped':>9}{'stopped':>9}   zero-variance rate: drawn / after stage 1 / 2 / 3")
+          f"{'skipped':>9}{'stopped':>9}{'short':>7}   zero-variance rate: drawn / after stage 1 / 2 / 3")
     for policy in ("simulated", "tiny"):
         for name in ("dapo", "staged"):
             if policy not in results:
@@ -180,7 +189,7 @@ def main():
             r = results[policy][name]
             drawn = f"{r['zv_drawn']:.3f}" if "zv_drawn" in r else "  -  "
             print(f"{policy:<11}{name:<9}{r['rollouts']:>10}{r['tokens']:>12}{r['informative']:>13}"
-                  f"{r['tokens_per_informative']:>9.1f}{r['skipped']:>9}{r['stopped']:>9}   {drawn} / "
+                  f"{r['tokens_per_informative']:>9.1f}{r['skipped']:>9}{r['stopped']:>9}{r['steps_short']:>7}   {drawn} / "
                   f"{r['zv_after_stage1']:.3f} / {r['zv_after_stage2']:.3f} / {r['zv_after_stage3']:.3f}")
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
