@@ -11,16 +11,19 @@ limit) through train.generate_rollouts, `--batches` generation batches of
   part, T_reward, is what rewards add to a step when they do not overlap;
 - generation with the pool scoring each batch as soon as it is generated: T_overlap.
 
-Hidden fraction = 1 - (T_overlap - T_gen) / T_reward. Only the last batch's rewards
-cannot hide, provided the pool keeps pace with generation: workers >= rollouts/s x verifier
-time (here about 600/s x 50 ms = 30; the default 40 leaves room). With fewer, scoring is
-the bottleneck and its excess shows however it overlaps (16 workers: about 48% hidden);
-many more only add threads that wake and take CPU from the generation they overlap.
-The default 32 batches of 64 rows (2048 rollouts: 256 prompts x 8) is one RL step of a
-usual size; the last batch's scoring is what stays exposed. Also reported against scoring inline on the caller's thread (train.py with
+Hidden fraction = 1 - (T_overlap - T_gen) / T_reward, T_gen the mean of a generation
+alone just before and just after the overlapped run (this VM's speed drifts by several
+percent between runs of a few seconds, which is what separates the repeats). Only the
+last batch's rewards cannot hide, provided the pool keeps pace with generation: workers
+>= rollouts/s x verifier time (here about 600/s x 50 ms = 30; the default 40 leaves
+room). With fewer, scoring is the bottleneck and its excess shows however it overlaps
+(16 workers: about 48% hidden); many more only add threads that wake and take CPU from
+the generation they overlap. The default 32 batches of 64 rows (2048 rollouts: 256
+prompts x 8) is one RL step of a usual size; the last batch's scoring is what stays
+exposed. Also reported against scoring inline on the caller's thread (train.py with
 reward_workers=0), whose reward time is rollouts x verifier time.
 
-    python bench/reward_overlap.py [--verifier-ms 50 --workers 40 --batches 32 --rows 64 --threads 2 --repeats 5]
+    python bench/reward_overlap.py [--verifier-ms 50 --workers 40 --batches 32 --rows 64 --threads 2 --repeats 7]
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5, help="repeats; the median one is reported")
+    ap.add_argument("--repeats", type=int, default=7, help="repeats; the median one is reported")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -77,7 +80,7 @@ def main():
     generate()  # warm-up
     runs = []  # per repeat: generate alone, reward alone, generate with overlapped reward (and its generation part)
     with RewardPool(verifier, workers=args.workers, timeout_s=60) as pool:
-        for _ in range(args.repeats):  # adjacent runs, so a drift in this machine's speed hits all three alike
+        for _ in range(args.repeats):  # adjacent runs, so a drift in this machine's speed hits all of them alike
             t = time.perf_counter()
             rollouts = generate()
             t_gen = time.perf_counter() - t
@@ -100,6 +103,10 @@ def main():
             overlapped, reasons = pool.gather(list(range(len(rollouts))))
             t_overlap = time.perf_counter() - t
             assert reasons == ["ok"] * len(rollouts) and sorted(overlapped) == sorted(after)
+
+            t = time.perf_counter()  # generation alone again: the overlapped run is bracketed, so a linear drift cancels
+            generate()
+            t_gen = (t_gen + time.perf_counter() - t) / 2
             runs.append((1 - max(0.0, t_overlap - t_gen) / t_reward, t_gen, t_reward, t_overlap, t_gen_overlapped))
 
     runs.sort()
