@@ -123,15 +123,20 @@ class Pipeline:
     loaded the newest published weights into the engine; the trainer calls `next()` for
     each step's batch and `publish(weights, version)` after each optimizer step. A batch
     for step s is only started once a version >= s - max_staleness is published; with
-    max_staleness 0 the producer waits for every update (synchronous). An exception in the
-    producer is raised again in the trainer's `next()`, never lost.
+    max_staleness 0 the producer waits for every update (synchronous). A step s with
+    sync_before(s) true waits for version s itself: nothing of it is drawn or generated
+    before the trainer publishes the weights of step s - 1, so the trainer can checkpoint a
+    state no rollout has run ahead of (then publish). An exception in the producer is
+    raised again in the trainer's `next()`, never lost.
     """
 
     def __init__(self, produce: Callable[[int], Any], apply: Callable[[Any, int], None], *, steps: int,
-                 max_staleness: int, start_step: int = 0, start_version: int = 0, timeout: float | None = None):
+                 max_staleness: int, start_step: int = 0, start_version: int = 0, timeout: float | None = None,
+                 sync_before: Callable[[int], bool] | None = None):
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
         self.produce, self.apply, self.max_staleness, self.timeout = produce, apply, max_staleness, timeout
+        self.sync_before = sync_before or (lambda step: False)
         self.batches: queue.Queue = queue.Queue()
         self.cond = threading.Condition()
         self.published: tuple[Any, int] | None = None  # (weights, version) not yet applied
@@ -143,8 +148,9 @@ class Pipeline:
     def _run(self, start: int, steps: int):
         try:
             for step in range(start, steps):
+                oldest = step if self.sync_before(step) else step - self.max_staleness  # the oldest weights allowed
                 with self.cond:
-                    self.cond.wait_for(lambda: self.stopped or self.version >= step - self.max_staleness)
+                    self.cond.wait_for(lambda: self.stopped or self.version >= oldest)
                     if self.stopped:
                         return
                     pending, self.published = self.published, None

@@ -58,6 +58,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -567,9 +568,9 @@ def rl_step(model, opt, engine, tok, task, items, predictor, cfg: TrainConfig, s
 # ----------------------------------------------------------------------------- the async loop
 
 def rl_loop_async(model, opt, engine, tok, task, draw, predictor, cfg: TrainConfig, state: RLState, ref_model=None,
-                  start: int = 0):
+                  start: int = 0, sync_after: Callable[[int], bool] | None = None):
     """RL steps start..cfg.rl_steps - 1 with rollouts generated up to cfg.max_staleness weight versions
-    ahead; yields each step's metrics. One process only, no checkpoints (main refuses both).
+    ahead; yields each step's metrics. One process only (main refuses several ranks).
 
     A producer thread (scheduler.Pipeline) runs collect_rollouts for step s+1..s+k on its own
     engine copy while the trainer runs train_on_rollouts for step s. After each step the
@@ -580,6 +581,13 @@ def rl_loop_async(model, opt, engine, tok, task, draw, predictor, cfg: TrainConf
     sync with the trainer on the trainer thread. The prompts of each step are drawn by the
     producer in step order, so they are the same as in the synchronous loop; the numbers
     are not, since rollouts come from older weights.
+
+    Checkpoints: after a step s with sync_after(s) true the producer has drawn and generated
+    nothing of step s + 1 (scheduler.Pipeline's sync_before), and the new weights are published
+    only when the caller asks for the next step, so a checkpoint written between the two
+    holds a state no rollout has run ahead of (data position, filter history, length
+    predictor, RNG). Resuming from it continues the run validly, not bitwise: which weight
+    version each step's rollouts get depends on thread timing.
 
     Thread counts (OpenMP teams are per thread): the producer uses cfg.rollout_threads and the
     trainer cfg.trainer_threads torch CPU threads. 0 on a CPU device = split torch's count
@@ -608,8 +616,10 @@ def rl_loop_async(model, opt, engine, tok, task, draw, predictor, cfg: TrainConf
         trainer_threads = trainer_threads or max(1, threads - rollout_threads)
     if trainer_threads:
         torch.set_num_threads(trainer_threads)
+    sync_after = sync_after or (lambda step: False)
     pipe = Pipeline(produce, apply, steps=cfg.rl_steps, max_staleness=cfg.max_staleness,
-                    start_step=start, start_version=engine.weight_version, timeout=ROLLOUT_TIMEOUT_S)
+                    start_step=start, start_version=engine.weight_version, timeout=ROLLOUT_TIMEOUT_S,
+                    sync_before=lambda step: sync_after(step - 1))
     try:
         for step in range(start, cfg.rl_steps):
             t0 = time.perf_counter()
@@ -623,11 +633,11 @@ def rl_loop_async(model, opt, engine, tok, task, draw, predictor, cfg: TrainConf
             else:
                 m.update(train_on_rollouts(model, opt, batch, zvp, cfg, step, pad_id, ref_model=ref_model))
                 m["trained_sequences"] = len(batch.seqs)
-            # a snapshot, so the trainer's next steps cannot change weights the producer is loading
-            pipe.publish({n: t.clone() for n, t in policy_tensors(model)}, version=step + 1)
             engine.update_weights(policy_tensors(model), version=step + 1)
             m["t_train"] = time.perf_counter() - t1
-            yield m
+            yield m  # the caller logs, evaluates and checkpoints before the producer sees these weights
+            # a snapshot, so the trainer's next steps cannot change weights the producer is loading
+            pipe.publish({n: t.clone() for n, t in policy_tensors(model)}, version=step + 1)
     finally:
         pipe.close()
         torch.set_num_threads(threads)
@@ -728,12 +738,10 @@ def check_config(cfg: TrainConfig):
     if cfg.max_staleness < 0 or cfg.rollout_threads < 0 or cfg.trainer_threads < 0:
         raise ValueError(f"max_staleness={cfg.max_staleness}, rollout_threads={cfg.rollout_threads}, "
                          f"trainer_threads={cfg.trainer_threads}: each must be >= 0")
-    if cfg.max_staleness and (cfg.ckpt_every or cfg.resume or int(os.environ.get("WORLD_SIZE", "1")) > 1):
-        # the producer runs up to k steps ahead, owning the draw position, filter history and predictor:
-        # an exact checkpoint would need the pipeline drained or its in-flight rollouts saved
-        raise ValueError(f"max_staleness={cfg.max_staleness} runs in one process without checkpoints for now: "
-                         f"set ckpt_every=0 and resume='' (got ckpt_every={cfg.ckpt_every}, resume={cfg.resume!r}, "
-                         f"WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}), or max_staleness=0")
+    if cfg.max_staleness and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # the producer thread would need its own process group for the collectives of its rollouts
+        raise ValueError(f"max_staleness={cfg.max_staleness} runs in one process for now "
+                         f"(WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}): use max_staleness=0 with several ranks")
     if cfg.eval_seed - cfg.train_seed <= cfg.train_size:
         raise ValueError(f"eval_seed={cfg.eval_seed} overlaps the training items: it must exceed "
                          f"train_seed + train_size = {cfg.train_seed + cfg.train_size}")
@@ -879,8 +887,11 @@ def run(cfg: TrainConfig, dims=None) -> dict:
 
     bar = tqdm(range(rl_start, cfg.rl_steps), desc="rl", dynamic_ncols=True, initial=rl_start, total=cfg.rl_steps,
                disable=rank != 0)
-    steps = (rl_loop_async(model, opt, engine, tok, task, draw, predictor, cfg, state, ref_model, start=rl_start)
-             if cfg.max_staleness else None)
+    def due(step: int) -> bool:  # a checkpoint follows this RL step
+        return bool(cfg.ckpt_every) and (cfg.sft_steps + step + 1) % cfg.ckpt_every == 0
+
+    steps = (rl_loop_async(model, opt, engine, tok, task, draw, predictor, cfg, state, ref_model, start=rl_start,
+                           sync_after=due) if cfg.max_staleness else None)
     for step in bar:
         if steps is not None:
             m = next(steps)
@@ -891,8 +902,7 @@ def run(cfg: TrainConfig, dims=None) -> dict:
         bar.set_postfix(reward=f"{m['reward']:.2f}", zv=f"{m['filter/zero_variance_frac']:.2f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.rl_steps:
             evals["after_rl"] = run_eval(step + 1)
-        if steps is None:  # the async loop's producer runs ahead: main refuses checkpoints with it
-            checkpoint(cfg.sft_steps + step + 1, opt, "rl", step, used, ref_model)
+        checkpoint(cfg.sft_steps + step + 1, opt, "rl", step, used, ref_model)  # async: its producer waits (due)
     if steps is not None:
         steps.close()
     if state.pool is not None:

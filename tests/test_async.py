@@ -113,9 +113,34 @@ def test_main_with_max_staleness_runs_and_logs_staleness(tmp_path):
     assert torch.get_num_threads() == threads  # the trainer thread's count is restored after RL
 
 
-def test_max_staleness_with_checkpoints_is_a_value_error_naming_the_fix(tmp_path):
-    with pytest.raises(ValueError, match="set ckpt_every=0"):
-        train.main(train.load_config(None, ["max_staleness=1", "ckpt_every=10", f"out_dir={tmp_path}"]))
+def test_async_checkpoints_hold_no_rollout_run_ahead_and_resume_finishes(tmp_path):
+    """A checkpoint of the async loop holds the data position and prompt history of the steps it
+    has trained, as the synchronous loop's does (the producer waits at checkpoint steps), and
+    resume=auto continues from it to the end."""
+    def run(name, *over):
+        out = tmp_path / name
+        path = tmp_path / f"{name}.py"
+        path.write_text(MICRO + f"out_dir = {str(out)!r}\n")
+        train.main(train.parse_args([str(path), "sft_lr=1e-3", "ckpt_every=1", "ckpt_keep=20", *over]))
+        return out
+
+    def states(out):
+        return {d.name: torch.load(d / "trainer_state.pt", weights_only=False) for d in sorted((out / "ckpt").iterdir())}
+
+    sync, fast = states(run("sync")), states(run("async", "max_staleness=1"))
+    assert sync.keys() == fast.keys() and len(sync) == 4 + 3  # SFT steps, then RL steps
+    for name, s in sync.items():
+        a = fast[name]
+        assert a["used"] == s["used"] and a["history"]["records"].keys() == s["history"]["records"].keys(), name
+        if a["phase"] == "rl":
+            assert all(r[1] <= a["step"] for r in a["history"]["records"].values())
+    records = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("async/staleness_max", 0) for r in records if r["stage"] == "rl") <= 1
+
+    out = run("resumed", "max_staleness=1", "rl_steps=2")
+    run("resumed", "max_staleness=1", "resume=auto")
+    rl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rl if r["stage"] == "rl"] == [0, 1, 2]
 
 
 def test_negative_max_staleness_is_a_value_error(tmp_path):

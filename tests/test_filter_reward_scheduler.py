@@ -95,7 +95,7 @@ def test_balance_assigns_longest_first_to_least_loaded_worker():
         balance(costs, 0)
 
 
-def run_pipeline(max_staleness, steps=5):
+def run_pipeline(max_staleness, steps=5, sync_before=None):
     import threading
     engine_version, events, lock = [0], [], threading.Lock()
 
@@ -107,7 +107,7 @@ def run_pipeline(max_staleness, steps=5):
     def apply(weights, version):
         engine_version[0] = version
 
-    pipe = Pipeline(produce, apply, steps=steps, max_staleness=max_staleness, timeout=10)
+    pipe = Pipeline(produce, apply, steps=steps, max_staleness=max_staleness, timeout=10, sync_before=sync_before)
     for step in range(steps):
         assert pipe.next() == step
         with lock:
@@ -128,6 +128,14 @@ def test_pipeline_with_staleness_one_never_uses_weights_older_than_one_step():
     events = run_pipeline(1)
     produced = [(s, v) for kind, s, v in events if kind == "produce"]
     assert all(s - 1 <= v <= s for s, v in produced)
+
+
+def test_pipeline_waits_for_the_newest_weights_before_a_sync_step():
+    events = run_pipeline(2, steps=6, sync_before=lambda step: step == 3)
+    produced = {s: v for kind, s, v in events if kind == "produce"}
+    assert produced[3] == 3  # nothing of step 3 ran before the weights of step 2 were published
+    assert events.index(("produce", 3, 3)) > events.index(("train", 2, None))
+    assert all(s - 2 <= v <= s for s, v in produced.items())
 
 
 def test_pipeline_reraises_a_producer_error_in_the_trainer():
