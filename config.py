@@ -122,7 +122,8 @@ class TrainConfig:
     clip_eps_high: float = -1.0
     """Upper clip epsilon; < 0 = the loss's paper value (DAPO's clip-higher 0.28, GSPO's 4e-4)."""
     kl_coef: float = 0.0
-    """KL-to-reference penalty weight (reference = the policy as RL starts); 0 = none, no reference kept."""
+    """KL-to-reference penalty weight (reference = a frozen copy of the policy as RL starts, sharded as the policy is on
+    several ranks); 0 = none, no reference kept."""
     kl_estimator: str = "k3"
     """'k1' or 'k3' (Schulman's estimators)."""
     tis_cap: float = 0.0

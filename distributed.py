@@ -119,6 +119,26 @@ def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> 
     return model
 
 
+def reference_copy(model, cfg: TrainConfig, dims=None) -> Transformer:
+    """A frozen copy of the policy's current weights, the KL penalty's reference model: a deep copy
+    on one process, or (dims given) a model parallelized as the policy is, each rank copying its own
+    shards (no full tensor is gathered)."""
+    import copy
+    from model import parallelize
+    if dims is None:
+        return copy.deepcopy(model).requires_grad_(False)
+    with torch.device("meta"):
+        ref = Transformer(cfg.model)
+    parallelize(ref, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint)
+    ref.to_empty(device=cfg.device)
+    with torch.no_grad():
+        for (name, r), (src_name, p) in zip([*ref.named_parameters(), *ref.named_buffers()],
+                                            [*model.named_parameters(), *model.named_buffers()]):
+            assert name == src_name, (name, src_name)
+            r.copy_(p)
+    return ref.requires_grad_(False)
+
+
 def full_policy_tensors(model):
     """(name, full tensor) of every parameter and persistent buffer (rollout.policy_tensors), DTensor
     shards gathered: a collective, every rank must call it."""

@@ -67,10 +67,10 @@ from tqdm import tqdm
 from config import TrainConfig, load_config, parse_args  # noqa: F401  train.load_config, as callers use it
 from checkpoint import read_checkpoint, resume_path, rng_state, save_checkpoint, set_rng_state, write_checkpoint
 from distributed import (all_gather_list, all_reduce_float, build_model, full_policy_tensors, idle_forward,
-                         padded_microbatches, rank_world, setup_distributed)
+                         padded_microbatches, rank_world, reference_copy, setup_distributed)
 from espo import group_advantages, policy_loss, resolve_aggregation
 from filter import PromptHistory, Scored, StageConfig, collect_groups, post_rollout_filter, zvp_token_advantages
-from model import Transformer, token_entropy, token_logprobs
+from model import Transformer, token_entropy, token_logprobs  # noqa: F401  train.Transformer, as callers use it
 from reward import (RewardPool, StubRewardModel, TaskMix, adjust_rewards, demonstration, overlong_penalty,
                     repetition_penalty, rm_score)
 from rollout import NativeEngine, policy_tensors
@@ -392,6 +392,8 @@ def policy_update(model, opt, batch: TrainBatch, old_logp: dict, old_ent: dict, 
         for idx in (padded_microbatches(micro) if world > 1 else micro):
             if not idx:
                 idle_forward(model, cfg, backward=True)
+                if ref_model is not None:
+                    idle_forward(ref_model, cfg, backward=False)  # its all-gathers too
                 continue
             inputs, targets, mask, routes = batch.micro(idx, cfg, pad_id)
             T = inputs.shape[1]
@@ -725,9 +727,6 @@ def plot(records: list[dict], path: str):
 def check_config(cfg: TrainConfig):
     """Refuse settings that cannot run, before any work (tokenizer, SFT). Raises ValueError naming
     the value and what would be valid."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.kl_coef != 0:
-        raise ValueError(f"kl_coef={cfg.kl_coef}: a reference model is not supported with more than one rank yet; "
-                         f"use kl_coef=0 or one process")
     if cfg.zero_variance not in ("drop", "rl-zvp") or cfg.reward_model not in ("", "stub"):
         raise ValueError(f"zero_variance={cfg.zero_variance!r} (valid: 'drop', 'rl-zvp'), "
                          f"reward_model={cfg.reward_model!r} (valid: '', 'stub')")
@@ -841,7 +840,7 @@ def run(cfg: TrainConfig, dims=None) -> dict:
         trainer_state = {"phase": phase, "step": step, "position": position, "used": used, "rng": rng_state(),
                          "filter_rng": state.rng.getstate(), "history": state.history.state_dict(),
                          "predictor": predictor.state_dict(), "num_records": len(log.records), "evals": dict(evals),
-                         "ref_model": ref_model.state_dict() if ref_model is not None else None}
+                         "ref_model": dict(full_policy_tensors(ref_model)) if ref_model is not None else None}
         write_checkpoint(cfg.out_dir, position, model, opt, trainer_state, cfg)
 
     if resumed is None or resumed["phase"] == "sft":
@@ -858,15 +857,14 @@ def run(cfg: TrainConfig, dims=None) -> dict:
         evals["after_sft"] = evals["after_rl"] = run_eval(0)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         # the KL penalty's reference: a frozen copy of the policy as RL starts, kept only when used
-        ref_model = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coef != 0 else None
+        ref_model = reference_copy(model, cfg, dims) if cfg.kl_coef != 0 else None
         rl_start = 0
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         read_checkpoint(ckpt, model, opt)
         ref_model = None
         if resumed["ref_model"] is not None:
-            ref_model = Transformer(cfg.model).to(cfg.device).requires_grad_(False)
-            ref_model.load_state_dict(resumed["ref_model"])
+            ref_model = build_model(cfg, dims, resumed["ref_model"]).requires_grad_(False)
         used, rl_start, evals = resumed["used"], resumed["step"] + 1, dict(resumed["evals"])
         predictor.load_state_dict(resumed["predictor"])
         state.history.load_state_dict(resumed["history"])

@@ -4,6 +4,7 @@ loadable; the filter history round-trips."""
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -138,3 +139,19 @@ def test_prompt_history_round_trips_through_its_state_dict():
     g = PromptHistory()
     g.load_state_dict(h.state_dict())
     assert g.records == h.records and list(g.records) == list(h.records)
+
+
+def test_resume_with_a_kl_reference_model_ends_bitwise_equal(tmp_path):
+    """The KL penalty's frozen reference travels in the checkpoint (full tensors) and comes back."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    path, over = config(tmp_path, full, "ckpt_every=1", "ckpt_keep=20", "kl_coef=0.1")
+    train.main(train.load_config(path, over))
+    shutil.copytree(full, resumed)
+    for d in (resumed / "ckpt").iterdir():
+        if int(d.name.split("_")[1]) > 5:  # keep up to RL step 1 (3 SFT steps, then 2 RL steps)
+            shutil.rmtree(d)
+    train.main(train.load_config(path, [f"out_dir={resumed}", "ckpt_every=1", "ckpt_keep=20", "kl_coef=0.1",
+                                        "resume=auto"]))
+    a, b = weights(full), weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(r.get("loss/kl_ref", 0) > 0 for r in records(resumed))
