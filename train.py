@@ -361,7 +361,8 @@ def mismatch_metrics(batch: TrainBatch, old_logp: dict) -> dict:
     deltas = [batch.infer_logp[i] - lp[batch.starts[i] - 1:].cpu() for i, lp in old_logp.items()]
     d = torch.cat(deltas) if deltas else torch.zeros(0)
     if rank_world()[1] == 1:
-        return {"mismatch/max_abs_logp": d.abs().max().item() if len(d) else 0.0, "mismatch/kl": (d.exp() - 1 - d).mean().item()}
+        return {"mismatch/max_abs_logp": d.abs().max().item() if len(d) else 0.0,
+                "mismatch/kl": (d.exp() - 1 - d).mean().item()}
     return {"mismatch/max_abs_logp": all_reduce_float(d.abs().max().item() if len(d) else 0.0, "max"),
             "mismatch/kl": all_reduce_float((d.exp() - 1 - d).sum().item()) / all_reduce_float(float(len(d)))}
 
@@ -400,9 +401,8 @@ def policy_update(model, opt, batch: TrainBatch, old_logp: dict, old_ent: dict, 
             T = inputs.shape[1]
             logits, _ = model(inputs, routed_experts=routes)
             logp = token_logprobs(logits, targets, cfg.temperature)
-            if mb == 0:  # pi_old = pi_theta until the first optimizer step
-                with torch.no_grad():
-                    store_old(batch, idx, logp, token_entropy(logits.detach(), cfg.temperature), old_logp, old_ent)
+            if mb == 0:  # pi_old = pi_theta until the first optimizer step (detached: no graph is kept)
+                store_old(batch, idx, logp, token_entropy(logits.detach(), cfg.temperature), old_logp, old_ent)
                 zvp_advantages(batch, idx, zvp, old_ent, cfg)
             ref_logp = None
             if ref_model is not None:
