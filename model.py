@@ -44,6 +44,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import GatherRows, causal_attention, grouped_mm
+
 
 @dataclass
 class ModelConfig:
@@ -262,9 +264,11 @@ class Attention(nn.Module):
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)  # (B, H|G, T, d)
         if cache is not None:
             k, v = cache.update(self.layer, cache_start, k, v)  # (B, G, S, d)
-        # mask None means plain causal over this call's tokens (training, no padding on the left)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS, is_causal=mask_B1TS is None,
-                                           enable_gqa=cfg.n_heads != cfg.n_kv_heads)  # (B, H, T, d)
+        if cache is None and mask_B1TS is None:  # training: plain causal over this call's tokens
+            y = causal_attention(q, k, v)  # (B, H, T, d)
+        else:  # cached decoding, or an explicit mask
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS, is_causal=mask_B1TS is None,
+                                               enable_gqa=cfg.n_heads != cfg.n_kv_heads)  # (B, H, T, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
 
 
@@ -284,30 +288,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         return self.w2(swiglu(self.w13(x)))
-
-
-def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """Rows of x sorted by expert times that expert's matrix; offs_E = cumulative row counts (int32).
-
-    Uses `torch._grouped_mm` where it applies (CPU any float dtype; CUDA bf16 with 16-byte
-    aligned strides), else an exact per-expert loop.
-    """
-    aligned = all((s * x_Nin.element_size()) % 16 == 0 for s in w_Ein_out.shape[1:])
-    if hasattr(torch, "_grouped_mm") and (x_Nin.device.type == "cpu" or x_Nin.dtype == torch.bfloat16) and aligned:
-        if x_Nin.dtype != torch.bfloat16 and torch.compiler.is_compiling():
-            return _grouped_mm_eager(x_Nin, w_Ein_out, offs_E)  # torch 2.13 compiles it for bf16 only
-        return torch._grouped_mm(x_Nin, w_Ein_out, offs=offs_E)
-    outs, start = [], 0
-    for e, end in enumerate(offs_E.tolist()):
-        outs.append(x_Nin[start:end] @ w_Ein_out[e])
-        start = end
-    return torch.cat(outs)
-
-
-@torch.compiler.disable
-def _grouped_mm_eager(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """torch._grouped_mm run eagerly: a graph break inside torch.compile'd blocks."""
-    return torch._grouped_mm(x_Nin, w_Ein_out, offs=offs_E)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -340,6 +320,24 @@ class GroupedExperts(nn.Module):
             w13, w2 = _ScaleGrad.apply(w13, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
         offs = counts_e.cumsum(0).to(torch.int32)
         return grouped_mm(swiglu(grouped_mm(x_RD, w13, offs)), w2, offs)  # (R, 2I) -> (R, I) -> (R, D)
+
+
+def run_experts(experts: nn.Module, x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over each token's K routed experts [N, D], in x's dtype (all experts local).
+
+    The N*K (token, expert) pairs are sorted by expert, so two grouped GEMMs run over exactly
+    the routed rows (no capacity padding), then permuted back to (token, k) order and summed
+    with the gate weights in fp32. Sorting and its inverse are permutations, so neither
+    direction scatters; no host sync (shapes never depend on the routes).
+    """
+    N, K = ids_NK.shape
+    pair_R = ids_NK.flatten()
+    counts_E = pair_R.new_zeros(experts.w13.shape[0]).scatter_add_(0, pair_R, torch.ones_like(pair_R))  # bincount syncs on CUDA
+    order_R = pair_R.argsort(stable=True)  # (N*K,) pair ids n*K + k, grouped by expert
+    inverse_R = torch.empty_like(order_R).scatter_(0, order_R, torch.arange(N * K, device=order_R.device))
+    out_RD = experts(GatherRows.apply(x_ND, order_R // K, inverse_R, K), counts_E)  # (N*K, D) by expert
+    out_NKD = GatherRows.apply(out_RD, inverse_R, order_R, 1).view(N, K, -1)  # (token, k) order
+    return (out_NKD.float() * weights_NK[..., None]).sum(1).to(x_ND.dtype)
 
 
 class MoE(nn.Module):
@@ -388,17 +386,12 @@ class MoE(nn.Module):
         K, E = self.cfg.top_k, self.cfg.num_experts
         x_ND = x_BTD.reshape(B * T, D)
         ids_NK, weights_NK = self.route(x_ND, None if replay_BTK is None else replay_BTK.reshape(B * T, K))
-        counts_E = torch.bincount(ids_NK.flatten(), minlength=E)
         if self.dispatcher is not None:  # expert parallel: all-to-all to the ranks that own the experts
+            counts_E = torch.bincount(ids_NK.flatten(), minlength=E)
             x_RD, counts_e, meta = self.dispatcher.dispatch(x_ND, weights_NK, ids_NK, counts_E)
             y_ND = self.dispatcher.combine(self.experts(x_RD, counts_e), meta, x_ND)
         else:
-            # sort the N*K (token, expert) pairs by expert so each expert's rows are contiguous
-            order = ids_NK.flatten().argsort(stable=True)  # (N*K,)
-            token_of = order // K
-            out = self.experts(x_ND[token_of], counts_E)  # (N*K, D)
-            out = (out.float() * weights_NK.flatten()[order, None]).to(out.dtype)
-            y_ND = torch.zeros_like(x_ND).index_add_(0, token_of, out)
+            y_ND = run_experts(self.experts, x_ND, ids_NK, weights_NK)
         if self.shared is not None:
             y_ND = y_ND + self.shared(x_ND)
         return y_ND.view(B, T, D), ids_NK.view(B, T, K)

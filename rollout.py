@@ -60,7 +60,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, grouped_mm, rope, swiglu
+from kernels import grouped_mm
+from model import GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, rope, swiglu
 from hf import hf_names
 
 Named = Iterable[tuple[str, torch.Tensor]]

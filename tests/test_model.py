@@ -2,7 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import MoE, ModelConfig, Transformer, grouped_mm
+from kernels import grouped_mm
+from model import MoE, ModelConfig, Transformer
 
 
 @pytest.mark.parametrize("num_shared_experts", [0, 1])
