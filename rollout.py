@@ -7,11 +7,9 @@ Two engines behind one interface, `generate(prompts, *, n, ...) -> list[Rollout]
   each unique prompt is prefilled once through the model's own forward, its KV cache is
   copied to its n sample rows, then a decode step specialised for one token per row runs
   over a static cache addressed by column. The decode step calls the model's own modules
-  (norms, fused qkv projection, q/k norms, `apply_rope`, `MoE.route`, the experts, shared
-  and dense FFNs) and specialises only two things for T = 1: attention is two batched
-  matmuls over the cache prefix with a precomputed additive row mask, and the experts
-  run over the index-sorted (token, expert) pairs with grouped GEMMs (the model's own
-  dispatch, minus its generality). Per step nothing is allocated beyond activations, no
+  (norms, fused qkv projection, q/k norms, `apply_rope`, `MoE.route`, `run_experts`,
+  shared and dense FFNs) and specialises only attention for T = 1: two batched matmuls
+  over the cache prefix with a precomputed additive row mask. Per step nothing is allocated beyond activations, no
   shape depends on data, the host syncs only for the stop check every
   `STOP_CHECK_EVERY` steps, and no Python loop runs over rows. Temperature / top-k /
   top-p sampling with one uniform per row per step from a counter-based stream keyed by
@@ -61,7 +59,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import grouped_mm
-from model import GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, rope, swiglu
+from model import GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, rope, run_experts, swiglu
 from hf import hf_names
 
 Named = Iterable[tuple[str, torch.Tensor]]
@@ -421,25 +419,9 @@ def _attend(attn, h_BD, cos_B1r, sin_B1r, k_BGSd, v_BGSd, col: int, bias_B11S):
     return attn.wo(torch.matmul(probs, values).view(B, H * d))  # (B, G, H/G, d) -> (B, D)
 
 
-def _experts(experts, x_ND, ids_NK, weights_NK):
-    """Weighted sum over each token's K experts [N, D]: the N*K (token, expert) pairs sorted
-    by expert, two grouped GEMMs over exactly those rows (no capacity padding), the
-    results scattered back and summed per token. No host sync: shapes never depend on data.
-    """
-    N, K = ids_NK.shape
-    E = experts.w13.shape[0]
-    e_R = ids_NK.flatten()
-    counts_E = e_R.new_zeros(E).scatter_add_(0, e_R, torch.ones_like(e_R))  # (E,): bincount would sync on CUDA
-    order_R = e_R.argsort(stable=True)  # (N*K,) pair indices, grouped by expert
-    token_R = order_R // K  # which token each sorted pair belongs to
-    y_RD = experts(x_ND[token_R], counts_E)  # (N*K, D) in sorted order
-    y_RD = y_RD * weights_NK.flatten()[order_R, None].to(y_RD.dtype)
-    return torch.zeros_like(x_ND).index_add_(0, token_R, y_RD)
-
-
 # torch 2.13's compile-time (fake) kernel of _grouped_mm accepts only bf16, so a compiled
 # decode step runs the experts eagerly between its compiled regions (no effect in eager mode).
-_experts_outside_compile = torch.compiler.disable(_experts)
+_experts_outside_compile = torch.compiler.disable(run_experts)
 
 
 def decode_step(model: Transformer, tokens_B, cos_B1r, sin_B1r, k_LBGSd, v_LBGSd, col: int, bias_B11S, routes_BLK):
