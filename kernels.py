@@ -132,14 +132,17 @@ class _BlockCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_BHTd):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for rows, cols, causal in _plan(0, q.shape[2], ctx.levels):
             # the flash backward with the merged output and log-sum-exp: this part's exact share
             dq_p, dk_p, dv_p = _flash_backward(grad_BHTd[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
                                                out[:, :, rows], lse[:, :, rows], 0.0, causal)
-            dq[:, :, rows] += dq_p
-            dk[:, :, cols] += dk_p
-            dv[:, :, cols] += dv_p
+            if causal:  # a leaf: the first part to touch its rows and its columns
+                dq[:, :, rows], dk[:, :, cols], dv[:, :, cols] = dq_p, dk_p, dv_p
+            else:
+                dq[:, :, rows] += dq_p
+                dk[:, :, cols] += dk_p
+                dv[:, :, cols] += dv_p
         return dq, dk, dv, None
 
 
