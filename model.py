@@ -6,15 +6,17 @@ dense SwiGLU FFN (the first `first_k_dense_replace` blocks) or a mixture of expe
 
 - RMSNorm; rotary position embeddings (RoPE, arXiv 2104.09864) on all of each head
   (Qwen3) or its first half (GLM-4.5's partial rotary); grouped-query attention (GQA,
-  arXiv 2305.13245) through `F.scaled_dot_product_attention`, with optional per-head q/k
-  RMSNorm (Qwen3) and q/k/v bias (GLM-4.5).
+  arXiv 2305.13245) through `kernels.causal_attention` in training (SDPA, or on CPU the
+  same softmax in blocks that skip the masked half) and SDPA with a mask when decoding,
+  with optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (GLM-4.5).
 - Routers. softmax (Qwen3-MoE): p = softmax(s), top-k of p, weights p_i over the chosen
   set, renormalised to sum 1 when norm_topk_prob: g_i = I_i exp(s_i) / sum_j I_j exp(s_j).
   sigmoid (GLM-4.5, DeepSeek-V3 arXiv 2412.19437 eq. 15-16): p = sigmoid(s); the
   choice uses p + b (b the aux-loss-free expert bias, never in the weights), limited to
   the topk_group best of n_group expert groups; weights p_i, renormalised when
   norm_topk_prob, times routed_scaling_factor. Experts are SwiGLU, computed by a grouped
-  GEMM; an optional shared expert sees every token.
+  GEMM over the (token, expert) pairs sorted by expert (`run_experts`); an optional
+  shared expert sees every token.
 - Router replay (R3, arXiv 2510.11370): `forward` can return the expert ids each MoE
   layer chose for every token and can take such ids back: replayed ids replace the
   router's own choice, the weights are recomputed from the live scores at those ids
@@ -31,7 +33,8 @@ match HF to float rounding.
 
 Shape legend: B batch, T tokens in this call, S cache length, D model dim, H query heads,
 G kv heads, d head dim, r rotary dims, E routed experts, K experts per token, I expert
-hidden dim, L MoE layers, V vocabulary, N flattened tokens (B*T).
+hidden dim, L MoE layers, V vocabulary, N flattened tokens (B*T), R routed (token, expert)
+pairs (N*K).
 """
 
 from __future__ import annotations
