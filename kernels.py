@@ -74,6 +74,14 @@ class GatherRows(torch.autograd.Function):
         return (g.view(-1, ctx.reps, g.shape[-1]).sum(1) if ctx.reps > 1 else g), None, None, None
 
 
+def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, reps: int) -> torch.Tensor:
+    """x[index] (rows); through `GatherRows` when autograd records, plain indexing otherwise
+    (no autograd.Function overhead in no-grad forwards such as decoding)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return GatherRows.apply(x, index, inverse, reps)
+    return x[index]
+
+
 def causal_attention(q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) v [B, H, T, d] in q's dtype; GQA when G < H.
 

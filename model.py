@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import GatherRows, causal_attention, grouped_mm
+from kernels import causal_attention, gather_rows, grouped_mm
 
 
 @dataclass
@@ -338,8 +338,8 @@ def run_experts(experts: nn.Module, x_ND: torch.Tensor, ids_NK: torch.Tensor, we
     counts_E = pair_R.new_zeros(experts.w13.shape[0]).scatter_add_(0, pair_R, torch.ones_like(pair_R))  # bincount syncs on CUDA
     order_R = pair_R.argsort(stable=True)  # (N*K,) pair ids n*K + k, grouped by expert
     inverse_R = torch.empty_like(order_R).scatter_(0, order_R, torch.arange(N * K, device=order_R.device))
-    out_RD = experts(GatherRows.apply(x_ND, order_R // K, inverse_R, K), counts_E)  # (N*K, D) by expert
-    out_NKD = GatherRows.apply(out_RD, inverse_R, order_R, 1).view(N, K, -1)  # (token, k) order
+    out_RD = experts(gather_rows(x_ND, order_R // K, inverse_R, K), counts_E)  # (N*K, D) by expert
+    out_NKD = gather_rows(out_RD, inverse_R, order_R, 1).view(N, K, -1)  # (token, k) order
     return (out_NKD.float() * weights_NK[..., None]).sum(1).to(x_ND.dtype)
 
 
