@@ -330,8 +330,8 @@ def run_experts(experts: nn.Module, x_ND: torch.Tensor, ids_NK: torch.Tensor, we
 
     The N*K (token, expert) pairs are sorted by expert, so two grouped GEMMs run over exactly
     the routed rows (no capacity padding), then permuted back to (token, k) order and summed
-    with the gate weights in fp32. Sorting and its inverse are permutations, so neither
-    direction scatters; no host sync (shapes never depend on the routes).
+    with the gate weights in fp32. Sorting and its inverse are permutations, so no row is
+    scatter-added in either direction; no host sync (shapes never depend on the routes).
     """
     N, K = ids_NK.shape
     pair_R = ids_NK.flatten()

@@ -9,8 +9,9 @@ Two engines behind one interface, `generate(prompts, *, n, ...) -> list[Rollout]
   over a static cache addressed by column. The decode step calls the model's own modules
   (norms, fused qkv projection, q/k norms, `apply_rope`, `MoE.route`, `run_experts`,
   shared and dense FFNs) and specialises only attention for T = 1: two batched matmuls
-  over the cache prefix with a precomputed additive row mask. Per step nothing is allocated beyond activations, no
-  shape depends on data, the host syncs only for the stop check every
+  over the cache prefix with a precomputed additive row mask. Per step nothing is
+  allocated beyond activations, no shape depends on data, the host syncs only for the
+  stop check every
   `STOP_CHECK_EVERY` steps, and no Python loop runs over rows. Temperature / top-k /
   top-p sampling with one uniform per row per step from a counter-based stream keyed by
   (seed, group id, sample index), so a rollout never depends on its batch-mates; per-row
