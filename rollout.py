@@ -11,12 +11,12 @@ Two engines behind one interface, `generate(prompts, *, n, ...) -> list[Rollout]
   shared and dense FFNs) and specialises only attention for T = 1: two batched matmuls
   over the cache prefix with a precomputed additive row mask. Per step nothing is
   allocated beyond activations, no shape depends on data, the host syncs only for the
-  stop check every
-  `STOP_CHECK_EVERY` steps, and no Python loop runs over rows. Temperature / top-k /
-  top-p sampling with one uniform per row per step from a counter-based stream keyed by
-  (seed, group id, sample index), so a rollout never depends on its batch-mates; per-row
-  stop on EOS; optional `torch.compile` of the decode step (it pays where per-op launch
-  cost dominates, on GPU; on a CPU decode step the expert GEMMs dominate).
+  stop check every `STOP_CHECK_EVERY` steps, and no Python loop runs over rows.
+  Temperature / top-k / top-p sampling with one uniform per row per step from a
+  counter-based stream keyed by (seed, group id, sample index), so a rollout never
+  depends on its batch-mates; per-row stop on EOS; optional `torch.compile` of the
+  decode step (it pays where per-op launch cost dominates, on GPU; on a CPU decode step
+  the expert GEMMs dominate).
 - `SGLangEngine` (sglang_engine.py) wraps `sglang.Engine` (imported lazily; GPU only)
   with `enable_return_routed_experts`, optional blockwise FP8, and weight sync through
   `update_weights_from_tensor`; it uses this file's Rollout, FP8 and weight-sync pieces.
