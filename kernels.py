@@ -9,26 +9,41 @@
 - `causal_attention`: causal scaled dot-product attention. On CUDA it is
   `F.scaled_dot_product_attention`, whose flash kernels skip the masked upper triangle.
   torch 2.13's CPU flash kernel does not: it walks keys in blocks of 512 and computes a
-  block whole even where the causal mask removes half of it, so at T <= 512 a causal
-  call costs what a full one does. Here the CPU path splits the sequence into halves,
-  recursively down to `CPU_ATTENTION_BLOCK`: each leaf block attends to itself causally,
-  and the second half of each parent attends to its first half in full (no mask). The
-  partial results merge by their log-sum-exp, as blockwise (ring) attention does
-  (arXiv 2310.01889 sec. 3); the backward runs the CPU flash backward per part with the
-  merged output and log-sum-exp, which gives the exact gradient of the merged softmax.
-  At T = 512 this computes 3/4 of the scores (1/2 + 1/4 of the diagonal blocks).
+  block whole even where the causal mask removes it, so at T <= 512 a causal call costs
+  what a full one does. On CPU it is `cpu_attention.c` instead (FlashAttention-2, arXiv
+  2307.08691, with each query block stopped at its causal frontier: 0.53 of the scores at
+  T = 512), compiled on first use with the system C compiler into a per-CPU cache and
+  called through ctypes (the GIL released); it runs on the BLAS torch links (MKL). Where
+  that cannot be built (no compiler, a BLAS other than MKL) SDPA is used, with a warning.
 
 Shape legend: B batch, H query heads, G kv heads, T tokens, d head dim, N rows, E experts.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import glob
+import hashlib
+import os
+import platform
+import subprocess
+import sysconfig
+import warnings
+
 import torch
 import torch.nn.functional as F
 
-CPU_ATTENTION_BLOCK = 256
-"""Smallest leaf of the CPU causal split: below it the flash kernel's cost per score rises
-(measured on 2 threads: 128x128 blocks cost 1.5x per score what 256x256 ones do)."""
+CPU_ATTENTION_BLOCK = 32
+"""Query rows per block of the CPU attention kernel: smaller blocks waste less of the diagonal
+(half a block per block row) but make thinner GEMMs; 32 measured best at T = 512, d = 32."""
+CPU_ATTENTION_MIN_TOKENS = 384
+"""Shorter sequences take SDPA: there torch's flash kernel, whose one 512-key block then spans
+the whole row, measured as fast (0.6-1.0x of it at T = 32-256, 1.05x at 320, 1.1-1.6x from 384)."""
+CPU_ATTENTION_KEY_CHUNK = 512
+"""Keys per chunk of the CPU kernel's online softmax: bounds its buffers to (H/G * 32) x 512 floats."""
+CPU_ATTENTION_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.c")
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 
 
 def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -86,76 +101,104 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, rep
 def causal_attention(q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) v [B, H, T, d] in q's dtype; GQA when G < H.
 
-    On CPU, when T splits in halves of at least CPU_ATTENTION_BLOCK, the block split of the
-    module docstring; elsewhere `F.scaled_dot_product_attention(is_causal=True)`.
+    On CPU from CPU_ATTENTION_MIN_TOKENS tokens, `cpu_attention.c` (in fp32: other dtypes are
+    cast to it and back) where it could be built; elsewhere `F.scaled_dot_product_attention`.
     """
-    T = q_BHTd.shape[2]
-    levels = 0
-    while T % (2 << levels) == 0 and T >> (levels + 1) >= CPU_ATTENTION_BLOCK:
-        levels += 1
-    if q_BHTd.device.type != "cpu" or levels == 0:
-        return F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BGTd, is_causal=True,
-                                              enable_gqa=q_BHTd.shape[1] != k_BGTd.shape[1])
-    return _block_causal(q_BHTd, k_BGTd, v_BGTd, levels)
+    if q_BHTd.device.type == "cpu" and q_BHTd.shape[2] >= CPU_ATTENTION_MIN_TOKENS:
+        return _cpu_causal(q_BHTd, k_BGTd, v_BGTd)
+    return _sdpa_causal(q_BHTd, k_BGTd, v_BGTd)
 
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+def _sdpa_causal(q_BHTd, k_BGTd, v_BGTd) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BGTd, is_causal=True,
+                                          enable_gqa=q_BHTd.shape[1] != k_BGTd.shape[1])
 
 
-def _plan(start: int, length: int, levels: int):
-    """(query rows, key columns, causal) of each flash call covering causal attention over
-    rows [start, start+length): each half recursively, then the second half's queries
-    against the first half's keys in full. A range's causal leaf comes before the blocks
-    that merge into it."""
-    if levels == 0:
-        yield slice(start, start + length), slice(start, start + length), True
-        return
-    half = length // 2
-    yield from _plan(start, half, levels - 1)
-    yield from _plan(start + half, half, levels - 1)
-    yield slice(start + half, start + length), slice(start, start + half), False
+@functools.lru_cache(maxsize=None)
+def _cpu_attention_lib() -> ctypes.CDLL | None:
+    """cpu_attention.c compiled and loaded, bound to torch's own MKL; None (warned once) where it cannot be."""
+    try:
+        libtorch = ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.*"))[0])
+        sgemm, local_threads = libtorch.sgemm_, libtorch.mkl_set_num_threads_local  # AttributeError without MKL
+        lib = ctypes.CDLL(_build(CPU_ATTENTION_SOURCE))
+    except (OSError, IndexError, AttributeError, subprocess.CalledProcessError) as e:
+        warnings.warn(f"CPU causal attention kernel unavailable ({type(e).__name__}: {e}); "
+                      "using SDPA, which computes the masked half of every 512-key block")
+        return None
+    lib.attn_init(ctypes.cast(sgemm, ctypes.c_void_p), ctypes.cast(local_threads, ctypes.c_void_p))
+    return lib
 
 
-class _BlockCausalAttention(torch.autograd.Function):
+def _build(source: str) -> str:
+    """Compile a C file to a shared library in the cache (once per source, flags, compiler and CPU); its path."""
+    cc = os.environ.get("CC") or (sysconfig.get_config_var("CC") or "cc").split()[0]
+    cpu = platform.machine()
+    if os.path.exists("/proc/cpuinfo"):  # -march=native code is only valid on CPUs with these flags
+        with open("/proc/cpuinfo") as f:
+            cpu += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    with open(source, "rb") as f:
+        key = hashlib.sha256(f.read() + repr((cc, _CFLAGS, cpu)).encode()).hexdigest()[:16]
+    cache = os.environ.get("EVERYPROMPT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "everyprompt")
+    path = os.path.join(cache, f"{os.path.splitext(os.path.basename(source))[0]}-{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(cache, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        # -ffast-math only when compiling: linking a shared library with it can set flush-to-zero for the process
+        subprocess.run([cc, *_CFLAGS, "-c", source, "-o", tmp + ".o"], check=True, capture_output=True)
+        subprocess.run([cc, "-shared", tmp + ".o", "-o", tmp, "-lm", "-lpthread"], check=True, capture_output=True)
+        os.remove(tmp + ".o")
+        os.replace(tmp, path)  # atomic: ranks building at once each write their own tmp
+    return path
+
+
+def _strides(x: torch.Tensor):
+    return (ctypes.c_int64 * 3)(*x.stride()[:3])
+
+
+def _ptr(x: torch.Tensor):
+    return ctypes.c_void_p(x.data_ptr())
+
+
+class _CPUCausalAttention(torch.autograd.Function):
+    """cpu_attention.c's forward (saving each row's log-sum-exp) and backward, fp32, last dims contiguous."""
+
     @staticmethod
-    def forward(ctx, q_BHTd, k_BGTd, v_BGTd, levels: int):
-        out_BHTd = torch.empty_like(q_BHTd)
-        lse_BHT = q_BHTd.new_empty(q_BHTd.shape[:3], dtype=torch.float32)  # log-sum-exp of each row's scores
-        for rows, cols, causal in _plan(0, q_BHTd.shape[2], levels):
-            o, lse = _flash(q_BHTd[:, :, rows], k_BGTd[:, :, cols], v_BGTd[:, :, cols], is_causal=causal)
-            if causal:  # a leaf: these rows' first part
-                out_BHTd[:, :, rows] = o
-                lse_BHT[:, :, rows] = lse
-                continue
-            # merge two softmaxes over disjoint keys: weights exp(lse_part - lse_total)
-            lse_old = lse_BHT[:, :, rows]
-            total = torch.logaddexp(lse_old, lse)
-            out_BHTd[:, :, rows] = (out_BHTd[:, :, rows].float() * (lse_old - total).exp()[..., None]
-                                    + o.float() * (lse - total).exp()[..., None])
-            lse_BHT[:, :, rows] = total
+    def forward(ctx, q_BHTd, k_BGTd, v_BGTd):
+        B, H, T, d = q_BHTd.shape
+        G = k_BGTd.shape[1]
+        out_BHTd = q_BHTd.new_empty(B, T, H, d).transpose(1, 2)  # the caller's transpose back is then a view
+        lse_BHT = q_BHTd.new_empty(B, H, T)
+        rc = _cpu_attention_lib().attn_fwd(
+            B, H, G, T, d, CPU_ATTENTION_BLOCK, CPU_ATTENTION_KEY_CHUNK, ctypes.c_float(d ** -0.5),
+            torch.get_num_threads(), _ptr(q_BHTd), _strides(q_BHTd), _ptr(k_BGTd), _strides(k_BGTd),
+            _ptr(v_BGTd), _strides(v_BGTd), _ptr(out_BHTd), _strides(out_BHTd), _ptr(lse_BHT))
+        if rc:
+            raise RuntimeError("cpu_attention.c forward could not start a thread or allocate its buffers")
         ctx.save_for_backward(q_BHTd, k_BGTd, v_BGTd, out_BHTd, lse_BHT)
-        ctx.levels = levels
         return out_BHTd
 
     @staticmethod
     def backward(ctx, grad_BHTd):
         q, k, v, out, lse = ctx.saved_tensors
+        grad_BHTd = grad_BHTd if grad_BHTd.stride(-1) == 1 else grad_BHTd.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for rows, cols, causal in _plan(0, q.shape[2], ctx.levels):
-            # the flash backward with the merged output and log-sum-exp: this part's exact share
-            dq_p, dk_p, dv_p = _flash_backward(grad_BHTd[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
-                                               out[:, :, rows], lse[:, :, rows], 0.0, causal)
-            if causal:  # a leaf: the first part to touch its rows and its columns
-                dq[:, :, rows], dk[:, :, cols], dv[:, :, cols] = dq_p, dk_p, dv_p
-            else:
-                dq[:, :, rows] += dq_p
-                dk[:, :, cols] += dk_p
-                dv[:, :, cols] += dv_p
-        return dq, dk, dv, None
+        B, H, T, d = q.shape
+        rc = _cpu_attention_lib().attn_bwd(
+            B, H, k.shape[1], T, d, CPU_ATTENTION_BLOCK, CPU_ATTENTION_KEY_CHUNK, ctypes.c_float(d ** -0.5),
+            torch.get_num_threads(), _ptr(grad_BHTd), _strides(grad_BHTd), _ptr(q), _strides(q), _ptr(k),
+            _strides(k), _ptr(v), _strides(v), _ptr(out), _strides(out), _ptr(lse), _ptr(dq), _strides(dq),
+            _ptr(dk), _strides(dk), _ptr(dv), _strides(dv))
+        if rc:
+            raise RuntimeError("cpu_attention.c backward could not start a thread or allocate its buffers")
+        return dq, dk, dv
 
 
 @torch.compiler.disable
-def _block_causal(q_BHTd, k_BGTd, v_BGTd, levels: int) -> torch.Tensor:
-    """Runs eagerly inside torch.compile'd blocks (a graph break): parts merge in place."""
-    return _BlockCausalAttention.apply(q_BHTd, k_BGTd, v_BGTd, levels)
+def _cpu_causal(q_BHTd, k_BGTd, v_BGTd) -> torch.Tensor:
+    """Runs eagerly inside torch.compile'd blocks (a graph break); fp32 in and out of the kernel."""
+    if _cpu_attention_lib() is None:
+        return _sdpa_causal(q_BHTd, k_BGTd, v_BGTd)
+    dtype = q_BHTd.dtype
+    q, k, v = (x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q_BHTd, k_BGTd, v_BGTd))
+    return _CPUCausalAttention.apply(q, k, v).to(dtype)

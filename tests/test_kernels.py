@@ -6,19 +6,25 @@ import kernels
 from kernels import GatherRows, causal_attention
 
 
-def _qkv(T, H=4, G=2, d=8, dtype=torch.float32):
+def _qkv(T, H=4, G=2, d=8, B=2, dtype=torch.float32):
     g = torch.Generator().manual_seed(T)
-    return [torch.randn(2, h, T, d, generator=g, dtype=dtype).requires_grad_() for h in (H, G, G)]
+    return [torch.randn(B, h, T, d, generator=g, dtype=dtype).requires_grad_() for h in (H, G, G)]
 
 
-@pytest.mark.parametrize("T, levels", [(512, 1), (1024, 2), (768, 1), (510, 0), (257, 0)])
-def test_cpu_causal_attention_equals_sdpa_with_gradients(T, levels):
-    splits = 0
-    while T % (2 << splits) == 0 and T >> (splits + 1) >= kernels.CPU_ATTENTION_BLOCK:
-        splits += 1
-    assert splits == levels  # the cases cover no split, one, and two levels
-    q, k, v = _qkv(T)
-    y = causal_attention(q, k, v)
+def test_cpu_attention_kernel_builds_and_loads():
+    assert kernels._cpu_attention_lib() is not None  # else causal_attention silently falls back to SDPA
+
+
+@pytest.mark.parametrize("T, H, G, d, B", [
+    (512, 4, 2, 8, 2),  # the block frontier at the bench's length
+    (1300, 4, 2, 16, 1),  # three key chunks (online softmax) and a short last query block
+    (77, 6, 1, 8, 2),  # multi-query (one kv head), T not a multiple of the block
+    (40, 3, 3, 4, 3),  # no GQA, odd head dim
+    (1, 2, 1, 8, 1),  # one token; fewer tasks than threads
+])
+def test_cpu_causal_attention_equals_sdpa_with_gradients(T, H, G, d, B):
+    q, k, v = _qkv(T, H, G, d, B)
+    y = kernels._cpu_causal(q, k, v)  # the kernel itself, also below CPU_ATTENTION_MIN_TOKENS
     grads = torch.autograd.grad(y.square().sum(), (q, k, v))
     y_ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     grads_ref = torch.autograd.grad(y_ref.square().sum(), (q, k, v))
@@ -27,10 +33,25 @@ def test_cpu_causal_attention_equals_sdpa_with_gradients(T, levels):
         torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
+def test_cpu_causal_attention_takes_strided_inputs_as_the_model_makes_them():
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 300, 4 + 2 * 2, 16, generator=g, requires_grad=True)  # (B, T, H+2G, d), fused projection
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([4, 2, 2], dim=2))  # views, last dim contiguous
+    y = kernels._cpu_causal(q, k, v)
+    (grad,) = torch.autograd.grad(y.square().sum(), qkv)
+    y_ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    (grad_ref,) = torch.autograd.grad(y_ref.square().sum(), qkv)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-4, atol=1e-5)
+    assert y.transpose(1, 2).is_contiguous()  # the model's reshape back to (B, T, H*d) needs no copy
+
+
 def test_cpu_causal_attention_in_bf16_stays_close_to_fp32():
     q, k, v = _qkv(512, dtype=torch.bfloat16)
     y = causal_attention(q, k, v)
     assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert q.grad.dtype == torch.bfloat16
     y_ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
     torch.testing.assert_close(y.float(), y_ref, rtol=2e-2, atol=2e-2)
 
@@ -39,6 +60,17 @@ def test_cpu_causal_attention_under_torch_compile_matches_eager():
     q, k, v = _qkv(512)
     compiled = torch.compile(lambda q, k, v: causal_attention(q * 2, k, v) + 1)
     torch.testing.assert_close(compiled(q, k, v), causal_attention(q * 2, k, v) + 1)
+
+
+def test_cpu_attention_build_is_cached_per_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("EVERYPROMPT_CACHE", str(tmp_path))
+    src = tmp_path / "k.c"
+    src.write_text("int f(void) { return 1; }\n")
+    first = kernels._build(str(src))
+    assert kernels._build(str(src)) == first  # built once
+    src.write_text("int f(void) { return 2; }\n")
+    assert kernels._build(str(src)) != first  # a changed source is rebuilt
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".c", ".so", ".so"]  # no temporaries left
 
 
 @pytest.mark.parametrize("reps", [1, 3])
@@ -54,3 +86,9 @@ def test_gather_rows_backward_equals_autograd_scatter_add(reps):
     (grad,) = torch.autograd.grad((out * weight).sum(), x)
     (grad_ref,) = torch.autograd.grad((x[index] * weight).sum(), x)
     torch.testing.assert_close(grad, grad_ref)
+
+
+def test_short_sequences_take_sdpa_bitwise():
+    q, k, v = _qkv(kernels.CPU_ATTENTION_MIN_TOKENS - 1)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(causal_attention(q, k, v), ref)
