@@ -2,6 +2,11 @@
 
 - `grouped_mm`: one GEMM per expert over rows sorted by expert (`torch._grouped_mm` where
   it applies, else an exact per-expert loop).
+- `swiglu_experts`: a MoE layer's SwiGLU experts, x -> swiglu(x W13) W2 per expert. Through
+  torch that is three passes over the routed rows in memory (grouped GEMM, SwiGLU, grouped
+  GEMM; more in the backward). On CPU in fp32 it is kernels.c's fused loop instead: each
+  expert's rows a block at a time, SwiGLU while the block is in cache, its output never
+  stored (recomputed in the backward from the saved x W13).
 - `GatherRows`: a row gather whose backward is a gather too. Sorting a MoE layer's
   (token, expert) pairs by expert and back are permutations; autograd would differentiate
   `x[index]` with a scatter-add (index_put with accumulate; atomic adds once inductor
@@ -10,13 +15,17 @@
   `F.scaled_dot_product_attention`, whose flash kernels skip the masked upper triangle.
   torch 2.13's CPU flash kernel does not: it walks keys in blocks of 512 and computes a
   block whole even where the causal mask removes it, so at T <= 512 a causal call costs
-  what a full one does. On CPU it is `cpu_attention.c` instead (FlashAttention-2, arXiv
+  what a full one does. On CPU it is kernels.c's instead (FlashAttention-2, arXiv
   2307.08691, with each query block stopped at its causal frontier: 0.53 of the scores at
-  T = 512), compiled on first use with the system C compiler into a per-CPU cache and
-  called through ctypes (the GIL released); it runs on the BLAS torch links (MKL). Where
-  that cannot be built (no compiler, a BLAS other than MKL) SDPA is used, with a warning.
+  T = 512).
 
-Shape legend: B batch, H query heads, G kv heads, T tokens, d head dim, N rows, E experts.
+kernels.c is compiled on first use with the system C compiler (as torch.compile's CPU
+backend also needs) into a per-CPU cache and called through ctypes, the GIL released; it
+runs on torch's OpenMP threads and the BLAS torch links (MKL). Where it cannot be built
+(no compiler, a BLAS other than MKL) the torch paths run, with a warning.
+
+Shape legend: B batch, H query heads, G kv heads, T tokens, d head dim, N rows, E experts,
+R routed rows (grouped by expert), D model dim, I expert hidden dim.
 """
 
 from __future__ import annotations
@@ -42,8 +51,34 @@ CPU_ATTENTION_MIN_TOKENS = 384
 the whole row, measured as fast (0.6-1.0x of it at T = 32-256, 1.05x at 320, 1.1-1.6x from 384)."""
 CPU_ATTENTION_KEY_CHUNK = 512
 """Keys per chunk of the CPU kernel's online softmax: bounds its buffers to (H/G * 32) x 512 floats."""
-CPU_ATTENTION_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.c")
-_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+CPU_EXPERT_ROW_BLOCK = 256
+"""Rows of an expert the CPU kernel takes at a time: a block's x W13 (256 x 2I floats, 512 KB at
+I = 256) stays in L2 for its SwiGLU; measured 256 and 512 equal, 128 5% slower."""
+CPU_KERNELS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.c")
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp")
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for h = [gate | up] along the last dim (arXiv 2002.05202)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu_experts(x_RD: torch.Tensor, w13_EDI: torch.Tensor, w2_EID: torch.Tensor,
+                   counts_E: torch.Tensor) -> torch.Tensor:
+    """swiglu(x W13[e]) W2[e] for rows grouped by expert (counts_E rows each, in expert order) [R, D].
+
+    w13_EDI: [E, D, 2I] (gate | up), w2_EID: [E, I, D]. On CPU in fp32, kernels.c's fused
+    loop (see the module docstring); elsewhere two grouped GEMMs around `swiglu`.
+    """
+    if x_RD.device.type == "cpu" and x_RD.dtype == w13_EDI.dtype == w2_EID.dtype == torch.float32:
+        return _cpu_swiglu_experts(x_RD, w13_EDI, w2_EID, counts_E)
+    return _torch_swiglu_experts(x_RD, w13_EDI, w2_EID, counts_E)
+
+
+def _torch_swiglu_experts(x_RD, w13_EDI, w2_EID, counts_E) -> torch.Tensor:
+    offs = counts_E.cumsum(0).to(torch.int32)
+    return grouped_mm(swiglu(grouped_mm(x_RD, w13_EDI, offs)), w2_EID, offs)  # (R, 2I) -> (R, I) -> (R, D)
 
 
 def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -101,8 +136,8 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, rep
 def causal_attention(q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + causal mask) v [B, H, T, d] in q's dtype; GQA when G < H.
 
-    On CPU from CPU_ATTENTION_MIN_TOKENS tokens, `cpu_attention.c` (in fp32: other dtypes are
-    cast to it and back) where it could be built; elsewhere `F.scaled_dot_product_attention`.
+    On CPU from CPU_ATTENTION_MIN_TOKENS tokens, kernels.c's (in fp32: other dtypes are cast
+    to it and back) where it could be built; elsewhere `F.scaled_dot_product_attention`.
     """
     if q_BHTd.device.type == "cpu" and q_BHTd.shape[2] >= CPU_ATTENTION_MIN_TOKENS:
         return _cpu_causal(q_BHTd, k_BGTd, v_BGTd)
@@ -115,17 +150,17 @@ def _sdpa_causal(q_BHTd, k_BGTd, v_BGTd) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_attention_lib() -> ctypes.CDLL | None:
-    """cpu_attention.c compiled and loaded, bound to torch's own MKL; None (warned once) where it cannot be."""
+def _cpu_lib() -> ctypes.CDLL | None:
+    """kernels.c compiled and loaded, bound to torch's own MKL; None (warned once) where it cannot be."""
     try:
         libtorch = ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.*"))[0])
         sgemm, local_threads = libtorch.sgemm_, libtorch.mkl_set_num_threads_local  # AttributeError without MKL
-        lib = ctypes.CDLL(_build(CPU_ATTENTION_SOURCE))
+        lib = ctypes.CDLL(_build(CPU_KERNELS_SOURCE))
     except (OSError, IndexError, AttributeError, subprocess.CalledProcessError) as e:
-        warnings.warn(f"CPU causal attention kernel unavailable ({type(e).__name__}: {e}); "
-                      "using SDPA, which computes the masked half of every 512-key block")
+        warnings.warn(f"CPU kernels (kernels.c) unavailable ({type(e).__name__}: {e}); using torch's ops: "
+                      "SDPA, which computes the masked half of every 512-key block, and grouped GEMMs")
         return None
-    lib.attn_init(ctypes.cast(sgemm, ctypes.c_void_p), ctypes.cast(local_threads, ctypes.c_void_p))
+    lib.kernels_init(ctypes.cast(sgemm, ctypes.c_void_p), ctypes.cast(local_threads, ctypes.c_void_p))
     return lib
 
 
@@ -146,7 +181,7 @@ def _build(source: str) -> str:
         tmp = f"{path}.{os.getpid()}.tmp"
         # -ffast-math only when compiling: linking a shared library with it can set flush-to-zero for the process
         subprocess.run([cc, *_CFLAGS, "-c", source, "-o", tmp + ".o"], check=True, capture_output=True)
-        subprocess.run([cc, "-shared", tmp + ".o", "-o", tmp, "-lm", "-lpthread"], check=True, capture_output=True)
+        subprocess.run([cc, "-shared", "-fopenmp", tmp + ".o", "-o", tmp, "-lm"], check=True, capture_output=True)
         os.remove(tmp + ".o")
         os.replace(tmp, path)  # atomic: ranks building at once each write their own tmp
     return path
@@ -161,7 +196,7 @@ def _ptr(x: torch.Tensor):
 
 
 class _CPUCausalAttention(torch.autograd.Function):
-    """cpu_attention.c's forward (saving each row's log-sum-exp) and backward, fp32, last dims contiguous."""
+    """kernels.c's attention forward (saving each row's log-sum-exp) and backward, fp32, last dims contiguous."""
 
     @staticmethod
     def forward(ctx, q_BHTd, k_BGTd, v_BGTd):
@@ -169,12 +204,12 @@ class _CPUCausalAttention(torch.autograd.Function):
         G = k_BGTd.shape[1]
         out_BHTd = q_BHTd.new_empty(B, T, H, d).transpose(1, 2)  # the caller's transpose back is then a view
         lse_BHT = q_BHTd.new_empty(B, H, T)
-        rc = _cpu_attention_lib().attn_fwd(
+        rc = _cpu_lib().attn_fwd(
             B, H, G, T, d, CPU_ATTENTION_BLOCK, CPU_ATTENTION_KEY_CHUNK, ctypes.c_float(d ** -0.5),
             torch.get_num_threads(), _ptr(q_BHTd), _strides(q_BHTd), _ptr(k_BGTd), _strides(k_BGTd),
             _ptr(v_BGTd), _strides(v_BGTd), _ptr(out_BHTd), _strides(out_BHTd), _ptr(lse_BHT))
         if rc:
-            raise RuntimeError("cpu_attention.c forward could not start a thread or allocate its buffers")
+            raise RuntimeError("kernels.c attention forward could not start a thread or allocate its buffers")
         ctx.save_for_backward(q_BHTd, k_BGTd, v_BGTd, out_BHTd, lse_BHT)
         return out_BHTd
 
@@ -184,21 +219,62 @@ class _CPUCausalAttention(torch.autograd.Function):
         grad_BHTd = grad_BHTd if grad_BHTd.stride(-1) == 1 else grad_BHTd.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         B, H, T, d = q.shape
-        rc = _cpu_attention_lib().attn_bwd(
+        rc = _cpu_lib().attn_bwd(
             B, H, k.shape[1], T, d, CPU_ATTENTION_BLOCK, CPU_ATTENTION_KEY_CHUNK, ctypes.c_float(d ** -0.5),
             torch.get_num_threads(), _ptr(grad_BHTd), _strides(grad_BHTd), _ptr(q), _strides(q), _ptr(k),
             _strides(k), _ptr(v), _strides(v), _ptr(out), _strides(out), _ptr(lse), _ptr(dq), _strides(dq),
             _ptr(dk), _strides(dk), _ptr(dv), _strides(dv))
         if rc:
-            raise RuntimeError("cpu_attention.c backward could not start a thread or allocate its buffers")
+            raise RuntimeError("kernels.c attention backward could not start a thread or allocate its buffers")
         return dq, dk, dv
 
 
 @torch.compiler.disable
 def _cpu_causal(q_BHTd, k_BGTd, v_BGTd) -> torch.Tensor:
     """Runs eagerly inside torch.compile'd blocks (a graph break); fp32 in and out of the kernel."""
-    if _cpu_attention_lib() is None:
+    if _cpu_lib() is None:
         return _sdpa_causal(q_BHTd, k_BGTd, v_BGTd)
     dtype = q_BHTd.dtype
     q, k, v = (x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q_BHTd, k_BGTd, v_BGTd))
     return _CPUCausalAttention.apply(q, k, v).to(dtype)
+
+
+class _CPUSwiGLUExperts(torch.autograd.Function):
+    """kernels.c's fused experts, forward (keeping x W13 only when a gradient will be asked) and backward."""
+
+    @staticmethod
+    def forward(ctx, x_RD, w13_EDI, w2_EID, counts_E):
+        R, D = x_RD.shape
+        E, I = w2_EID.shape[:2]
+        h_RI = x_RD.new_empty(R, 2 * I) if any(ctx.needs_input_grad[:3]) else None
+        y_RD = x_RD.new_empty(R, D)
+        rc = _cpu_lib().experts_fwd(E, D, I, CPU_EXPERT_ROW_BLOCK, _ptr(counts_E), _ptr(x_RD), _ptr(w13_EDI),
+                                    _ptr(w2_EID), _ptr(h_RI) if h_RI is not None else None, _ptr(y_RD),
+                                    torch.get_num_threads())
+        if rc:
+            raise RuntimeError("kernels.c experts forward could not start a thread or allocate its buffers")
+        ctx.save_for_backward(x_RD, w13_EDI, w2_EID, counts_E, h_RI)
+        return y_RD
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        x, w13, w2, counts, h = ctx.saved_tensors
+        grad_RD = grad_RD.contiguous()
+        dx, dw13, dw2 = torch.empty_like(x), torch.empty_like(w13), torch.empty_like(w2)
+        E, I = w2.shape[:2]
+        rc = _cpu_lib().experts_bwd(E, x.shape[1], I, CPU_EXPERT_ROW_BLOCK, _ptr(counts), _ptr(x), _ptr(w13),
+                                    _ptr(w2), _ptr(h), _ptr(grad_RD), _ptr(dx), _ptr(dw13), _ptr(dw2),
+                                    torch.get_num_threads())
+        if rc:
+            raise RuntimeError("kernels.c experts backward could not start a thread or allocate its buffers")
+        return dx, dw13, dw2, None
+
+
+@torch.compiler.disable
+def _cpu_swiglu_experts(x_RD, w13_EDI, w2_EID, counts_E) -> torch.Tensor:
+    """Runs eagerly inside torch.compile'd blocks (a graph break)."""
+    if _cpu_lib() is None:
+        return _torch_swiglu_experts(x_RD, w13_EDI, w2_EID, counts_E)
+    counts_E = counts_E.to(torch.int64).contiguous()
+    assert int(counts_E.sum()) == x_RD.shape[0], "rows must be grouped by expert, counts_E of them each"
+    return _CPUSwiGLUExperts.apply(x_RD.contiguous(), w13_EDI.contiguous(), w2_EID.contiguous(), counts_E)

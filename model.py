@@ -6,17 +6,18 @@ dense SwiGLU FFN (the first `first_k_dense_replace` blocks) or a mixture of expe
 
 - RMSNorm; rotary position embeddings (RoPE, arXiv 2104.09864) on all of each head
   (Qwen3) or its first half (GLM-4.5's partial rotary); grouped-query attention (GQA,
-  arXiv 2305.13245) through `kernels.causal_attention` in training (SDPA, or on CPU the
-  same softmax in blocks that skip the masked half) and SDPA with a mask when decoding,
+  arXiv 2305.13245) through `kernels.causal_attention` in training (SDPA, or on CPU a
+  kernel that stops each query block at its causal frontier) and SDPA with a mask when decoding,
   with optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (GLM-4.5).
 - Routers. softmax (Qwen3-MoE): p = softmax(s), top-k of p, weights p_i over the chosen
   set, renormalised to sum 1 when norm_topk_prob: g_i = I_i exp(s_i) / sum_j I_j exp(s_j).
   sigmoid (GLM-4.5, DeepSeek-V3 arXiv 2412.19437 eq. 15-16): p = sigmoid(s); the
   choice uses p + b (b the aux-loss-free expert bias, never in the weights), limited to
   the topk_group best of n_group expert groups; weights p_i, renormalised when
-  norm_topk_prob, times routed_scaling_factor. Experts are SwiGLU, computed by a grouped
-  GEMM over the (token, expert) pairs sorted by expert (`run_experts`); an optional
-  shared expert sees every token.
+  norm_topk_prob, times routed_scaling_factor. Experts are SwiGLU, run over the
+  (token, expert) pairs sorted by expert (`run_experts`) by `kernels.swiglu_experts`
+  (two grouped GEMMs, or on CPU one fused pass per expert); an optional shared expert
+  sees every token.
 - Router replay (R3, arXiv 2510.11370): `forward` can return the expert ids each MoE
   layer chose for every token and can take such ids back: replayed ids replace the
   router's own choice, the weights are recomputed from the live scores at those ids
@@ -47,7 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import causal_attention, gather_rows, grouped_mm
+from kernels import causal_attention, gather_rows, swiglu, swiglu_experts
 
 
 @dataclass
@@ -275,12 +276,6 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for h = [gate | up] along the last dim (arXiv 2002.05202)."""
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 class FeedForward(nn.Module):
     """SwiGLU FFN w2(silu(w1 x) * w3 x), with w1 and w3 fused into one matrix w13 (one GEMM, not two)."""
 
@@ -321,8 +316,7 @@ class GroupedExperts(nn.Module):
         w13, w2 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w13, self.w2))
         if self.grad_scale != 1.0:
             w13, w2 = _ScaleGrad.apply(w13, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
-        offs = counts_e.cumsum(0).to(torch.int32)
-        return grouped_mm(swiglu(grouped_mm(x_RD, w13, offs)), w2, offs)  # (R, 2I) -> (R, I) -> (R, D)
+        return swiglu_experts(x_RD, w13, w2, counts_e)  # (R, D)
 
 
 def run_experts(experts: nn.Module, x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ def _qkv(T, H=4, G=2, d=8, B=2, dtype=torch.float32):
     return [torch.randn(B, h, T, d, generator=g, dtype=dtype).requires_grad_() for h in (H, G, G)]
 
 
-def test_cpu_attention_kernel_builds_and_loads():
-    assert kernels._cpu_attention_lib() is not None  # else causal_attention silently falls back to SDPA
+def test_cpu_kernels_build_and_load():
+    assert kernels._cpu_lib() is not None  # else attention and experts silently take the torch paths
 
 
 @pytest.mark.parametrize("T, H, G, d, B", [
@@ -92,3 +92,44 @@ def test_short_sequences_take_sdpa_bitwise():
     q, k, v = _qkv(kernels.CPU_ATTENTION_MIN_TOKENS - 1)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert torch.equal(causal_attention(q, k, v), ref)
+
+
+@pytest.mark.parametrize("counts", [
+    [300, 0, 7, 600, 1],  # an empty expert, several row blocks in one, single rows
+    [0, 0, 0],  # no rows at all
+])
+def test_cpu_swiglu_experts_equal_the_grouped_gemms_with_gradients(counts):
+    g = torch.Generator().manual_seed(len(counts))
+    E, D, I = len(counts), 12, 20
+    counts = torch.tensor(counts)
+    x = torch.randn(int(counts.sum()), D, generator=g, requires_grad=True)
+    w13 = (0.3 * torch.randn(E, D, 2 * I, generator=g)).requires_grad_()
+    w2 = (0.3 * torch.randn(E, I, D, generator=g)).requires_grad_()
+    y = kernels._cpu_swiglu_experts(x, w13, w2, counts)
+    y_ref = kernels._torch_swiglu_experts(x, w13, w2, counts)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    weight = torch.randn(y.shape, generator=g)
+    grads = torch.autograd.grad((y * weight).sum(), (x, w13, w2))
+    grads_ref = torch.autograd.grad((y_ref * weight).sum(), (x, w13, w2))
+    for grad, grad_ref in zip(grads, grads_ref):  # weight gradients sum 600 rows in another order
+        torch.testing.assert_close(grad, grad_ref, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # the forward alone keeps no x W13
+        torch.testing.assert_close(kernels._cpu_swiglu_experts(x, w13, w2, counts), y_ref)
+
+
+def test_cpu_kernels_repeat_bitwise():
+    # dynamic task order across threads must not change a value (resumed runs stay bitwise equal)
+    q, k, v = _qkv(520, H=8, G=2, d=16, B=3)
+    g = torch.Generator().manual_seed(1)
+    counts = torch.tensor([500, 3, 0, 250])
+    x = torch.randn(753, 16, generator=g, requires_grad=True)
+    w13 = torch.randn(4, 16, 24, generator=g, requires_grad=True)
+    w2 = torch.randn(4, 12, 16, generator=g, requires_grad=True)
+
+    def run():
+        y = kernels._cpu_causal(q, k, v)
+        z = kernels._cpu_swiglu_experts(x, w13, w2, counts)
+        return [y, z, *torch.autograd.grad(y.square().sum() + z.square().sum(), (q, k, v, x, w13, w2))]
+
+    for a, b in zip(run(), run()):
+        assert torch.equal(a, b)
