@@ -188,6 +188,12 @@ def _build(source: str) -> str:
     return path
 
 
+def _run(kernel: str, *args):
+    """Call a kernels.c entry point; it returns nonzero when no worker could allocate its scratch buffer."""
+    if getattr(_cpu_lib(), kernel)(*args):
+        raise RuntimeError(f"kernels.c {kernel}: out of memory for its scratch buffers; outputs incomplete")
+
+
 def _strides(x: torch.Tensor):
     return (ctypes.c_int64 * 3)(*x.stride()[:3])
 
@@ -205,12 +211,10 @@ class _CPUCausalAttention(torch.autograd.Function):
         G = k_BGTd.shape[1]
         out_BHTd = q_BHTd.new_empty(B, T, H, d).transpose(1, 2)  # the caller's transpose back is then a view
         lse_BHT = q_BHTd.new_empty(B, H, T)
-        rc = _cpu_lib().attn_fwd(
-            B, H, G, T, d, CPU_ATTENTION_BLOCK, CPU_ATTENTION_KEY_CHUNK, ctypes.c_float(d ** -0.5),
+        _run(
+            "attn_fwd", B, H, G, T, d, CPU_ATTENTION_BLOCK, CPU_ATTENTION_KEY_CHUNK, ctypes.c_float(d ** -0.5),
             torch.get_num_threads(), _ptr(q_BHTd), _strides(q_BHTd), _ptr(k_BGTd), _strides(k_BGTd),
             _ptr(v_BGTd), _strides(v_BGTd), _ptr(out_BHTd), _strides(out_BHTd), _ptr(lse_BHT))
-        if rc:
-            raise RuntimeError("kernels.c attention forward could not start a thread or allocate its buffers")
         ctx.save_for_backward(q_BHTd, k_BGTd, v_BGTd, out_BHTd, lse_BHT)
         return out_BHTd
 
@@ -220,13 +224,11 @@ class _CPUCausalAttention(torch.autograd.Function):
         grad_BHTd = grad_BHTd if grad_BHTd.stride(-1) == 1 else grad_BHTd.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         B, H, T, d = q.shape
-        rc = _cpu_lib().attn_bwd(
-            B, H, k.shape[1], T, d, CPU_ATTENTION_BLOCK, CPU_ATTENTION_KEY_CHUNK, ctypes.c_float(d ** -0.5),
+        _run(
+            "attn_bwd", B, H, k.shape[1], T, d, CPU_ATTENTION_BLOCK, CPU_ATTENTION_KEY_CHUNK, ctypes.c_float(d ** -0.5),
             torch.get_num_threads(), _ptr(grad_BHTd), _strides(grad_BHTd), _ptr(q), _strides(q), _ptr(k),
             _strides(k), _ptr(v), _strides(v), _ptr(out), _strides(out), _ptr(lse), _ptr(dq), _strides(dq),
             _ptr(dk), _strides(dk), _ptr(dv), _strides(dv))
-        if rc:
-            raise RuntimeError("kernels.c attention backward could not start a thread or allocate its buffers")
         return dq, dk, dv
 
 
@@ -249,11 +251,8 @@ class _CPUSwiGLUExperts(torch.autograd.Function):
         E, I = w2_EID.shape[:2]
         h_RI = x_RD.new_empty(R, 2 * I) if any(ctx.needs_input_grad[:3]) else None
         y_RD = x_RD.new_empty(R, D)
-        rc = _cpu_lib().experts_fwd(E, D, I, CPU_EXPERT_ROW_BLOCK, _ptr(counts_E), _ptr(x_RD), _ptr(w13_EDI),
-                                    _ptr(w2_EID), _ptr(h_RI) if h_RI is not None else None, _ptr(y_RD),
-                                    torch.get_num_threads())
-        if rc:
-            raise RuntimeError("kernels.c experts forward could not start a thread or allocate its buffers")
+        _run("experts_fwd", E, D, I, CPU_EXPERT_ROW_BLOCK, _ptr(counts_E), _ptr(x_RD), _ptr(w13_EDI), _ptr(w2_EID),
+             _ptr(h_RI) if h_RI is not None else None, _ptr(y_RD), torch.get_num_threads())
         ctx.save_for_backward(x_RD, w13_EDI, w2_EID, counts_E, h_RI)
         return y_RD
 
@@ -263,11 +262,8 @@ class _CPUSwiGLUExperts(torch.autograd.Function):
         grad_RD = grad_RD.contiguous()
         dx, dw13, dw2 = torch.empty_like(x), torch.empty_like(w13), torch.empty_like(w2)
         E, I = w2.shape[:2]
-        rc = _cpu_lib().experts_bwd(E, x.shape[1], I, CPU_EXPERT_ROW_BLOCK, _ptr(counts), _ptr(x), _ptr(w13),
-                                    _ptr(w2), _ptr(h), _ptr(grad_RD), _ptr(dx), _ptr(dw13), _ptr(dw2),
-                                    torch.get_num_threads())
-        if rc:
-            raise RuntimeError("kernels.c experts backward could not start a thread or allocate its buffers")
+        _run("experts_bwd", E, x.shape[1], I, CPU_EXPERT_ROW_BLOCK, _ptr(counts), _ptr(x), _ptr(w13), _ptr(w2),
+             _ptr(h), _ptr(grad_RD), _ptr(dx), _ptr(dw13), _ptr(dw2), torch.get_num_threads())
         return dx, dw13, dw2, None
 
 

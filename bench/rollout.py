@@ -9,13 +9,11 @@ transformers: no eos_token_id). Prefill is timed as a generate of one token; dec
 the full generate minus that, over new_tokens - 1 forward steps. Best of `--repeats`
 rounds, every side run once per round (interleaved, so load drift hits both alike).
 
-What bounds the ratio on a CPU: transformers 5.24 runs its experts with torch._grouped_mm,
-the kernel NativeEngine uses, so the expert GEMMs (about 0.4 GFLOP a step) cost both sides
-alike and only per-step overhead separates them. Measured on the 2-core dev machine
-(contended): one layer's experts 1.5-1.6 ms with its 12 MB of fp32 weights cache-resident,
-four distinct layers 8.5-9.7 ms (48 MB of expert weights exceed the 32 MB L3, so every
-step streams them from memory), the rest of NativeEngine's step about 4 ms; hence
-NativeEngine at ~16-18 ms a step against transformers' ~24 ms.
+What bounds the ratio on a CPU: the expert GEMMs (about 0.4 GFLOP a step) and their 48 MB
+of fp32 weights, more than the 32 MB L3, so every step streams them from memory.
+transformers 5.24 runs its experts with torch._grouped_mm; NativeEngine with kernels.c's
+fused experts (one pass per expert, SwiGLU in cache), which took its decode step from
+about 17.6 to 14.6-15.8 ms against transformers' 23-25 ms; per-step overhead is the rest.
 
     python bench/rollout.py [--batch 64 --prompt-len 32 --new-tokens 128 --threads 2 --compile]
 """

@@ -133,3 +133,14 @@ def test_cpu_kernels_repeat_bitwise():
 
     for a, b in zip(run(), run()):
         assert torch.equal(a, b)
+
+
+def test_without_the_c_kernels_the_torch_paths_run(monkeypatch):
+    monkeypatch.setattr(kernels, "_cpu_lib", lambda: None)  # as on a machine without a C compiler
+    q, k, v = _qkv(512)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(causal_attention(q, k, v), ref)
+    g = torch.Generator().manual_seed(0)
+    x, w13, w2 = torch.randn(9, 4, generator=g), torch.randn(2, 4, 6, generator=g), torch.randn(2, 3, 4, generator=g)
+    counts = torch.tensor([5, 4])
+    assert torch.equal(kernels.swiglu_experts(x, w13, w2, counts), kernels._torch_swiglu_experts(x, w13, w2, counts))
