@@ -36,6 +36,7 @@ import glob
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import sysconfig
 import warnings
@@ -158,7 +159,8 @@ def _cpu_lib() -> ctypes.CDLL | None:
         sgemm, local_threads = libtorch.sgemm_, libtorch.mkl_set_num_threads_local  # AttributeError without MKL
         lib = ctypes.CDLL(_build(CPU_KERNELS_SOURCE))
     except (OSError, IndexError, AttributeError, subprocess.CalledProcessError) as e:
-        warnings.warn(f"CPU kernels (kernels.c) unavailable ({type(e).__name__}: {e}); using torch's ops: "
+        detail = (e.stderr or b"").decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else ""
+        warnings.warn(f"CPU kernels (kernels.c) unavailable ({type(e).__name__}: {e} {detail}); using torch's ops: "
                       "SDPA, which computes the masked half of every 512-key block, and grouped GEMMs")
         return None
     lib.kernels_init(ctypes.cast(sgemm, ctypes.c_void_p), ctypes.cast(local_threads, ctypes.c_void_p))
@@ -167,7 +169,8 @@ def _cpu_lib() -> ctypes.CDLL | None:
 
 def _build(source: str) -> str:
     """Compile a C file to a shared library in the cache (once per source, flags, compiler and CPU); its path."""
-    cc = os.environ.get("CC") or (sysconfig.get_config_var("CC") or "cc").split()[0]
+    configured = (sysconfig.get_config_var("CC") or "cc").split()[0]  # the compiler Python was built with
+    cc = os.environ.get("CC") or (configured if shutil.which(configured) else "cc")
     cpu = platform.machine()
     if os.path.exists("/proc/cpuinfo"):  # -march=native code is only valid on CPUs with these flags
         with open("/proc/cpuinfo") as f:
