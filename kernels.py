@@ -159,7 +159,8 @@ def _cpu_lib() -> ctypes.CDLL | None:
         sgemm, local_threads = libtorch.sgemm_, libtorch.mkl_set_num_threads_local  # AttributeError without MKL
         lib = ctypes.CDLL(_build(CPU_KERNELS_SOURCE))
     except (OSError, IndexError, AttributeError, subprocess.CalledProcessError) as e:
-        detail = (e.stderr or b"").decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else ""
+        failed_build = isinstance(e, subprocess.CalledProcessError)
+        detail = (e.stderr or b"").decode(errors="replace")[-500:] if failed_build else ""
         warnings.warn(f"CPU kernels (kernels.c) unavailable ({type(e).__name__}: {e} {detail}); using torch's ops: "
                       "SDPA, which computes the masked half of every 512-key block, and grouped GEMMs")
         return None
