@@ -27,13 +27,19 @@
    dW2 += g^T dy, dg = dy W2^T, dh = SwiGLU'(h) dg, dW13 += x^T dh, dx = dh W13^T; each task
    owns its expert's dW13 and dW2.
 
+   Combine. Each token's K expert outputs, read back through the inverse of the sort by
+   expert and weighted by the gate, summed in one pass (torch: a gather of [N K, D], a
+   product, a sum; the backward as many), the backward writing each routed row's gradient
+   once (the sort is a permutation) and the gate weights' gradients as dot products.
+
    Compiled with -ffast-math for the vectorised expf: every value is finite (masked scores
    are skipped, never set to -inf).
 
    Layouts (row-major, in elements): attention q, out, dO, dq [B, H, T, d] and k, v, dk, dv
    [B, G, T, d] with any strides for the first three dims and d contiguous, lse [B, H, T]
    contiguous; experts x, y, dx [R, D], h [R, 2I] (gate | up), W13 [E, D, 2I], W2 [E, I, D],
-   all contiguous, rows grouped by expert (counts[e] rows each). Shape legend: B batch,
+   all contiguous, rows grouped by expert (counts[e] rows each); combine out, dout [N K, D],
+   y, dy [N, D], w, dw [N, K], inverse [N K] int64, contiguous. Shape legend: B batch,
    H query heads, G kv heads, R = H / G (attention) or routed rows (experts), T tokens,
    d head dim, M stacked query rows of a block, N keys in a chunk, E experts, D model dim,
    I expert hidden dim. */
@@ -328,4 +334,66 @@ int experts_bwd(int E, int D, int I, int RB, const int64_t* counts, const float*
   Experts X = {.E = E, .D = D, .I = I, .RB = RB, .counts = counts, .x = x, .w13 = w13, .w2 = w2, .h_saved = h,
                .dy = dy, .dx = dx, .dw13 = dw13, .dw2 = dw2};
   return run_experts(&X, experts_bwd_task, (size_t)RB * 4 * I, nthreads);
+}
+
+/* ---------------------------------------------------------------- combine */
+
+typedef struct {
+  int N, K, D, tokens_per_task;
+  const float *out, *w, *dy;
+  const int64_t* inverse; /* (token, k) pair n*K + k -> its row of out */
+  float *y, *dout, *dw;
+} Combine;
+
+/* y[n] = sum_k w[n, k] out[inverse[n K + k]], for a task's tokens. */
+static void combine_fwd_task(const void* job, int t, float* buf) {
+  const Combine* c = job;
+  (void)buf;
+  int D = c->D, K = c->K;
+  for (int n = t * c->tokens_per_task, end = MIN(c->N, n + c->tokens_per_task); n < end; n++) {
+    float* y = c->y + (size_t)n * D;
+    const float* o = c->out + c->inverse[(size_t)n * K] * D;
+    float w = c->w[(size_t)n * K];
+    for (int x = 0; x < D; x++) y[x] = w * o[x];
+    for (int k = 1; k < K; k++) {
+      o = c->out + c->inverse[(size_t)n * K + k] * D, w = c->w[(size_t)n * K + k];
+      for (int x = 0; x < D; x++) y[x] += w * o[x];
+    }
+  }
+}
+
+/* dout[inverse[n K + k]] = w[n, k] dy[n] (each row written once: inverse is a permutation),
+   dw[n, k] = <dy[n], out[inverse[n K + k]]>. */
+static void combine_bwd_task(const void* job, int t, float* buf) {
+  const Combine* c = job;
+  (void)buf;
+  int D = c->D, K = c->K;
+  for (int n = t * c->tokens_per_task, end = MIN(c->N, n + c->tokens_per_task); n < end; n++) {
+    const float* dy = c->dy + (size_t)n * D;
+    for (int k = 0; k < K; k++) {
+      int64_t r = c->inverse[(size_t)n * K + k];
+      const float* o = c->out + r * D;
+      float w = c->w[(size_t)n * K + k], dot = 0.f, *d = c->dout + r * D;
+      for (int x = 0; x < D; x++) {
+        d[x] = w * dy[x];
+        dot += dy[x] * o[x];
+      }
+      c->dw[(size_t)n * K + k] = dot;
+    }
+  }
+}
+
+enum { COMBINE_TOKENS_PER_TASK = 256 };
+
+int combine_fwd(int N, int K, int D, const float* out, const int64_t* inverse, const float* w, float* y, int nthreads) {
+  Combine c = {.N = N, .K = K, .D = D, .tokens_per_task = COMBINE_TOKENS_PER_TASK, .out = out, .w = w,
+               .inverse = inverse, .y = y};
+  return run_tasks(&c, combine_fwd_task, (N + COMBINE_TOKENS_PER_TASK - 1) / COMBINE_TOKENS_PER_TASK, 0, nthreads);
+}
+
+int combine_bwd(int N, int K, int D, const float* dy, const float* out, const int64_t* inverse, const float* w,
+                float* dout, float* dw, int nthreads) {
+  Combine c = {.N = N, .K = K, .D = D, .tokens_per_task = COMBINE_TOKENS_PER_TASK, .out = out, .w = w, .dy = dy,
+               .inverse = inverse, .dout = dout, .dw = dw};
+  return run_tasks(&c, combine_bwd_task, (N + COMBINE_TOKENS_PER_TASK - 1) / COMBINE_TOKENS_PER_TASK, 0, nthreads);
 }

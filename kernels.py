@@ -7,6 +7,9 @@
   GEMM; more in the backward). On CPU in fp32 it is kernels.c's fused loop instead: each
   expert's rows a block at a time, SwiGLU while the block is in cache, its output never
   stored (recomputed in the backward from the saved x W13).
+- `combine`: a MoE layer's weighted sum over each token's K expert outputs, read back
+  through the inverse of the sort by expert; on CPU in fp32 kernels.c's single pass (no
+  [N*K, D] gather, product and sum in memory), elsewhere `gather_rows` and a weighted sum.
 - `GatherRows`: a row gather whose backward is a gather too. Sorting a MoE layer's
   (token, expert) pairs by expert and back are permutations; autograd would differentiate
   `x[index]` with a scatter-add (index_put with accumulate; atomic adds once inductor
@@ -80,6 +83,25 @@ def swiglu_experts(x_RD: torch.Tensor, w13_EDI: torch.Tensor, w2_EID: torch.Tens
 def _torch_swiglu_experts(x_RD, w13_EDI, w2_EID, counts_E) -> torch.Tensor:
     offs = counts_E.cumsum(0).to(torch.int32)
     return grouped_mm(swiglu(grouped_mm(x_RD, w13_EDI, offs)), w2_EID, offs)  # (R, 2I) -> (R, I) -> (R, D)
+
+
+def combine(out_RD: torch.Tensor, inverse_R: torch.Tensor, order_R: torch.Tensor,
+            weights_NK: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[n, k] out[inverse[n*K + k]] [N, D] fp32: expert outputs in expert order back to tokens.
+
+    inverse_R (int64) maps each (token, k) pair n*K + k to its row of out_RD; order_R is its
+    inverse permutation (row -> pair); weights_NK fp32. On CPU in fp32, kernels.c's one pass;
+    elsewhere `gather_rows` then a weighted sum in fp32.
+    """
+    if out_RD.device.type == "cpu" and out_RD.dtype == torch.float32:
+        return _cpu_combine(out_RD, inverse_R, order_R, weights_NK)
+    return _torch_combine(out_RD, inverse_R, order_R, weights_NK)
+
+
+def _torch_combine(out_RD, inverse_R, order_R, weights_NK) -> torch.Tensor:
+    N, K = weights_NK.shape
+    out_NKD = gather_rows(out_RD, inverse_R, order_R, 1).view(N, K, -1)  # (token, k) order
+    return (out_NKD.float() * weights_NK[..., None]).sum(1)
 
 
 def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -279,3 +301,35 @@ def _cpu_swiglu_experts(x_RD, w13_EDI, w2_EID, counts_E) -> torch.Tensor:
     counts_E = counts_E.to(torch.int64).contiguous()
     assert int(counts_E.sum()) == x_RD.shape[0], "rows must be grouped by expert, counts_E of them each"
     return _CPUSwiGLUExperts.apply(x_RD.contiguous(), w13_EDI.contiguous(), w2_EID.contiguous(), counts_E)
+
+
+class _CPUCombine(torch.autograd.Function):
+    """kernels.c's combine, forward and backward (gradients for the expert outputs and the gate weights)."""
+
+    @staticmethod
+    def forward(ctx, out_RD, inverse_R, weights_NK):
+        (N, K), D = weights_NK.shape, out_RD.shape[1]
+        y_ND = out_RD.new_empty(N, D)
+        _run("combine_fwd", N, K, D, _ptr(out_RD), _ptr(inverse_R), _ptr(weights_NK), _ptr(y_ND),
+             torch.get_num_threads())
+        ctx.save_for_backward(out_RD, inverse_R, weights_NK)
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        out, inverse, weights = ctx.saved_tensors
+        grad_ND = grad_ND.contiguous()
+        d_out, d_weights = torch.empty_like(out), torch.empty_like(weights)
+        (N, K), D = weights.shape, out.shape[1]
+        _run("combine_bwd", N, K, D, _ptr(grad_ND), _ptr(out), _ptr(inverse), _ptr(weights), _ptr(d_out),
+             _ptr(d_weights), torch.get_num_threads())
+        return d_out, None, d_weights
+
+
+@torch.compiler.disable
+def _cpu_combine(out_RD, inverse_R, order_R, weights_NK) -> torch.Tensor:
+    """Runs eagerly inside torch.compile'd blocks (a graph break)."""
+    if _cpu_lib() is None:
+        return _torch_combine(out_RD, inverse_R, order_R, weights_NK)
+    return _CPUCombine.apply(out_RD.contiguous(), inverse_R.to(torch.int64).contiguous(),
+                             weights_NK.float().contiguous())

@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import causal_attention, gather_rows, swiglu, swiglu_experts
+from kernels import causal_attention, combine, gather_rows, swiglu, swiglu_experts
 
 
 @dataclass
@@ -333,8 +333,7 @@ def run_experts(experts: nn.Module, x_ND: torch.Tensor, ids_NK: torch.Tensor, we
     order_R = pair_R.argsort(stable=True)  # (N*K,) pair ids n*K + k, grouped by expert
     inverse_R = torch.empty_like(order_R).scatter_(0, order_R, torch.arange(N * K, device=order_R.device))
     out_RD = experts(gather_rows(x_ND, order_R // K, inverse_R, K), counts_E)  # (N*K, D) by expert
-    out_NKD = gather_rows(out_RD, inverse_R, order_R, 1).view(N, K, -1)  # (token, k) order
-    return (out_NKD.float() * weights_NK[..., None]).sum(1).to(x_ND.dtype)
+    return combine(out_RD, inverse_R, order_R, weights_NK).to(x_ND.dtype)  # (N, D), weighted in fp32
 
 
 class MoE(nn.Module):

@@ -126,10 +126,15 @@ def test_cpu_kernels_repeat_bitwise():
     w13 = torch.randn(4, 16, 24, generator=g, requires_grad=True)
     w2 = torch.randn(4, 12, 16, generator=g, requires_grad=True)
 
+    inverse = torch.randperm(753, generator=g)
+    weights = torch.rand(251, 3, generator=g, requires_grad=True)
+
     def run():
         y = kernels._cpu_causal(q, k, v)
         z = kernels._cpu_swiglu_experts(x, w13, w2, counts)
-        return [y, z, *torch.autograd.grad(y.square().sum() + z.square().sum(), (q, k, v, x, w13, w2))]
+        c = kernels._cpu_combine(z, inverse, None, weights)
+        loss = y.square().sum() + c.square().sum()
+        return [y, z, c, *torch.autograd.grad(loss, (q, k, v, x, w13, w2, weights))]
 
     for a, b in zip(run(), run()):
         assert torch.equal(a, b)
@@ -144,3 +149,23 @@ def test_without_the_c_kernels_the_torch_paths_run(monkeypatch):
     x, w13, w2 = torch.randn(9, 4, generator=g), torch.randn(2, 4, 6, generator=g), torch.randn(2, 3, 4, generator=g)
     counts = torch.tensor([5, 4])
     assert torch.equal(kernels.swiglu_experts(x, w13, w2, counts), kernels._torch_swiglu_experts(x, w13, w2, counts))
+    order = torch.randperm(9, generator=g)
+    inverse, weights = torch.empty_like(order).scatter_(0, order, torch.arange(9)), torch.rand(3, 3, generator=g)
+    assert torch.equal(kernels.combine(x, inverse, order, weights), kernels._torch_combine(x, inverse, order, weights))
+
+
+def test_cpu_combine_equals_the_gather_and_weighted_sum_with_gradients():
+    g = torch.Generator().manual_seed(0)
+    N, K, D = 600, 3, 10  # more tokens than one task takes
+    out = torch.randn(N * K, D, generator=g, requires_grad=True)
+    order = torch.randperm(N * K, generator=g)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(N * K))
+    weights = torch.rand(N, K, generator=g, requires_grad=True)
+    y = kernels._cpu_combine(out, inverse, order, weights)
+    y_ref = kernels._torch_combine(out, inverse, order, weights)
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    grad_y = torch.randn(N, D, generator=g)
+    grads = torch.autograd.grad(y, (out, weights), grad_y)
+    grads_ref = torch.autograd.grad(y_ref, (out, weights), grad_y)
+    for grad, grad_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
