@@ -62,7 +62,7 @@ def test_cpu_causal_attention_under_torch_compile_matches_eager():
     torch.testing.assert_close(compiled(q, k, v), causal_attention(q * 2, k, v) + 1)
 
 
-def test_cpu_attention_build_is_cached_per_source(tmp_path, monkeypatch):
+def test_cpu_kernel_build_is_cached_per_source(tmp_path, monkeypatch):
     monkeypatch.setenv("EVERYPROMPT_CACHE", str(tmp_path))
     src = tmp_path / "k.c"
     src.write_text("int f(void) { return 1; }\n")
