@@ -13,6 +13,7 @@ import difflib
 import runpy
 from dataclasses import dataclass, field
 
+from espo import LossConfig
 from model import ModelConfig
 
 # Small-number arithmetic in two surface forms, with item spaces large enough (tens of
@@ -114,9 +115,9 @@ class TrainConfig:
     espo_alpha: float = 0.02
     """ESPO clip scale: eps_tau = alpha * mean entropy / log|V| (arXiv 2512.00499)."""
     espo_top_frac: float = 0.2
-    """Fraction of highest-entropy tokens in ESPO's first entropy group."""
-    espo_num_groups: int = 2
-    """ESPO entropy groups per sequence: the top fraction, then the rest split evenly."""
+    """Fraction of highest-entropy tokens in ESPO's first entropy bin."""
+    espo_num_bins: int = 2
+    """ESPO entropy bins per sequence (the paper's "entropy groups"): the top fraction, then the rest split evenly."""
     clip_eps_low: float = -1.0
     """Lower clip epsilon of the non-ESPO losses; < 0 = the loss's paper value (espo.PAPER_CLIP_EPS, DAPO's 0.2)."""
     clip_eps_high: float = -1.0
@@ -182,6 +183,19 @@ class TrainConfig:
     """Completions per held-out prompt for the sampled accuracy (mean@k at the rollout temperature)."""
     eval_batch_rows: int = 512
     """Rows per eval generate call."""
+
+    # Each concern's own settings, built once from these fields; a field's "off" value (0, -1, "")
+    # becomes None here, so the functions that take them never translate sentinels.
+    def loss_config(self) -> LossConfig:
+        """The policy loss's settings (espo.LossConfig). Raises ValueError on a bad loss setting."""
+        return LossConfig(
+            loss_type=self.loss_type, aggregation=self.aggregation or None,
+            clip_eps_low=self.clip_eps_low if self.clip_eps_low >= 0 else None,
+            clip_eps_high=self.clip_eps_high if self.clip_eps_high >= 0 else None,
+            espo_alpha=self.espo_alpha, espo_top_frac=self.espo_top_frac, espo_num_bins=self.espo_num_bins,
+            vocab_size=self.model.vocab_size, max_tokens=self.max_new_tokens, kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator, tis_cap=self.tis_cap if self.tis_cap > 0 else None,
+            icepop_bounds=(self.icepop_low, self.icepop_high) if self.icepop_high > 0 else None)
 
 
 def _parse(value: str, like, key: str):

@@ -27,13 +27,13 @@ Token ratio w_t = pi_theta(y_t) / pi_old(y_t). The losses (A = A_i of the token'
 - espo: below.
 
 ESPO (arXiv 2512.00499): the tokens of each sequence are split by their entropy under
-the old policy, e_t = -sum_v pi_old(v) log pi_old(v), into entropy groups (default two:
-the top 20 percent highest-entropy tokens, and the rest; groups need not be contiguous).
-Each group tau has a length-normalised ratio s_tau = exp(mean_{t in tau} log w_t), used in
+the old policy, e_t = -sum_v pi_old(v) log pi_old(v), into entropy bins (the paper's "groups"; here a group is a prompt's rollouts). Default two
+bins: the top 20 percent highest-entropy tokens, and the rest; bins need not be contiguous.
+Each bin tau has a length-normalised ratio s_tau = exp(mean_{t in tau} log w_t), used in
 the GSPO-token stop-gradient form s_t = sg[s_tau] * pi_theta(y_t) / sg[pi_theta(y_t)]
 (GSPO, arXiv 2507.18071 eq. 13), and its own symmetric clip range
 eps_tau = alpha * mean_{t in tau} e_t / log|V| (alpha = 0.02). The objective is the mean
-over tokens in a group, then over the non-empty groups of a sequence, then over
+over tokens in a bin, then over the non-empty bins of a sequence, then over
 sequences, of min(s_t A, clip(s_t, 1 - eps_tau, 1 + eps_tau) A). The loss is its negative.
 
 Optional terms: a KL penalty to a reference policy, obj_t - kl_coef * k_t, with k1 =
@@ -47,21 +47,21 @@ a <= k_t <= b else 0 (Ring-1T, arXiv 2510.18855 sec. 4, a = 0.5, b = 5).
 Aggregations (names as in verl): token-mean (sum / all tokens of the batch, DAPO),
 seq-mean-token-mean (per-sequence mean, then mean over sequences: GRPO, GSPO),
 seq-mean-token-sum (per-sequence sum, then mean), seq-mean-token-sum-norm (per-sequence
-sum / max_tokens, then mean: Dr.GRPO), seq-mean-group-mean-token-mean (ESPO only).
+sum / max_tokens, then mean: Dr.GRPO), seq-mean-bin-mean-token-mean (ESPO only).
 
 Readings chosen where the printed ESPO paper is ambiguous:
 1. Token-ratio denominator: pi_old is the trainer's own recomputation of the rollout
    policy (a no-grad forward with the engine's routes replayed), not the engine's
    logprobs; those only feed train-inference mismatch metrics and TIS / IcePop.
 2. Advantage mask: every completion token of a sequence carries that sequence's A_i in
-   every entropy group; only padding (mask 0) is excluded. No token is dropped for low
-   entropy; low-entropy tokens form their own group with a tighter clip.
-3. Group sizes: the top group takes ceil(top_frac * n_valid) tokens (at least one), the
-   remaining ranks split evenly into num_groups - 1 groups; empty groups are skipped in
-   the mean over groups. Ties in entropy are broken by position (stable sort).
+   every entropy bin; only padding (mask 0) is excluded. No token is dropped for low
+   entropy; low-entropy tokens form their own bin with a tighter clip.
+3. Bin sizes: the top bin takes ceil(top_frac * n_valid) tokens (at least one), the
+   remaining ranks split evenly into num_bins - 1 bins; empty bins are skipped in
+   the mean over bins. Ties in entropy are broken by position (stable sort).
 4. |V| in eps_tau is the model's full vocabulary size (the maximum possible entropy is log|V|).
-5. ESPO's own aggregation is the group mean; under another aggregation the entropy
-   groups still set each token's ratio and clip range but no longer weight the tokens.
+5. ESPO's own aggregation is the bin mean; under another aggregation the entropy
+   bins still set each token's ratio and clip range but no longer weight the tokens.
 
 Other choices:
 6. Sequence-level losses (gspo, gmpo) place the sequence's objective on each of its tokens,
@@ -78,22 +78,23 @@ Other choices:
 10. KL estimators are evaluated on tokens sampled from pi_old, as GRPO does.
 
 Legend: B sequences, T completion tokens (padded), G rollouts per prompt, P prompts,
-Q entropy groups.
+Q entropy bins.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 LOSS_TYPES = ("grpo", "drgrpo", "gspo", "gspo-token", "gmpo", "cispo", "espo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-                "seq-mean-group-mean-token-mean")
+                "seq-mean-bin-mean-token-mean")
 # Each loss's aggregation in its paper, used when `aggregation` is None.
 PAPER_AGGREGATION = {"grpo": "token-mean", "drgrpo": "seq-mean-token-sum-norm", "gspo": "seq-mean-token-mean",
                      "gspo-token": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean", "cispo": "token-mean",
-                     "espo": "seq-mean-group-mean-token-mean"}
+                     "espo": "seq-mean-bin-mean-token-mean"}
 # (eps_low, eps_high) from each paper, used when a clip eps is None: DAPO sec. 3.1; Dr.GRPO's
 # PPO clip; GSPO sec. 5.1 (sequence ratios sit orders of magnitude closer to 1); GMPO's
 # (e^-0.4, e^0.4), in log space; CISPO: no lower bound, upper bound undisclosed (reading 9).
@@ -126,29 +127,29 @@ def group_advantages(rewards_PG: torch.Tensor, *, scale_by_std: bool = True, std
     return adv
 
 
-# ----------------------------------------------------------------------------- entropy groups
+# ----------------------------------------------------------------------------- entropy bins
 
-def entropy_groups(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, *, top_frac: float, num_groups: int) -> torch.Tensor:
-    """Entropy-group index [B, T] int64 per token (0 = highest entropy); -1 on padding.
+def entropy_bins(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, *, top_frac: float, num_bins: int) -> torch.Tensor:
+    """Entropy-bin index [B, T] int64 per token (0 = highest entropy); -1 on padding.
 
-    Group 0 holds the ceil(top_frac * n_valid) highest-entropy valid tokens of each
-    sequence; the rest of the ranks are split evenly into num_groups - 1 groups (ESPO,
-    arXiv 2512.00499; readings 3). Raises ValueError unless num_groups >= 1 and 0 < top_frac <= 1.
+    Bin 0 holds the ceil(top_frac * n_valid) highest-entropy valid tokens of each
+    sequence; the rest of the ranks are split evenly into num_bins - 1 bins (ESPO,
+    arXiv 2512.00499; readings 3). Raises ValueError unless num_bins >= 1 and 0 < top_frac <= 1.
     """
-    if num_groups < 1 or not 0.0 < top_frac <= 1.0:
-        raise ValueError(f"need num_groups >= 1 and top_frac in (0, 1]; got {num_groups}, {top_frac}")
+    if num_bins < 1 or not 0.0 < top_frac <= 1.0:
+        raise ValueError(f"need num_bins >= 1 and top_frac in (0, 1]; got {num_bins}, {top_frac}")
     valid = mask_BT.bool()
     n_valid_B1 = valid.sum(-1, keepdim=True)
-    if num_groups == 1:
+    if num_bins == 1:
         return torch.where(valid, 0, -1)
     # rank 0 = highest entropy; padding sorts last
     order_BT = entropy_BT.masked_fill(~valid, -math.inf).argsort(dim=-1, descending=True, stable=True)
     rank_BT = order_BT.argsort(dim=-1)  # (B, T) inverse permutation: each token's rank
     top_B1 = (n_valid_B1 * top_frac).ceil().clamp(min=1)
     rest_B1 = (n_valid_B1 - top_B1).clamp(min=1)
-    group_BT = 1 + ((rank_BT - top_B1) * (num_groups - 1)).div(rest_B1, rounding_mode="floor")
-    group_BT = torch.where(rank_BT < top_B1, 0, group_BT)
-    return torch.where(valid, group_BT.long(), -1)
+    bin_BT = 1 + ((rank_BT - top_B1) * (num_bins - 1)).div(rest_B1, rounding_mode="floor")
+    bin_BT = torch.where(rank_BT < top_B1, 0, bin_BT)
+    return torch.where(valid, bin_BT.long(), -1)
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -156,40 +157,40 @@ def entropy_groups(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, *, top_frac:
 def resolve_aggregation(loss_type: str, aggregation: str | None) -> str:
     """The aggregation `policy_loss` will use: `aggregation`, or the loss's paper default if None.
 
-    Raises ValueError on an unknown loss_type or aggregation, or the ESPO group mean for a
-    loss without entropy groups.
+    Raises ValueError on an unknown loss_type or aggregation, or the ESPO bin mean for a
+    loss without entropy bins.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
     agg = PAPER_AGGREGATION[loss_type] if aggregation is None else aggregation
     if agg not in AGGREGATIONS:
         raise ValueError(f"aggregation={agg!r}; valid: {', '.join(AGGREGATIONS)}")
-    if agg == "seq-mean-group-mean-token-mean" and loss_type != "espo":
-        raise ValueError(f"aggregation={agg!r} needs entropy groups: only loss_type='espo' has them")
+    if agg == "seq-mean-bin-mean-token-mean" and loss_type != "espo":
+        raise ValueError(f"aggregation={agg!r} needs entropy bins: only loss_type='espo' has them")
     return agg
 
 
 def aggregate(obj_BT: torch.Tensor, mask_BT: torch.Tensor, *, aggregation: str, normalizer: float | None = None,
-              max_tokens: int | None = None, group_BT: torch.Tensor | None = None, num_groups: int = 1) -> torch.Tensor:
+              max_tokens: int | None = None, bin_BT: torch.Tensor | None = None, num_bins: int = 1) -> torch.Tensor:
     """Scalar mean of the per-token objective [B, T] over the valid tokens, as `aggregation` names.
 
     normalizer replaces this batch's own count in the outermost mean (tokens for
     token-mean, sequences otherwise), so micro-batches of one optimizer step add up to the
-    step's mean. max_tokens is seq-mean-token-sum-norm's constant; group_BT (from
-    `entropy_groups`) and num_groups serve the ESPO group mean.
+    step's mean. max_tokens is seq-mean-token-sum-norm's constant; bin_BT (from
+    `entropy_bins`) and num_bins serve the ESPO bin mean.
     Raises ValueError when seq-mean-token-sum-norm lacks max_tokens.
     """
     if aggregation == "token-mean":
         return (obj_BT * mask_BT).sum() / (normalizer if normalizer is not None else mask_BT.sum().clamp(min=1))
     num_seqs = normalizer if normalizer is not None else obj_BT.shape[0]
-    if aggregation == "seq-mean-group-mean-token-mean":
-        assert group_BT is not None, "the ESPO group mean needs group_BT"
-        idx_BT = group_BT.clamp(min=0)  # padding parked in group 0 with zero weight
-        zeros_BQ = obj_BT.new_zeros(obj_BT.shape[0], num_groups)
+    if aggregation == "seq-mean-bin-mean-token-mean":
+        assert bin_BT is not None, "the ESPO bin mean needs bin_BT"
+        idx_BT = bin_BT.clamp(min=0)  # padding parked in bin 0 with zero weight
+        zeros_BQ = obj_BT.new_zeros(obj_BT.shape[0], num_bins)
         count_BQ = zeros_BQ.scatter_add(1, idx_BT, mask_BT)
-        group_obj_BQ = zeros_BQ.scatter_add(1, idx_BT, obj_BT * mask_BT) / count_BQ.clamp(min=1)
+        bin_obj_BQ = zeros_BQ.scatter_add(1, idx_BT, obj_BT * mask_BT) / count_BQ.clamp(min=1)
         nonempty_BQ = (count_BQ > 0).to(mask_BT.dtype)
-        seq_obj_B = (group_obj_BQ * nonempty_BQ).sum(-1) / nonempty_BQ.sum(-1).clamp(min=1)
+        seq_obj_B = (bin_obj_BQ * nonempty_BQ).sum(-1) / nonempty_BQ.sum(-1).clamp(min=1)
         return seq_obj_B.sum() / num_seqs
     seq_sum_B = (obj_BT * mask_BT).sum(-1)
     if aggregation == "seq-mean-token-mean":
@@ -248,14 +249,14 @@ def cispo_objective(logp_BT, log_w_BT, adv_B1, *, eps_low: float, eps_high: floa
     return obj_BT, ratio_BT, ratio_BT < 1 - eps_low, ratio_BT > 1 + eps_high
 
 
-def espo_objective(logp_BT, log_w_BT, mask_BT, adv_B1, entropy_BT, group_BT, *, alpha: float, vocab_size: int,
-                   num_groups: int):
-    """ESPO (arXiv 2512.00499): GSPO-token form with a ratio and a clip range per entropy group.
+def espo_objective(logp_BT, log_w_BT, mask_BT, adv_B1, entropy_BT, bin_BT, *, alpha: float, vocab_size: int,
+                   num_bins: int):
+    """ESPO (arXiv 2512.00499): GSPO-token form with a ratio and a clip range per entropy bin.
 
-    Also returns the tokens [B, Q] and clip eps [B, Q] of each sequence's groups.
+    Also returns the tokens [B, Q] and clip eps [B, Q] of each sequence's bins.
     """
-    idx_BT = group_BT.clamp(min=0)  # padding parked in group 0 with zero weight
-    zeros_BQ = logp_BT.new_zeros(logp_BT.shape[0], num_groups)
+    idx_BT = bin_BT.clamp(min=0)  # padding parked in bin 0 with zero weight
+    zeros_BQ = logp_BT.new_zeros(logp_BT.shape[0], num_bins)
     count_BQ = zeros_BQ.scatter_add(1, idx_BT, mask_BT)
     safe_BQ = count_BQ.clamp(min=1)
     mean_logw_BQ = zeros_BQ.scatter_add(1, idx_BT, log_w_BT.detach()) / safe_BQ
@@ -316,45 +317,86 @@ def mismatch_weights(old_logp_BT: torch.Tensor, infer_logp_BT: torch.Tensor, mas
 
 # ----------------------------------------------------------------------------- the loss
 
-def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.Tensor, mask_BT: torch.Tensor, *,
-                loss_type: str = "espo", old_entropy_BT: torch.Tensor | None = None, vocab_size: int | None = None,
-                espo_alpha: float = 0.02, espo_top_frac: float = 0.2, espo_num_groups: int = 2,
-                clip_eps_low: float | None = None, clip_eps_high: float | None = None,
-                aggregation: str | None = None, normalizer: float | None = None, max_tokens: int | None = None,
-                ref_logp_BT: torch.Tensor | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                infer_logp_BT: torch.Tensor | None = None, tis_cap: float | None = None,
-                icepop_bounds: tuple[float, float] | None = None):
+@dataclass(frozen=True)
+class LossConfig:
+    """The policy loss's settings, checked and resolved once when built (config.py's `loss_config`).
+
+    aggregation / clip_eps_low / clip_eps_high None take the loss's paper value (PAPER_AGGREGATION,
+    PAPER_CLIP_EPS); after construction they hold the resolved values. tis_cap None and
+    icepop_bounds None turn those corrections off. vocab_size is |V| in ESPO's clip range;
+    max_tokens is the generation budget, seq-mean-token-sum-norm's constant.
+    Raises ValueError on an unknown loss_type, aggregation or kl_estimator, a negative clip
+    eps, ESPO without vocab_size or with bad bins, Dr.GRPO's aggregation without max_tokens,
+    both corrections at once, tis_cap <= 0, or IcePop bounds not 0 <= a < b.
+    """
+    loss_type: str = "espo"
+    aggregation: str | None = None
+    clip_eps_low: float | None = None
+    clip_eps_high: float | None = None
+    espo_alpha: float = 0.02
+    espo_top_frac: float = 0.2
+    espo_num_bins: int = 2
+    vocab_size: int | None = None
+    max_tokens: int | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    tis_cap: float | None = None
+    icepop_bounds: tuple[float, float] | None = None
+
+    def __post_init__(self):
+        aggregation = resolve_aggregation(self.loss_type, self.aggregation)
+        low, high = PAPER_CLIP_EPS.get(self.loss_type, (0.0, 0.0))  # ESPO's clip comes from entropy, not from here
+        low = low if self.clip_eps_low is None else self.clip_eps_low
+        high = high if self.clip_eps_high is None else self.clip_eps_high
+        if low < 0 or high < 0:
+            raise ValueError(f"clip eps must be >= 0, got clip_eps_low={low}, clip_eps_high={high}")
+        if self.loss_type == "espo" and (self.vocab_size is None or self.vocab_size < 2):
+            raise ValueError(f"loss_type='espo' needs vocab_size >= 2 (|V| in its clip range), got {self.vocab_size}")
+        if self.espo_num_bins < 1 or not 0.0 < self.espo_top_frac <= 1.0:
+            raise ValueError(f"need espo_num_bins >= 1 and espo_top_frac in (0, 1]; got {self.espo_num_bins}, "
+                             f"{self.espo_top_frac}")
+        if aggregation == "seq-mean-token-sum-norm" and (self.max_tokens is None or self.max_tokens <= 0):
+            raise ValueError(f"aggregation='seq-mean-token-sum-norm' needs max_tokens > 0 (the generation budget), "
+                             f"got {self.max_tokens}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator={self.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+        if self.tis_cap is not None and self.icepop_bounds is not None:
+            raise ValueError("give exactly one of tis_cap and icepop_bounds, not both")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap={self.tis_cap}; must be > 0")
+        if self.icepop_bounds is not None and not 0 <= self.icepop_bounds[0] < self.icepop_bounds[1]:
+            raise ValueError(f"icepop_bounds={self.icepop_bounds}; need 0 <= a < b")
+        # frozen: the resolved values replace the None defaults once, here
+        object.__setattr__(self, "aggregation", aggregation)
+        object.__setattr__(self, "clip_eps_low", low)
+        object.__setattr__(self, "clip_eps_high", high)
+
+
+def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.Tensor, mask_BT: torch.Tensor,
+                cfg: LossConfig, *, old_entropy_BT: torch.Tensor | None = None, ref_logp_BT: torch.Tensor | None = None,
+                infer_logp_BT: torch.Tensor | None = None, normalizer: float | None = None):
     """Policy-gradient loss (a scalar to minimise) and a dict of float metrics.
 
     logp_BT: log pi_theta of the completion tokens (grad flows), [B, T] fp32 or fp64.
     old_logp_BT: log pi_old of the same tokens, [B, T]; treated as constant.
     adv_B: one advantage per sequence, [B], or one per token, [B, T] (RL-ZVP, arXiv 2509.21880).
     mask_BT: 1 on completion tokens, 0 on padding.
-    loss_type: one of LOSS_TYPES (module docstring). "espo" needs old_entropy_BT ([B, T]
-    nats under pi_old) and vocab_size; espo_num_groups entropy groups, the first holding
-    the espo_top_frac highest-entropy tokens, clip eps_tau = espo_alpha * mean e / log|V|.
-    clip_eps_low / clip_eps_high: the clip range of the other losses (GMPO: in log space;
-    CISPO: of the IS weight); None = the paper's value (PAPER_CLIP_EPS).
-    aggregation: one of AGGREGATIONS; None = the loss's paper form (PAPER_AGGREGATION).
+    cfg: the loss (module docstring): ESPO splits tokens into cfg.espo_num_bins entropy
+    bins, the first holding the espo_top_frac highest-entropy tokens, clip
+    eps_tau = espo_alpha * mean e / log|V|; the other losses clip at cfg.clip_eps_low/high
+    (GMPO: in log space; CISPO: of the IS weight).
+    old_entropy_BT: [B, T] nats under pi_old (ESPO only).
+    ref_logp_BT: the reference policy's logprobs when cfg.kl_coef != 0 (see `kl_penalty`).
+    infer_logp_BT: the engine's logprobs [B, T] aligned with the mask, for cfg.tis_cap or
+    cfg.icepop_bounds (see `mismatch_weights`).
     normalizer: divide by this (tokens for token-mean, sequences otherwise) instead of this
     batch's own count, so micro-batches of one optimizer step add up to the step's mean.
-    max_tokens: seq-mean-token-sum-norm's constant (the generation budget).
-    ref_logp_BT, kl_coef, kl_estimator: subtract kl_coef * k1/k3 per token (see `kl_penalty`).
-    infer_logp_BT with tis_cap or icepop_bounds: the engine's logprobs [B, T] aligned with
-    the mask, and the TIS or IcePop correction (see `mismatch_weights`).
     Metrics: clip_frac_low/high (valid tokens on the clipped side), ratio_mean/min/max (of
     the ratio the loss clips), approx_kl (k3 of KL(pi_old || pi_theta)), kl_ref,
-    espo/group{q}_tokens and espo/group{q}_clip_eps, and the mismatch weights'.
-    Raises ValueError on an unknown loss_type, aggregation or kl_estimator, a negative clip
-    eps, a missing input an option needs, or token advantages with gmpo.
+    espo/bin{q}_tokens and espo/bin{q}_clip_eps, and the mismatch weights'.
+    Raises ValueError on a missing input the config needs, or token advantages with gmpo.
     """
-    aggregation = resolve_aggregation(loss_type, aggregation)
-    if loss_type != "espo":
-        default_low, default_high = PAPER_CLIP_EPS[loss_type]
-        eps_low = default_low if clip_eps_low is None else clip_eps_low
-        eps_high = default_high if clip_eps_high is None else clip_eps_high
-        if eps_low < 0 or eps_high < 0:
-            raise ValueError(f"clip eps must be >= 0, got clip_eps_low={eps_low}, clip_eps_high={eps_high}")
+    loss_type, eps_low, eps_high = cfg.loss_type, cfg.clip_eps_low, cfg.clip_eps_high
     mask = mask_BT.to(logp_BT.dtype)
     old = old_logp_BT.detach()
     adv = adv_B.detach().to(logp_BT.dtype)
@@ -362,7 +404,7 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
         raise ValueError("token advantages [B, T] need a token-level loss; loss_type='gmpo' takes one per sequence")
     adv_B1 = adv[:, None] if adv.dim() == 1 else adv  # [B, 1], or [B, T] token advantages
     log_w_BT = (logp_BT - old) * mask  # (B, T) log token ratio, 0 on padding
-    metrics, group_BT = {}, None
+    metrics, bin_BT = {}, None
     if loss_type in ("grpo", "drgrpo"):
         obj_BT, ratio_BT, low_BT, high_BT = token_clip_objective(log_w_BT, adv_B1, eps_low=eps_low, eps_high=eps_high)
     elif loss_type in ("gspo", "gspo-token"):
@@ -373,33 +415,32 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
     elif loss_type == "cispo":
         obj_BT, ratio_BT, low_BT, high_BT = cispo_objective(logp_BT, log_w_BT, adv_B1, eps_low=eps_low, eps_high=eps_high)
     else:  # espo
-        if old_entropy_BT is None or vocab_size is None:
-            raise ValueError("loss_type='espo' needs old_entropy_BT and vocab_size")
-        group_BT = entropy_groups(old_entropy_BT, mask, top_frac=espo_top_frac, num_groups=espo_num_groups)
+        if old_entropy_BT is None:
+            raise ValueError("loss_type='espo' needs old_entropy_BT (pi_old's entropy per token)")
+        bin_BT = entropy_bins(old_entropy_BT, mask, top_frac=cfg.espo_top_frac, num_bins=cfg.espo_num_bins)
         obj_BT, ratio_BT, low_BT, high_BT, count_BQ, eps_BQ = espo_objective(
-            logp_BT, log_w_BT, mask, adv_B1, old_entropy_BT, group_BT, alpha=espo_alpha, vocab_size=vocab_size,
-            num_groups=espo_num_groups)
-        for q in range(espo_num_groups):
+            logp_BT, log_w_BT, mask, adv_B1, old_entropy_BT, bin_BT, alpha=cfg.espo_alpha, vocab_size=cfg.vocab_size,
+            num_bins=cfg.espo_num_bins)
+        for q in range(cfg.espo_num_bins):
             nonempty_B = count_BQ[:, q] > 0
-            metrics[f"espo/group{q}_tokens"] = float(count_BQ[:, q].sum())
-            metrics[f"espo/group{q}_clip_eps"] = float((eps_BQ[:, q] * nonempty_B).sum() / nonempty_B.sum().clamp(min=1))
-    if tis_cap is not None or icepop_bounds is not None:
+            metrics[f"espo/bin{q}_tokens"] = float(count_BQ[:, q].sum())
+            metrics[f"espo/bin{q}_clip_eps"] = float((eps_BQ[:, q] * nonempty_B).sum() / nonempty_B.sum().clamp(min=1))
+    if cfg.tis_cap is not None or cfg.icepop_bounds is not None:
         if infer_logp_BT is None:
             raise ValueError("tis_cap / icepop_bounds need infer_logp_BT (the engine's logprobs)")
-        weight_BT, mismatch = mismatch_weights(old, infer_logp_BT, mask, tis_cap=tis_cap, icepop_bounds=icepop_bounds)
+        weight_BT, mismatch = mismatch_weights(old, infer_logp_BT, mask, tis_cap=cfg.tis_cap,
+                                               icepop_bounds=cfg.icepop_bounds)
         obj_BT = obj_BT * weight_BT
         metrics.update(mismatch)
     n_tok = mask.sum().clamp(min=1)
-    if kl_coef != 0.0:
+    if cfg.kl_coef != 0.0:
         if ref_logp_BT is None:
-            raise ValueError(f"kl_coef={kl_coef} needs ref_logp_BT (the reference policy's logprobs)")
-        kl_BT = kl_penalty(logp_BT, ref_logp_BT, mask, estimator=kl_estimator)
-        obj_BT = obj_BT - kl_coef * kl_BT
+            raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logp_BT (the reference policy's logprobs)")
+        kl_BT = kl_penalty(logp_BT, ref_logp_BT, mask, estimator=cfg.kl_estimator)
+        obj_BT = obj_BT - cfg.kl_coef * kl_BT
         metrics["kl_ref"] = float((kl_BT.detach() * mask).sum() / n_tok)
-    elif kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator={kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
-    loss = -aggregate(obj_BT, mask, aggregation=aggregation, normalizer=normalizer, max_tokens=max_tokens,
-                      group_BT=group_BT, num_groups=espo_num_groups)
+    loss = -aggregate(obj_BT, mask, aggregation=cfg.aggregation, normalizer=normalizer, max_tokens=cfg.max_tokens,
+                      bin_BT=bin_BT, num_bins=cfg.espo_num_bins)
     with torch.no_grad():
         r = ratio_BT[mask.bool()]
         log_w = log_w_BT.detach()

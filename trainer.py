@@ -27,7 +27,7 @@ import torch
 
 from config import TrainConfig
 from distributed import all_gather_list, all_reduce_float, idle_forward, padded_microbatches, rank_world
-from espo import policy_loss, resolve_aggregation
+from espo import policy_loss
 from filter import zvp_token_advantages
 from model import token_entropy, token_logprobs
 from scheduler import pack_microbatches
@@ -189,8 +189,9 @@ def policy_update(model, opt, batch: TrainBatch, old_logp: dict, old_ent: dict, 
     """
     rank, world = rank_world()
     losses, lmetrics, m = [], [], {}
-    aggregation = resolve_aggregation(cfg.loss_type, cfg.aggregation or None)
-    icepop = (cfg.icepop_low, cfg.icepop_high) if cfg.icepop_high > 0 else None
+    loss_cfg = cfg.loss_config()
+    aggregation = loss_cfg.aggregation
+    needs_infer = loss_cfg.tis_cap is not None or loss_cfg.icepop_bounds is not None
     for mb, members in enumerate(minibatches(len(batch.seqs), cfg, step)):
         # the loss of one optimizer step is a mean over the whole mini-batch, not per micro-batch
         normalizer = (sum(len(batch.seqs[i]) - batch.starts[i] for i in members) if aggregation == "token-mean"
@@ -216,16 +217,9 @@ def policy_update(model, opt, batch: TrainBatch, old_logp: dict, old_ent: dict, 
                 with torch.no_grad():
                     ref_logp = token_logprobs(ref_model(inputs, routed_experts=routes)[0], targets, cfg.temperature)
             loss, lm = policy_loss(
-                logp, pad_rows([old_logp[i] for i in idx], T),
-                batch.advantages(idx, T).to(cfg.device), mask, loss_type=cfg.loss_type,
-                old_entropy_BT=pad_rows([old_ent[i] for i in idx], T), vocab_size=cfg.model.vocab_size,
-                espo_alpha=cfg.espo_alpha, espo_top_frac=cfg.espo_top_frac, espo_num_groups=cfg.espo_num_groups,
-                clip_eps_low=cfg.clip_eps_low if cfg.clip_eps_low >= 0 else None,
-                clip_eps_high=cfg.clip_eps_high if cfg.clip_eps_high >= 0 else None,
-                aggregation=aggregation, normalizer=normalizer, max_tokens=cfg.max_new_tokens,
-                ref_logp_BT=ref_logp, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-                infer_logp_BT=batch.engine_logp(idx, T).to(cfg.device) if cfg.tis_cap > 0 or icepop else None,
-                tis_cap=cfg.tis_cap if cfg.tis_cap > 0 else None, icepop_bounds=icepop)
+                logp, pad_rows([old_logp[i] for i in idx], T), batch.advantages(idx, T).to(cfg.device), mask, loss_cfg,
+                old_entropy_BT=pad_rows([old_ent[i] for i in idx], T), ref_logp_BT=ref_logp,
+                infer_logp_BT=batch.engine_logp(idx, T).to(cfg.device) if needs_infer else None, normalizer=normalizer)
             (loss * world if world > 1 else loss).backward()
             total += loss.item()
             lmetrics.append(lm)

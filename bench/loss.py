@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from espo import LOSS_TYPES, PAPER_AGGREGATION, PAPER_CLIP_EPS, policy_loss  # noqa: E402
+from espo import LOSS_TYPES, PAPER_AGGREGATION, PAPER_CLIP_EPS, LossConfig, policy_loss  # noqa: E402
 from reference_losses import reference_loss  # noqa: E402
 
 VOCAB = 151_936  # Qwen3's vocabulary: sets ESPO's log|V|
@@ -54,13 +54,10 @@ def make_batch(B: int, T: int, dtype: torch.dtype, seed: int = 0) -> dict:
 def vectorised(b: dict, loss_type: str, opts: dict):
     """One loss + backward of espo.policy_loss on the whole batch."""
     logp = b["logp"].detach().requires_grad_()
-    extra = {}
-    if opts.get("kl_coef"):
-        extra.update(ref_logp_BT=b["ref"], kl_coef=opts["kl_coef"])
-    if opts.get("tis_cap"):
-        extra.update(infer_logp_BT=b["infer"], tis_cap=opts["tis_cap"])
-    loss, _ = policy_loss(logp, b["old"], b["adv"], b["mask"], loss_type=loss_type, old_entropy_BT=b["ent"],
-                          vocab_size=VOCAB, max_tokens=b["mask"].shape[1], **extra)
+    cfg = LossConfig(loss_type=loss_type, vocab_size=VOCAB, max_tokens=b["mask"].shape[1],
+                     kl_coef=opts.get("kl_coef", 0.0), tis_cap=opts.get("tis_cap"))
+    loss, _ = policy_loss(logp, b["old"], b["adv"], b["mask"], cfg, old_entropy_BT=b["ent"],
+                          ref_logp_BT=b["ref"] if cfg.kl_coef else None, infer_logp_BT=b["infer"] if cfg.tis_cap else None)
     loss.backward()
 
 

@@ -91,27 +91,27 @@ def reinforce_terms(logp, old, adv, i, toks, **_):
     return {t: adv[i] * logp[i, t] for t in toks}
 
 
-def espo_groups(ent, i, toks, *, top_frac, num_groups):
+def espo_bins(ent, i, toks, *, top_frac, num_bins):
     """ESPO arXiv 2512.00499 entropy split, readings 3: the ceil(top_frac * n) highest-entropy tokens
-    (ties: earlier position first), then the remaining ranks split evenly into num_groups - 1 groups."""
+    (ties: earlier position first), then the remaining ranks split evenly into num_bins - 1 bins."""
     ranked = sorted(toks, key=lambda t: -float(ent[i, t]))  # stable: ties keep position order
     n = len(ranked)
     top = max(1, math.ceil(top_frac * n))
-    groups = {}
+    bins = {}
     for r, t in enumerate(ranked):
-        groups[t] = 0 if (r < top or num_groups == 1) else 1 + (r - top) * (num_groups - 1) // max(n - top, 1)
-    return groups
+        bins[t] = 0 if (r < top or num_bins == 1) else 1 + (r - top) * (num_bins - 1) // max(n - top, 1)
+    return bins
 
 
-def espo_terms(logp, old, adv, i, toks, *, ent, vocab_size, alpha, top_frac, num_groups, **_):
-    """ESPO arXiv 2512.00499: per entropy group tau, s_tau = exp(mean_{t in tau} log w_t) in the GSPO-token
+def espo_terms(logp, old, adv, i, toks, *, ent, vocab_size, alpha, top_frac, num_bins, **_):
+    """ESPO arXiv 2512.00499: per entropy bin tau, s_tau = exp(mean_{t in tau} log w_t) in the GSPO-token
     form s_t = sg[s_tau] pi/sg[pi], clip eps_tau = alpha * mean_{t in tau} e_t / log|V|; term
     min(s_t A, clip(s_t, 1 - eps_tau, 1 + eps_tau) A); the paper's aggregation is the mean over tokens
-    of a group, then groups of a sequence, then sequences."""
-    groups = espo_groups(ent, i, toks, top_frac=top_frac, num_groups=num_groups)
+    of a bin, then bins of a sequence, then sequences."""
+    bins = espo_bins(ent, i, toks, top_frac=top_frac, num_bins=num_bins)
     terms = {}
-    for q in set(groups.values()):
-        tau = [t for t in toks if groups[t] == q]
+    for q in set(bins.values()):
+        tau = [t for t in toks if bins[t] == q]
         log_s = sum(float((logp[i, t] - old[i, t]).detach()) for t in tau) / len(tau)
         eps = alpha * sum(float(ent[i, t]) for t in tau) / len(tau) / math.log(vocab_size)
         for t in tau:
@@ -125,7 +125,7 @@ TERMS = {"grpo": grpo_terms, "drgrpo": drgrpo_terms, "gspo": gspo_terms, "gspo-t
 
 
 def reference_loss(loss_type, logp, old, adv, mask, *, aggregation, eps_low=0.2, eps_high=0.28, max_tokens=None,
-                   ent=None, vocab_size=None, alpha=0.02, top_frac=0.2, num_groups=2, ref=None, kl_coef=0.0,
+                   ent=None, vocab_size=None, alpha=0.02, top_frac=0.2, num_bins=2, ref=None, kl_coef=0.0,
                    kl_estimator="k3", infer=None, tis_cap=None, icepop=None):
     """Minus the aggregated objective, by loops. Token value = c_t * term_t - kl_coef * k_t, where
     c_t = min(k, C) (TIS, Yao et al. 2025) or k 1[a <= k <= b] (IcePop, arXiv 2510.18855 sec. 4),
@@ -136,7 +136,7 @@ def reference_loss(loss_type, logp, old, adv, mask, *, aggregation, eps_low=0.2,
     for i in range(B):
         toks = [t for t in range(logp.shape[1]) if mask[i, t] > 0]
         terms = TERMS[loss_type](logp, old, adv, i, toks, eps_low=eps_low, eps_high=eps_high, ent=ent,
-                                 vocab_size=vocab_size, alpha=alpha, top_frac=top_frac, num_groups=num_groups)
+                                 vocab_size=vocab_size, alpha=alpha, top_frac=top_frac, num_bins=num_bins)
         values = {}
         for t in toks:
             v = terms[t]
@@ -155,10 +155,10 @@ def reference_loss(loss_type, logp, old, adv, mask, *, aggregation, eps_low=0.2,
             per_seq.append(seq_sum)
         elif aggregation == "seq-mean-token-sum-norm":
             per_seq.append(seq_sum / max_tokens)
-        elif aggregation == "seq-mean-group-mean-token-mean":
-            groups = espo_groups(ent, i, toks, top_frac=top_frac, num_groups=num_groups)
-            means = [sum(values[t] for t in toks if groups[t] == q) / sum(groups[t] == q for t in toks)
-                     for q in sorted(set(groups.values()))]
+        elif aggregation == "seq-mean-bin-mean-token-mean":
+            bins = espo_bins(ent, i, toks, top_frac=top_frac, num_bins=num_bins)
+            means = [sum(values[t] for t in toks if bins[t] == q) / sum(bins[t] == q for t in toks)
+                     for q in sorted(set(bins.values()))]
             per_seq.append(sum(means) / len(means) if means else seq_sum)
     if aggregation == "token-mean":
         return -total / n_total

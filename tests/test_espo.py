@@ -5,19 +5,19 @@ import math
 import pytest
 import torch
 
-from espo import (AGGREGATIONS, LOSS_TYPES, entropy_groups, group_advantages, policy_loss)
-from reference_losses import espo_groups, reference_loss
+from espo import (AGGREGATIONS, LOSS_TYPES, LossConfig, entropy_bins, group_advantages, policy_loss)
+from reference_losses import espo_bins, reference_loss
 
 V = 50
 TOL = 1e-10
-TOKEN_AGGS = [a for a in AGGREGATIONS if a != "seq-mean-group-mean-token-mean"]
+TOKEN_AGGS = [a for a in AGGREGATIONS if a != "seq-mean-bin-mean-token-mean"]
 MAX_TOKENS = 16  # Dr.GRPO's constant normaliser in these tests (>= T)
 # clip ranges wide enough that some tokens (or sequences) clip and some do not on random_batch
 TEST_EPS = {"grpo": (0.2, 0.28), "drgrpo": (0.2, 0.2), "gspo": (0.04, 0.06), "gspo-token": (0.04, 0.06),
             "gmpo": (0.3, 0.4), "cispo": (0.3, 0.2)}
 PAPER_AGG = {"grpo": "token-mean", "drgrpo": "seq-mean-token-sum-norm", "gspo": "seq-mean-token-mean",
              "gspo-token": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean", "cispo": "token-mean",
-             "espo": "seq-mean-group-mean-token-mean"}
+             "espo": "seq-mean-bin-mean-token-mean"}
 
 
 def random_batch(B=6, T=13, seed=0):
@@ -43,12 +43,21 @@ def value_and_grad(fn, logp):
     return loss.detach(), logp.grad.clone()
 
 
+TENSOR_ARGS = ("old_entropy_BT", "ref_logp_BT", "infer_logp_BT", "normalizer")
+
+
+def loss_call(b, **kw):
+    """espo.policy_loss on batch b with kw split into LossConfig fields and policy_loss's own arguments."""
+    tensors = {k: kw.pop(k) for k in TENSOR_ARGS if k in kw}
+    return policy_loss(b["logp"], b["old"], b["adv"], b["mask"], LossConfig(**kw), **tensors)
+
+
 def ours(b, loss_type, **kw):
     """espo.policy_loss on batch b: (loss, metrics)."""
     eps = TEST_EPS.get(loss_type, (None, None))
-    kw = {"clip_eps_low": eps[0], "clip_eps_high": eps[1], "max_tokens": MAX_TOKENS, **kw}
-    return policy_loss(b["logp"], b["old"], b["adv"], b["mask"], loss_type=loss_type, old_entropy_BT=b["ent"],
-                       vocab_size=V, **kw)
+    kw = {"clip_eps_low": eps[0], "clip_eps_high": eps[1], "max_tokens": MAX_TOKENS, "old_entropy_BT": b["ent"],
+          "vocab_size": V, **kw}
+    return loss_call(b, loss_type=loss_type, **kw)
 
 
 def reference(b, loss_type, aggregation, **kw):
@@ -81,11 +90,11 @@ def test_every_aggregation_matches_float64_loop_reference(loss_type, aggregation
     assert_parity(random_batch(seed=2), loss_type, aggregation)
 
 
-@pytest.mark.parametrize("num_groups,top_frac,alpha", [(2, 0.2, 0.02), (3, 0.3, 0.5), (1, 0.2, 0.3), (2, 0.5, 2.0)])
-def test_espo_groups_and_adaptive_clip_match_float64_loop_reference(num_groups, top_frac, alpha):
-    assert_parity(random_batch(), "espo", "seq-mean-group-mean-token-mean",
-                  ours_kw=dict(espo_alpha=alpha, espo_top_frac=top_frac, espo_num_groups=num_groups),
-                  ref_kw=dict(alpha=alpha, top_frac=top_frac, num_groups=num_groups))
+@pytest.mark.parametrize("num_bins,top_frac,alpha", [(2, 0.2, 0.02), (3, 0.3, 0.5), (1, 0.2, 0.3), (2, 0.5, 2.0)])
+def test_espo_bins_and_adaptive_clip_match_float64_loop_reference(num_bins, top_frac, alpha):
+    assert_parity(random_batch(), "espo", "seq-mean-bin-mean-token-mean",
+                  ours_kw=dict(espo_alpha=alpha, espo_top_frac=top_frac, espo_num_bins=num_bins),
+                  ref_kw=dict(alpha=alpha, top_frac=top_frac, num_bins=num_bins))
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
@@ -113,14 +122,14 @@ def test_tis_and_icepop_match_float64_loop_reference(loss_type, correction):
 def test_default_clip_ranges_are_the_papers(loss_type, eps):
     b = random_batch(seed=5)
     want = reference(b, loss_type, PAPER_AGG[loss_type], eps_low=eps[0], eps_high=eps[1])
-    got = policy_loss(b["logp"], b["old"], b["adv"], b["mask"], loss_type=loss_type, max_tokens=MAX_TOKENS)[0]
+    got = loss_call(b, loss_type=loss_type, max_tokens=MAX_TOKENS)[0]
     assert abs(float((got - want).detach())) <= TOL
 
 
 # ----------------------------------------------------------------------------- invariants
 
 @pytest.mark.parametrize("loss_type,aggregation", [(t, a) for t in LOSS_TYPES for a in TOKEN_AGGS]
-                         + [("espo", "seq-mean-group-mean-token-mean")])
+                         + [("espo", "seq-mean-bin-mean-token-mean")])
 def test_at_ratio_one_every_loss_has_the_reinforce_gradient_of_its_aggregation(loss_type, aggregation):
     b = random_batch(seed=6)
     b["old"] = b["logp"].detach().clone()  # pi_theta == pi_old: every ratio is 1, inside every clip range
@@ -138,10 +147,10 @@ def test_gspo_token_value_and_gradient_equal_gspo(aggregation):
     assert (g_seq - g_tok).abs().max() <= 1e-12
 
 
-def test_espo_with_one_entropy_group_is_gspo_token_with_the_adaptive_clip():
-    """One group: s_tau = s_i, eps_tau = alpha * mean entropy / log|V| per sequence; the group mean is the token mean."""
+def test_espo_with_one_entropy_bin_is_gspo_token_with_the_adaptive_clip():
+    """One bin: s_tau = s_i, eps_tau = alpha * mean entropy / log|V| per sequence; the bin mean is the token mean."""
     b, alpha = random_batch(seed=8), 0.3
-    v_espo, g_espo = value_and_grad(lambda: ours(b, "espo", espo_num_groups=1, espo_alpha=alpha)[0], b["logp"])
+    v_espo, g_espo = value_and_grad(lambda: ours(b, "espo", espo_num_bins=1, espo_alpha=alpha)[0], b["logp"])
     B = b["mask"].shape[0]
 
     def gspo_token_per_sequence():
@@ -149,15 +158,15 @@ def test_espo_with_one_entropy_group_is_gspo_token_with_the_adaptive_clip():
         for i in range(B):
             n = b["mask"][i].sum()
             eps = float(alpha * (b["ent"][i] * b["mask"][i]).sum() / n.clamp(min=1) / math.log(V))
-            total = total + policy_loss(b["logp"][i:i + 1], b["old"][i:i + 1], b["adv"][i:i + 1], b["mask"][i:i + 1],
-                                        loss_type="gspo-token", clip_eps_low=eps, clip_eps_high=eps,
-                                        aggregation="seq-mean-token-mean", normalizer=B)[0]
+            row = {k: b[k][i:i + 1] for k in ("logp", "old", "adv", "mask")}
+            total = total + loss_call(row, loss_type="gspo-token", clip_eps_low=eps, clip_eps_high=eps,
+                                      aggregation="seq-mean-token-mean", normalizer=B)[0]
         return total
 
     v_gspo, g_gspo = value_and_grad(gspo_token_per_sequence, b["logp"])
     assert abs(float(v_espo - v_gspo)) <= 1e-12
     assert (g_espo - g_gspo).abs().max() <= 1e-12
-    assert ours(b, "espo", espo_num_groups=1, espo_alpha=alpha)[1]["clip_frac_low"] > 0  # the clip was exercised
+    assert ours(b, "espo", espo_num_bins=1, espo_alpha=alpha)[1]["clip_frac_low"] > 0  # the clip was exercised
 
 
 @pytest.mark.parametrize("scale_by_std,std_over", [(True, "group"), (True, "batch"), (False, "group")])
@@ -186,7 +195,7 @@ def test_normalizer_splits_a_batch_into_micro_batches_that_add_up(loss_type, agg
     assert abs(float((whole - parts).detach())) <= 1e-12
 
 
-# ----------------------------------------------------------------------------- advantages, groups, metrics
+# ----------------------------------------------------------------------------- advantages, entropy bins, metrics
 
 def test_group_advantages_divide_by_the_group_or_the_batch_std():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
@@ -196,20 +205,20 @@ def test_group_advantages_divide_by_the_group_or_the_batch_std():
     torch.testing.assert_close(group_advantages(r, scale_by_std=False), centred)
 
 
-def test_entropy_groups_put_top_fraction_first_and_skip_padding():
+def test_entropy_bins_put_top_fraction_first_and_skip_padding():
     ent = torch.tensor([[0.1, 0.9, 0.5, 0.3, 0.7, 0.2, 0.0, 0.0, 0.0, 0.4, 9.0]])
     mask = torch.ones(1, 11)
     mask[0, 10] = 0
-    g = entropy_groups(ent, mask, top_frac=0.2, num_groups=2)
+    g = entropy_bins(ent, mask, top_frac=0.2, num_bins=2)
     assert g[0].tolist() == [1, 0, 1, 1, 0, 1, 1, 1, 1, 1, -1]  # ceil(0.2 * 10) = 2 top tokens
 
 
-def test_entropy_groups_match_the_reference_ranking_for_three_groups():
+def test_entropy_bins_match_the_reference_ranking_for_three_bins():
     b = random_batch(seed=9)
-    g = entropy_groups(b["ent"], b["mask"], top_frac=0.3, num_groups=3)
+    g = entropy_bins(b["ent"], b["mask"], top_frac=0.3, num_bins=3)
     for i in range(g.shape[0]):
         toks = [t for t in range(g.shape[1]) if b["mask"][i, t] > 0]
-        want = espo_groups(b["ent"], i, toks, top_frac=0.3, num_groups=3)
+        want = espo_bins(b["ent"], i, toks, top_frac=0.3, num_bins=3)
         assert [int(g[i, t]) for t in toks] == [want[t] for t in toks]
 
 
@@ -218,28 +227,28 @@ def test_clip_fractions_count_tokens_on_the_clipped_side():
     ratios = torch.tensor([[0.5, 1.0, 1.5, 1.1], [0.5, 1.0, 1.5, 1.1]], dtype=torch.float64)
     mask = torch.ones(2, 4, dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    m = policy_loss(ratios.log(), old, adv, mask, loss_type="grpo", clip_eps_low=0.2, clip_eps_high=0.28)[1]
+    m = policy_loss(ratios.log(), old, adv, mask, LossConfig(loss_type="grpo", clip_eps_low=0.2, clip_eps_high=0.28))[1]
     # A > 0 clips only above 1.28 (the 1.5), A < 0 only below 0.8 (the 0.5)
     assert m["clip_frac_high"] == 1 / 8 and m["clip_frac_low"] == 1 / 8
     assert (m["ratio_min"], m["ratio_max"]) == (0.5, 1.5) and abs(m["ratio_mean"] - 1.025) < 1e-12
 
 
-def test_metrics_report_entropy_group_sizes_kl_and_mismatch():
+def test_metrics_report_entropy_bin_sizes_kl_and_mismatch():
     b = random_batch()
-    m = ours(b, "espo", espo_num_groups=3, ref_logp_BT=b["ref"], kl_coef=0.1, infer_logp_BT=b["infer"], tis_cap=2.0)[1]
-    assert sum(m[f"espo/group{q}_tokens"] for q in range(3)) == b["mask"].sum()
-    assert m["espo/group0_clip_eps"] > m["espo/group2_clip_eps"] > 0  # high-entropy tokens get the wider clip
+    m = ours(b, "espo", espo_num_bins=3, ref_logp_BT=b["ref"], kl_coef=0.1, infer_logp_BT=b["infer"], tis_cap=2.0)[1]
+    assert sum(m[f"espo/bin{q}_tokens"] for q in range(3)) == b["mask"].sum()
+    assert m["espo/bin0_clip_eps"] > m["espo/bin2_clip_eps"] > 0  # high-entropy tokens get the wider clip
     assert m["kl_ref"] > 0 and m["approx_kl"] > 0 and 0 < m["mismatch/tis_truncated_frac"] < 1
 
 
 def test_bad_options_are_value_errors():
     b = random_batch()
-    base = (b["logp"], b["old"], b["adv"], b["mask"])
     cases = [
         (dict(loss_type="ppo"), "loss_type"),
-        (dict(loss_type="espo"), "old_entropy"),
+        (dict(loss_type="espo"), "vocab_size"),
+        (dict(loss_type="espo", vocab_size=V), "old_entropy"),
         (dict(loss_type="grpo", aggregation="sum"), "aggregation"),
-        (dict(loss_type="gspo", aggregation="seq-mean-group-mean-token-mean"), "entropy groups"),
+        (dict(loss_type="gspo", aggregation="seq-mean-bin-mean-token-mean"), "entropy bins"),
         (dict(loss_type="drgrpo"), "max_tokens"),
         (dict(loss_type="grpo", clip_eps_low=-0.1), "clip eps"),
         (dict(loss_type="grpo", kl_coef=0.1), "ref_logp"),
@@ -250,7 +259,7 @@ def test_bad_options_are_value_errors():
     ]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
-            policy_loss(*base, **kw)
+            loss_call(b, **kw)
     with pytest.raises(ValueError, match="G >= 2"):
         group_advantages(torch.ones(3, 1))
     with pytest.raises(ValueError, match="std_over"):

@@ -204,15 +204,15 @@ def test_token_advantages_replace_a_sequences_advantage_only_where_given():
 
 @pytest.mark.parametrize("loss_type", ["espo", "grpo"])
 def test_policy_loss_with_constant_token_advantages_equals_sequence_advantages(loss_type):
-    from espo import policy_loss
+    from espo import LossConfig, policy_loss
     B, T, V = 3, 5, 11
     logp = torch.randn(B, T, requires_grad=True)
     old, ent, adv = logp.detach() + 0.1 * torch.randn(B, T), torch.rand(B, T), torch.randn(B)
     mask = torch.ones(B, T)
     mask[0, 3:] = 0
-    kw = dict(loss_type=loss_type, old_entropy_BT=ent, vocab_size=V)
-    seq, _ = policy_loss(logp, old, adv, mask, **kw)
-    tok, _ = policy_loss(logp, old, adv[:, None].expand(B, T), mask, **kw)
+    cfg = LossConfig(loss_type=loss_type, vocab_size=V)
+    seq, _ = policy_loss(logp, old, adv, mask, cfg, old_entropy_BT=ent)
+    tok, _ = policy_loss(logp, old, adv[:, None].expand(B, T), mask, cfg, old_entropy_BT=ent)
     assert torch.allclose(seq, tok, atol=0, rtol=1e-6)
 
 
