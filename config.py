@@ -14,7 +14,10 @@ import runpy
 from dataclasses import dataclass, field
 
 from espo import LossConfig
+from filter import FilterConfig
 from model import ModelConfig
+from reward import RewardConfig
+from rollout import SamplingParams
 
 # Small-number arithmetic in two surface forms, with item spaces large enough (tens of
 # thousands of distinct questions) that held-out prompts unseen in training are plentiful.
@@ -161,9 +164,12 @@ class TrainConfig:
     repetition_weight: float = 0.0
     """Weight of the repeated-4-gram penalty in the shaping score (0 = off)."""
     reward_model: str = ""
-    """Reward model mixed into the shaping score: '' (none) or 'stub' (deterministic noise, to test the wiring)."""
+    """Scorer mixed into the shaping score: '' (none), 'stub' (a reward model of deterministic noise) or 'stub-judge'
+    (a pairwise judge against the gold answer); both stand-ins test the wiring (reward.py)."""
     rm_weight: float = 0.5
-    """Weight of the reward model's score in the shaping score."""
+    """Weight of the reward model's (or judge's) score in the shaping score."""
+    judge_dead_band: float = 0.1
+    """Judge verdicts within this of 1/2 count as ties and add exactly nothing (reward.judge_score)."""
     shaping_margin: float = 0.4
     """Shaping scale m < 1/2 in r = correct + m min(p, 1 - p) s."""
     reward_workers: int = 0
@@ -196,6 +202,24 @@ class TrainConfig:
             vocab_size=self.model.vocab_size, max_tokens=self.max_new_tokens, kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator, tis_cap=self.tis_cap if self.tis_cap > 0 else None,
             icepop_bounds=(self.icepop_low, self.icepop_high) if self.icepop_high > 0 else None)
+
+    def filter_config(self) -> FilterConfig:
+        """The zero-variance stages' settings (filter.FilterConfig). Raises ValueError on a bad filter setting."""
+        return FilterConfig(group_size=self.group_size, skip_prob=self.skip_prob, skip_half_life=self.skip_half_life,
+                            probe_size=self.probe_size, stop_threshold=self.probe_stop_threshold,
+                            enlarged_group_size=self.enlarged_group_size, oversample_rounds=self.oversample_rounds,
+                            keep_zero_variance=self.zero_variance == "rl-zvp", zvp_alpha=self.zvp_alpha)
+
+    def sampling_params(self) -> SamplingParams:
+        """How rollouts are sampled (rollout.SamplingParams). Raises ValueError on a bad sampling setting."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+    def reward_config(self) -> RewardConfig:
+        """How rewards are shaped (reward.RewardConfig). Raises ValueError on a bad reward setting."""
+        return RewardConfig(max_new_tokens=self.max_new_tokens, overlong_buffer=self.overlong_buffer,
+                            repetition_weight=self.repetition_weight, reward_model=self.reward_model,
+                            rm_weight=self.rm_weight, judge_dead_band=self.judge_dead_band,
+                            shaping_margin=self.shaping_margin)
 
 
 def _parse(value: str, like, key: str):

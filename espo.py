@@ -101,12 +101,13 @@ PAPER_AGGREGATION = {"grpo": "token-mean", "drgrpo": "seq-mean-token-sum-norm", 
 PAPER_CLIP_EPS = {"grpo": (0.2, 0.28), "drgrpo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4),
                   "gmpo": (0.4, 0.4), "cispo": (1.0, 0.28)}
 KL_ESTIMATORS = ("k1", "k3")
+ADV_EPS = 1e-6  # added to the std so a zero-variance group divides by a positive number
 
 
 # ----------------------------------------------------------------------------- advantages
 
 def group_advantages(rewards_PG: torch.Tensor, *, scale_by_std: bool = True, std_over: str = "group",
-                     eps: float = 1e-6) -> torch.Tensor:
+                     eps: float = ADV_EPS) -> torch.Tensor:
     """A [P, G] fp32 = (r - mean_g r) / (std + eps); without the std if scale_by_std is False.
 
     std_over "group": the std of each prompt's G rewards (GRPO, arXiv 2402.03300 sec. 4.1.2);
@@ -124,6 +125,27 @@ def group_advantages(rewards_PG: torch.Tensor, *, scale_by_std: bool = True, std
     if scale_by_std:
         std = r.std(dim=1, keepdim=True) if std_over == "group" else adv.std()
         adv = adv / (std + eps)
+    return adv
+
+
+def ragged_group_advantages(rewards_P: list[torch.Tensor], *, scale_by_std: bool = True,
+                            std_over: str = "group") -> list[torch.Tensor]:
+    """`group_advantages` of groups that may differ in size (stage 2 stops some at its k probes):
+    one [G_p] tensor per group, one batched call per size. With std_over "batch" the std is
+    taken over every group's centred rewards together, whatever their sizes."""
+    adv: list = [None] * len(rewards_P)
+    batch_std = None
+    if scale_by_std and std_over == "batch":
+        batch_std = torch.cat([r.float() - r.float().mean() for r in rewards_P]).std()
+    for size in sorted({len(r) for r in rewards_P}):
+        idx = [i for i, r in enumerate(rewards_P) if len(r) == size]
+        stacked_PG = torch.stack([rewards_P[i] for i in idx])
+        if batch_std is None:
+            rows = group_advantages(stacked_PG, scale_by_std=scale_by_std, std_over=std_over)
+        else:
+            rows = group_advantages(stacked_PG, scale_by_std=False) / (batch_std + ADV_EPS)
+        for i, a in zip(idx, rows):
+            adv[i] = a
     return adv
 
 

@@ -10,7 +10,7 @@ rollouts carry no policy gradient (DAPO, arXiv 2503.14476 sec. 3.2). The seed pa
   consistency makes it likely to be zero-variance again (GRESO, arXiv 2506.02177), and the
   decay brings it back as the policy moves on. An offline pass-rate file (JSONL of
   {"id", "pass_rate"}, measured by a smaller model) can seed the history once.
-- Stage 2, during rollout (`probe_rollouts`): k probe rollouts of each prompt first; a
+- Stage 2, during rollout (`probe_decisions`): k probe rollouts of each prompt first; a
   prompt whose probes all got the same reward stops there (unless its history makes the
   rest likely to differ: reading 3), its other G - k rollouts are never generated; the
   rest get G - k more (or G' - k, G' > G, to spend the savings on prompts that are
@@ -18,8 +18,11 @@ rollouts carry no policy gradient (DAPO, arXiv 2503.14476 sec. 3.2). The seed pa
 - Stage 3, after rollout (`post_rollout_filter`, `zvp_token_advantages`): drop the groups
   that are still zero-variance, or keep them with RL-ZVP's entropy-shaped token
   advantages (arXiv 2509.21880): all correct A_t = a H_t, all wrong A_t = -a (max_t H - H_t).
-- `collect_groups` runs stages 1 and 2 for one training step and over-samples (draws
-  more prompts, in rounds) until the step has its target number of informative groups.
+- Over-sampling (`oversample_size`, DAPO's dynamic sampling): more prompts, in rounds,
+  until the step has its target number of informative groups.
+
+Every function here decides from plain data (rewards, lengths, history); train.py's
+`collect_rollouts` calls them in the order above, between its own generate and score calls.
 
 Readings chosen:
 1. Stage 1's decay is in training steps since the prompt's last rollout, and each record
@@ -60,13 +63,13 @@ import json
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 MIN_INFORMATIVE_RATE = 0.05  # over-sampling: below this observed rate, draw as if it were this (bounds one round)
-STAGE1_COUNTS = ("prompts_skipped", "rollouts_saved", "tokens_saved_est")
-STAGE2_COUNTS = ("prompts_stopped", "rollouts_saved", "tokens_saved_est", "rollouts_added")
+STAGE1_COUNTS = ("prompts_skipped", "rollouts_saved", "tokens_saved_est")  # what pre_rollout_filter counts
+STAGE2_COUNTS = ("prompts_stopped", "rollouts_saved", "tokens_saved_est", "rollouts_added")  # probe_decisions'
 OFFLINE_WEIGHT = 8  # rollouts an offline pass rate (or a record without a count) weighs as, in stage 2's posterior
 JEFFREYS = 0.5  # Beta(1/2, 1/2) prior of stage 2's stop decision
 
@@ -125,28 +128,25 @@ class PromptHistory:
         return skip_prob * 2.0 ** (-max(0, step - rec.last_step) / half_life)
 
 
-def pre_rollout_filter(keys: list, history: PromptHistory, step: int, *, skip_prob: float, half_life: float,
-                       rng: random.Random, group_size: int, predicted_tokens: list[float]) -> tuple[list[bool], dict]:
+def pre_rollout_filter(keys: list, history: PromptHistory, step: int, cfg: FilterConfig, *, rng: random.Random,
+                       predicted_tokens: list[float]) -> tuple[list[bool], dict]:
     """Stage 1: keep mask over `keys` and counts: prompts_skipped, rollouts_saved, tokens_saved_est.
 
     A prompt is skipped when its record's uniform draw (made from rng at the first decision
     after the record was written, then kept) is below its skip probability now, so the chance
     that it is still skipped at step t is that probability, however often it is drawn.
     predicted_tokens: expected completion length of each prompt (for the token estimate).
-    Raises ValueError unless 0 <= skip_prob <= 1 and half_life > 0.
     """
-    if not 0.0 <= skip_prob <= 1.0 or half_life <= 0:
-        raise ValueError(f"need 0 <= skip_prob <= 1 and half_life > 0; got {skip_prob}, {half_life}")
     keep = []
     for k in keys:
-        p = history.skip_probability(k, step, skip_prob=skip_prob, half_life=half_life)
+        p = history.skip_probability(k, step, skip_prob=cfg.skip_prob, half_life=cfg.skip_half_life)
         if p > 0:
             rec = history.records[k]
-            rec.draw = rng.random() if rec.draw is None else rec.draw
+            rec.draw = rng.random() if rec.draw is None else rec.draw  # one draw per record (reading 1)
         keep.append(not (p > 0 and history.records[k].draw < p))
     skipped = [i for i, kept in enumerate(keep) if not kept]
-    return keep, {"prompts_skipped": len(skipped), "rollouts_saved": len(skipped) * group_size,
-                  "tokens_saved_est": float(sum(predicted_tokens[i] for i in skipped)) * group_size}
+    return keep, {"prompts_skipped": len(skipped), "rollouts_saved": len(skipped) * cfg.group_size,
+                  "tokens_saved_est": float(sum(predicted_tokens[i] for i in skipped)) * cfg.group_size}
 
 
 # ----------------------------------------------------------------------------- stage 2
@@ -157,9 +157,7 @@ class Scored:
     reward: float
     num_tokens: int  # generated tokens
     payload: Any = None  # whatever the caller needs back (e.g. the Rollout)
-
-
-Sampler = Callable[[list, int], list[list[Scored]]]  # (prompts, n) -> n scored rollouts per prompt, in order
+    reason: str = "ok"  # how scoring went: "ok", "timeout" or "error: <type>" (reward.RewardPool); such a reward is 0
 
 
 def rest_agree_probability(probe_reward: float, probe_size: int, rest: int, record: PromptRecord | None) -> float:
@@ -176,51 +174,33 @@ def rest_agree_probability(probe_reward: float, probe_size: int, rest: int, reco
     return math.prod((a + i) / (a + b + i) for i in range(rest))
 
 
-def probe_rollouts(prompts: list, sample: Sampler, *, group_size: int, probe_size: int, enlarged_size: int = 0,
-                   history: list[PromptRecord | None] | None = None, stop_threshold: float = 0.5
-                   ) -> tuple[list[list[Scored]], dict]:
-    """Stage 2: a group per prompt, of probe_size rollouts where the probes agree, else of G (or enlarged_size).
+def probe_decisions(probes: list[list[Scored]], records: list[PromptRecord | None], cfg: FilterConfig
+                    ) -> tuple[list[int], dict]:
+    """Stage 2: the prompts whose probes say go on (indices into probes), and counts.
 
-    probe_size 0 turns the stage off (one call of sample with n = group_size). A prompt whose
-    probes agree stops if rest_agree_probability(...) >= stop_threshold, given history[i] (its
-    last group; None = none seen): without history that is every prompt whose probes agree.
+    probes[i]: prompt i's cfg.probe_size scored probe rollouts; records[i]: its last group
+    (None = never seen). A prompt whose probes agree stops if rest_agree_probability(...) >=
+    cfg.stop_threshold: without history, every prompt whose probes agree (reading 3).
     Counts: prompts_stopped, rollouts_saved, tokens_saved_est, rollouts_added (by enlarging).
-    Raises ValueError unless probe_size is 0 or in [2, group_size), enlarged_size is 0 or
-    >= group_size (with probes on), and 0 <= stop_threshold <= 1.
     """
-    if not 0.0 <= stop_threshold <= 1.0:
-        raise ValueError(f"stop_threshold={stop_threshold} must be in [0, 1]")
-    if probe_size and not 2 <= probe_size < group_size:
-        raise ValueError(f"probe_size={probe_size}: use 0 (off) or 2..{group_size - 1} (group_size={group_size})")
-    if enlarged_size and (enlarged_size < group_size or not probe_size):
-        raise ValueError(f"enlarged_size={enlarged_size} needs probes and must be >= group_size={group_size}")
-    stats = {"prompts_stopped": 0, "rollouts_saved": 0, "tokens_saved_est": 0.0, "rollouts_added": 0}
-    if not probe_size or not prompts:
-        return (sample(prompts, group_size) if prompts else []), stats
-    groups = sample(prompts, probe_size)
-    history = history or [None] * len(prompts)
-    rest = group_size - probe_size
-    stopped = [i for i, g in enumerate(groups) if len({s.reward for s in g}) == 1
-               and rest_agree_probability(g[0].reward, probe_size, rest, history[i]) >= stop_threshold]
-    go_on = sorted(set(range(len(groups))) - set(stopped))
-    more = sample([prompts[i] for i in go_on], max(group_size, enlarged_size) - probe_size) if go_on else []
-    for i, extra in zip(go_on, more):
-        groups[i] = groups[i] + extra
-    stats["prompts_stopped"] = len(stopped)
-    stats["rollouts_saved"] = len(stopped) * (group_size - probe_size)
-    stats["tokens_saved_est"] = float(sum(sum(s.num_tokens for s in groups[i]) / probe_size for i in stopped)) \
-        * (group_size - probe_size)
-    stats["rollouts_added"] = len(go_on) * max(0, enlarged_size - group_size)
-    return groups, stats
+    k, rest = cfg.probe_size, cfg.group_size - cfg.probe_size
+    stopped = [i for i, g in enumerate(probes) if not is_informative(g)
+               and rest_agree_probability(g[0].reward, k, rest, records[i]) >= cfg.stop_threshold]
+    go_on = sorted(set(range(len(probes))) - set(stopped))
+    # a stopped prompt would have spent `rest` more rollouts of about its probes' mean length (reading 5)
+    tokens = float(sum(sum(s.num_tokens for s in probes[i]) / k for i in stopped)) * rest
+    return go_on, {"prompts_stopped": len(stopped), "rollouts_saved": len(stopped) * rest, "tokens_saved_est": tokens,
+                   "rollouts_added": len(go_on) * max(0, cfg.enlarged_group_size - cfg.group_size)}
 
 
 def is_informative(group: list[Scored]) -> bool:
+    """A group trains the policy only if its rewards differ (else every advantage is zero)."""
     return len({s.reward for s in group}) > 1
 
 
 @dataclass(frozen=True)
-class StageConfig:
-    """Knobs of stages 1 and 2 and of over-sampling (see TrainConfig for their meaning)."""
+class FilterConfig:
+    """The zero-variance stages' settings (TrainConfig's filter fields; see there for their meaning)."""
     group_size: int
     skip_prob: float = 0.0
     skip_half_life: float = 200.0
@@ -228,10 +208,13 @@ class StageConfig:
     stop_threshold: float = 0.5
     enlarged_group_size: int = 0
     oversample_rounds: int = 0
-    keep_zero_variance: bool = False  # Stage 3 keeps them (RL-ZVP): every group counts toward the target
+    keep_zero_variance: bool = False  # stage 3 keeps them (RL-ZVP): every group counts toward the step's target
+    zvp_alpha: float = 0.1
 
     def __post_init__(self):
         """Raises ValueError on a setting the stages would reject, before any generation is spent."""
+        if self.group_size < 2:
+            raise ValueError(f"group_size={self.group_size} must be >= 2 (a group-relative advantage needs two rollouts)")
         if not 0.0 <= self.skip_prob <= 1.0 or self.skip_half_life <= 0:
             raise ValueError(f"need 0 <= skip_prob <= 1 and skip_half_life > 0; got {self.skip_prob}, {self.skip_half_life}")
         if self.probe_size and not 2 <= self.probe_size < self.group_size:
@@ -243,57 +226,27 @@ class StageConfig:
                              f">= group_size={self.group_size}")
         if self.oversample_rounds < 0:
             raise ValueError(f"oversample_rounds={self.oversample_rounds} must be >= 0")
+        if self.zvp_alpha < 0:
+            raise ValueError(f"zvp_alpha={self.zvp_alpha} must be >= 0")
+
+    @property
+    def rest_size(self) -> int:
+        """Stage 2: rollouts still to generate for a prompt whose probes go on (G - k, or G' - k enlarged)."""
+        return max(self.group_size, self.enlarged_group_size) - self.probe_size
 
 
-def collect_groups(prompts: list, sample: Sampler, history: PromptHistory, step: int, cfg: StageConfig, *,
-                   key: Callable[[Any], Any], predicted_tokens: Callable[[Any], float], rng: random.Random,
-                   draw: Callable[[int], list] | None = None, target: int | None = None):
-    """Stages 1 and 2 for one step, over-sampling until `target` informative groups (default len(prompts)).
+def oversample_size(groups: list[list[Scored]], drawn: int, target: int, cfg: FilterConfig) -> int:
+    """Over-sampling: prompts to draw in the next round, 0 once `target` groups are informative.
 
-    sample(prompts, n): generates and scores n rollouts per prompt. draw(n): n more prompts
-    for over-sampling (None: none). Each extra round draws what is missing divided by the
-    informative rate seen so far this step, at most len(prompts). Returns
-    (list of (prompt, group), counts), groups in the order the prompts were drawn,
-    zero-variance ones included (Stage 3 decides). Records every group in `history`.
+    groups: the step's groups so far (from `drawn` prompts). What is missing is divided by
+    the informative rate seen so far this step (at least MIN_INFORMATIVE_RATE), and one
+    round draws at most `target` prompts.
     """
-    target = len(prompts) if target is None else target
-    out, drawn, round_cap = [], 0, len(prompts)
-    counts = {f"stage{s}_{k}": 0 for s, ks in ((1, STAGE1_COUNTS), (2, STAGE2_COUNTS)) for k in ks}
-    counts["oversample_rounds"] = 0
-    for rnd in range(cfg.oversample_rounds + 1):
-        if rnd:
-            informative = sum(cfg.keep_zero_variance or is_informative(g) for _, g in out)
-            if informative >= target or draw is None:
-                break
-            rate = max(informative / drawn, MIN_INFORMATIVE_RATE)
-            prompts = draw(min(round_cap, math.ceil((target - informative) / rate)))
-            counts["oversample_rounds"] = rnd
-        drawn += len(prompts)
-        keys = [key(p) for p in prompts]
-        if cfg.skip_prob > 0:
-            keep, s1 = pre_rollout_filter(keys, history, step, skip_prob=cfg.skip_prob, half_life=cfg.skip_half_life,
-                                          rng=rng, group_size=cfg.group_size,
-                                          predicted_tokens=[predicted_tokens(p) for p in prompts])
-            _add(counts, s1, "stage1_")
-        else:
-            keep = [True] * len(prompts)
-        kept = [p for p, k in zip(prompts, keep) if k]
-        groups, s2 = probe_rollouts(kept, sample, group_size=cfg.group_size, probe_size=cfg.probe_size,
-                                    enlarged_size=cfg.enlarged_group_size, stop_threshold=cfg.stop_threshold,
-                                    history=[history.records.get(key(p)) for p in kept])
-        if cfg.probe_size:
-            _add(counts, s2, "stage2_")
-        for p, g in zip(kept, groups):
-            history.observe(key(p), sum(s.reward for s in g) / len(g), step, n=len(g))
-            out.append((p, g))
-    counts["prompts_drawn"] = drawn
-    counts["groups_informative"] = sum(is_informative(g) for _, g in out)
-    return out, counts
-
-
-def _add(total: dict, part: dict, prefix: str):
-    for k, v in part.items():
-        total[prefix + k] += v
+    informative = sum(cfg.keep_zero_variance or is_informative(g) for g in groups)
+    if informative >= target:
+        return 0
+    rate = max(informative / drawn, MIN_INFORMATIVE_RATE)
+    return min(target, math.ceil((target - informative) / rate))
 
 
 # ----------------------------------------------------------------------------- stage 3

@@ -16,15 +16,18 @@ from distributed import rank_world
 
 class MetricsLog:
     """metrics.jsonl, plus TensorBoard or Weights & Biases when cfg.logger asks; only rank 0 writes.
+    Without a cfg the records are only kept in memory (`records`).
 
     keep: on resume, how many records of the existing metrics.jsonl to keep (those the
     checkpoint had seen); later ones are dropped and written again by the resumed run.
     Raises ValueError on an unknown logger, or one whose package is not installed.
     """
 
-    def __init__(self, cfg: TrainConfig, keep: int | None = None):
+    def __init__(self, cfg: TrainConfig | None = None, keep: int | None = None):
         self.records, self.backend = [], None
-        self.enabled = rank_world()[0] == 0
+        self.enabled = cfg is not None and rank_world()[0] == 0
+        if cfg is None:
+            return
         path = os.path.join(cfg.out_dir, "metrics.jsonl")
         if keep is not None and os.path.exists(path):
             with open(path) as f:
@@ -74,7 +77,7 @@ def plot(records: list[dict], path: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rl = [r for r in records if r.get("stage") == "rl"]
+    rl = [r for r in records if r.get("stage") == "rl" and "reward" in r]  # a step with no rollouts has no reward
     ev = [r for r in records if r.get("stage") == "eval"]
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
     ax[0].plot([r["step"] for r in rl], [r["reward"] for r in rl])

@@ -333,6 +333,78 @@ def adjust_rewards(correct_PG: torch.Tensor, shaping_PG: torch.Tensor, *, margin
     return (c + margin * torch.minimum(p, 1 - p) * shaping_PG.double().clamp(-1, 1)).float()
 
 
+@dataclass(frozen=True)
+class RewardConfig:
+    """How a group's rewards are shaped beyond correctness (TrainConfig's reward fields).
+
+    reward_model: "" (none), "stub" (StubRewardModel, a scalar score) or "stub-judge"
+    (StubJudge, pairwise against the gold answer); both stand-ins test the wiring, a real
+    model plugs in behind the same protocol. max_new_tokens is the overlong penalty's limit.
+    Raises ValueError on an unknown reward model, shaping_margin outside [0, 0.5),
+    overlong_buffer outside [0, max_new_tokens], or judge_dead_band outside [0, 0.5).
+    """
+    max_new_tokens: int
+    overlong_buffer: int = 0
+    repetition_weight: float = 0.0
+    reward_model: str = ""
+    rm_weight: float = 0.5
+    judge_dead_band: float = 0.1
+    shaping_margin: float = 0.4
+
+    def __post_init__(self):
+        if self.reward_model not in REWARD_MODELS:
+            raise ValueError(f"reward_model={self.reward_model!r}; valid: {', '.join(map(repr, REWARD_MODELS))}")
+        if not 0 <= self.shaping_margin < 0.5:
+            raise ValueError(f"shaping_margin={self.shaping_margin} must lie in [0, 0.5), or a correct answer could "
+                             f"get a negative advantage")
+        if not 0 <= self.overlong_buffer <= self.max_new_tokens:
+            raise ValueError(f"overlong_buffer={self.overlong_buffer} must lie in [0, max_new_tokens={self.max_new_tokens}]")
+        if not 0 <= self.judge_dead_band < 0.5:
+            raise ValueError(f"judge_dead_band={self.judge_dead_band} must lie in [0, 0.5)")
+
+    @property
+    def shapes(self) -> bool:
+        """Whether any shaping applies (otherwise the reward is the correctness itself)."""
+        return bool(self.overlong_buffer or self.repetition_weight or self.reward_model)
+
+
+REWARD_MODELS = ("", "stub", "stub-judge")
+RM_SCORE_SCALE = 1.0  # reward-model score units per tanh unit in the shaping score (the stub's scores lie in [-1, 1])
+
+
+def reward_model_for(cfg: RewardConfig) -> RewardModel | PairwiseJudge | None:
+    """The scorer cfg.reward_model names (None for "")."""
+    return {"": None, "stub": StubRewardModel(), "stub-judge": StubJudge()}[cfg.reward_model]
+
+
+def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg: RewardConfig, *, scorer=None,
+                   prompt: str = "", texts: list[str] | None = None, reference: str = "") -> torch.Tensor:
+    """One group's final rewards [G] fp32: correctness plus shaping kept inside the correctness class.
+
+    The shaping score s sums DAPO's overlong penalty, the repetition penalty and the
+    scorer's term (a reward model's score through `rm_score`, or a judge's verdict against
+    `reference` through `judge_score`), and enters through `adjust_rewards`, so no correct
+    response's advantage turns negative. texts (the decoded completions) and prompt are
+    needed only with a scorer. Without any shaping, the correctness is returned as it is.
+    """
+    if not cfg.shapes:
+        return correct_G
+    G = len(completion_ids)
+    s_G = torch.zeros(G, dtype=torch.float64)
+    if cfg.overlong_buffer:
+        s_G += torch.tensor([overlong_penalty(len(x), max_len=cfg.max_new_tokens, buffer=cfg.overlong_buffer)
+                             for x in completion_ids])
+    if cfg.repetition_weight:
+        s_G += cfg.repetition_weight * torch.tensor([repetition_penalty(x) for x in completion_ids])
+    if hasattr(scorer, "compare"):  # a PairwiseJudge
+        p_better = torch.tensor(scorer.compare([prompt] * G, texts, [reference] * G), dtype=torch.float64)
+        s_G += cfg.rm_weight * judge_score(p_better, dead_band=cfg.judge_dead_band)
+    elif scorer is not None:
+        scores = torch.tensor(scorer.score([prompt] * G, texts), dtype=torch.float64)
+        s_G += cfg.rm_weight * rm_score(scores, scale=RM_SCORE_SCALE)
+    return adjust_rewards(correct_G, s_G, margin=cfg.shaping_margin)
+
+
 # ----------------------------------------------------------------------------- overlapped scoring
 
 def _call(fn: Callable[..., float], args: tuple) -> tuple[float, str]:

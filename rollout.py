@@ -71,6 +71,24 @@ STOP_CHECK_EVERY = 8
 """Decode steps between checks that every row has stopped (each check syncs a GPU)."""
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """How an engine samples (SGLang's and vLLM's sampling parameters): the rollout's settings.
+
+    temperature 0 is greedy; top_k 0 and top_p 1 keep the whole vocabulary.
+    Raises ValueError on max_new_tokens < 1, temperature < 0, top_p outside (0, 1] or top_k < 0.
+    """
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"sampling: max_new_tokens={self.max_new_tokens} (>= 1), temperature={self.temperature} "
+                             f"(>= 0), top_p={self.top_p} (in (0, 1]), top_k={self.top_k} (>= 0, 0 = off)")
+
+
 @dataclass
 class Rollout:
     """One sampled completion of one prompt, whichever engine produced it."""
@@ -503,10 +521,9 @@ class NativeEngine:
         self.weight_version = version
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, seed: int | None = None,
                  group_ids: list[int] | None = None) -> list[Rollout]:
-        """n rollouts of each prompt, returned prompt-major ([p0 s0, p0 s1, ..., p1 s0, ...]).
+        """n rollouts of each prompt under `params`, returned prompt-major ([p0 s0, p0 s1, ..., p1 s0, ...]).
 
         Each distinct prompt is prefilled once; its rows share that prefill. Sampling is
         batch-invariant: sample j of group g draws from its own random stream keyed by
@@ -520,6 +537,7 @@ class NativeEngine:
         """
         if not prompts:
             return []
+        max_new_tokens = params.max_new_tokens
         lens = [len(p) for p in prompts]
         if max_new_tokens < 1 or min(lens) == 0 or max(lens) + max_new_tokens > self.cfg.max_seq_len:
             raise ValueError(f"prompt lengths span [{min(lens)}, {max(lens)}] with max_new_tokens={max_new_tokens}; need "
@@ -572,7 +590,7 @@ class NativeEngine:
         done_B = torch.zeros(B, dtype=torch.bool, device=dev)
         steps = C
         for t in range(C):
-            ids_B, logp_B = sample(last_BV, temperature=temperature, top_p=top_p, top_k=top_k,
+            ids_B, logp_B = sample(last_BV, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                    u_B=row_uniforms(keys_B, t))
             ids_B = ids_B.masked_fill_(done_B, self.pad_id)  # finished rows emit padding
             ids_BC[:, t] = ids_B

@@ -22,8 +22,8 @@ import os
 import torch
 
 from model import ModelConfig
-from rollout import (DEFAULT_BUCKET_BYTES, Named, Rollout, full_tensor, hf_tensors, quantize_fp8, row_keys,
-                     weight_buckets)
+from rollout import (DEFAULT_BUCKET_BYTES, Named, Rollout, SamplingParams, full_tensor, hf_tensors, quantize_fp8,
+                     row_keys, weight_buckets)
 
 
 def _import_sglang():
@@ -52,8 +52,8 @@ def sglang_engine_args(model_path: str, *, fp8: bool, tp_size: int = 1, mem_frac
 SGLANG_SEED_BITS = 31  # per-request sampling_seed kept a non-negative int32, a range every SGLang version takes
 
 
-def sglang_request(prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-                   top_k: int, seed: int | None, eos_id: int, group_ids: list[int] | None = None) -> dict:
+def sglang_request(prompts: list[list[int]], params: SamplingParams, *, n: int, seed: int | None, eos_id: int,
+                   group_ids: list[int] | None = None) -> dict:
     """Keyword arguments of `sglang.Engine.generate` for n samples of each prompt, prompt-major.
 
     Each sample is its own request (SGLang's radix cache shares the prompt's prefill).
@@ -64,15 +64,16 @@ def sglang_request(prompts: list[list[int]], *, n: int, max_new_tokens: int, tem
     [routed_experts_start_len, seqlen - 1)). top_k 0 (off) is SGLang's -1.
     """
     rows = [list(p) for p in prompts for _ in range(n)]
-    base = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                top_k=top_k if top_k > 0 else -1, stop_token_ids=[eos_id], skip_special_tokens=False, no_stop_trim=True)
-    params = [dict(base) for _ in rows]
+    base = dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else -1, stop_token_ids=[eos_id], skip_special_tokens=False,
+                no_stop_trim=True)
+    per_row = [dict(base) for _ in rows]
     if seed is not None:
         groups = group_ids if group_ids is not None else list(range(len(prompts)))
         keys = row_keys(seed, [g for g in groups for _ in range(n)], [j for _ in prompts for j in range(n)])
-        for p, k in zip(params, (keys & ((1 << SGLANG_SEED_BITS) - 1)).tolist()):
+        for p, k in zip(per_row, (keys & ((1 << SGLANG_SEED_BITS) - 1)).tolist()):
             p["sampling_seed"] = k
-    return dict(input_ids=rows, sampling_params=params, return_logprob=True, logprob_start_len=-1,
+    return dict(input_ids=rows, sampling_params=per_row, return_logprob=True, logprob_start_len=-1,
                 return_routed_experts=True, routed_experts_start_len=0)
 
 
@@ -179,14 +180,12 @@ class SGLangEngine:
         self.weight_version = 0
         self.sessions = hasattr(engine, "begin_weight_update") and hasattr(engine, "end_weight_update")
 
-    def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, seed: int | None = None,
                  group_ids: list[int] | None = None) -> list[Rollout]:
         """As NativeEngine.generate (prompt-major n rollouts per prompt)."""
         if not prompts:
             return []
-        outs = self.engine.generate(**sglang_request(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                                     top_p=top_p, top_k=top_k, seed=seed, eos_id=self.eos_id,
+        outs = self.engine.generate(**sglang_request(prompts, params, n=n, seed=seed, eos_id=self.eos_id,
                                                      group_ids=group_ids))
         if len(outs) != len(prompts) * n:
             raise RuntimeError(f"SGLang returned {len(outs)} outputs for {len(prompts) * n} requests")

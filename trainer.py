@@ -1,21 +1,25 @@
-"""The trainer half of an RL step: rollouts as padded batches, pi_old, the policy update.
+"""The trainer: every gradient step taken on the policy, SFT and RL.
 
-`train_on_rollouts` takes the kept rollouts of a step (`TrainBatch`: sequences, the
-engine's routes and logprobs, advantages) and
-  1. recomputes pi_old and its full-vocabulary entropy with the trainer's current weights,
-     a no-grad forward with the engine's routes replayed (R3, arXiv 2510.11370), for every
-     sequence but those of the first mini-batch: before the first optimizer step pi_old is
-     pi_theta, so theirs come detached from the loss forward itself;
-  2. adds RL-ZVP token advantages (arXiv 2509.21880) to the kept zero-variance groups;
-  3. runs `num_minibatches` optimizer steps over a random split, each the gradient of one
-     loss normalised over the whole mini-batch, accumulated over token-budget micro-batches
-     (scheduler.pack_microbatches), the loss from espo.policy_loss;
-  4. reports the train-inference mismatch (k3 KL of pi_infer against pi_old).
+`sft_step` is one step of next-token cross-entropy on demonstrations (the cold start).
+`train_on_rollouts` is the policy update of one RL step, from the kept rollouts of the
+step (`TrainBatch`: sequences, the engine's routes and logprobs, advantages):
+  1. pi_old and its full-vocabulary entropy: the trainer's own logprobs of the sampled
+     tokens before any optimizer step of this RL step, with the engine's routes replayed
+     (R3, arXiv 2510.11370). The first mini-batch's come detached from its own loss forward
+     (before the first step pi_old is pi_theta); the others from a no-grad pass up front.
+  2. RL-ZVP token advantages (arXiv 2509.21880) for the kept zero-variance groups, from
+     that entropy (filter.zvp_token_advantages).
+  3. `num_minibatches` optimizer steps over a random split of the sequences, each the
+     gradient of one loss (espo.policy_loss) normalised over its whole mini-batch and
+     accumulated over token-budget micro-batches (scheduler.pack_microbatches).
+  4. The train-inference mismatch: KL(pi_infer || pi_old) and friends (espo.mismatch_metrics).
 
-Several ranks: rank r trains members r, r + world, ... of each mini-batch; ranks with fewer
-micro-batches run idle forwards so FSDP's collectives stay matched (distributed.py).
+Several ranks: rank r trains members r, r + world, ... of each mini-batch, with the whole
+mini-batch's normaliser and its loss scaled by world (FSDP averages gradients), so a step
+equals the 1-process step; ranks with fewer micro-batches run idle forwards so FSDP's and
+the expert all-to-all's collectives stay matched (distributed.py).
 
-Legend: B sequences, T tokens, L MoE layers, K experts per token.
+Legend (README): B sequences, T tokens, L MoE layers, K experts per token, V vocabulary.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ import torch
 
 from config import TrainConfig
 from distributed import all_gather_list, all_reduce_float, idle_forward, padded_microbatches, rank_world
-from espo import policy_loss
+from espo import LossConfig, policy_loss
 from filter import zvp_token_advantages
 from model import token_entropy, token_logprobs
 from scheduler import pack_microbatches
+
+LR_FLOOR = 0.1  # the SFT schedule's cosine ends at this fraction of the peak learning rate
 
 
 def sequence_batch(seqs: list[list[int]], starts: list[int], pad_id: int, routes: list[torch.Tensor] | None = None,
@@ -48,10 +54,10 @@ def sequence_batch(seqs: list[list[int]], starts: list[int], pad_id: int, routes
     for i, (s, start) in enumerate(zip(seqs, starts)):
         n = len(s) - 1
         inputs[i, :n] = torch.tensor(s[:-1])
-        targets[i, :n] = torch.tensor(s[1:])
-        mask[i, start - 1:n] = 1.0
+        targets[i, :n] = torch.tensor(s[1:])  # position t predicts token t + 1
+        mask[i, start - 1:n] = 1.0  # the last prompt position predicts the first completion token
         if routes is not None:
-            routes_BTLK[i, :n] = routes[i]
+            routes_BTLK[i, :n] = routes[i]  # the engine recorded routes for every token fed to the model
     return inputs, targets, mask, routes_BTLK
 
 
@@ -64,15 +70,17 @@ def pad_rows(rows: list[torch.Tensor], T: int) -> torch.Tensor:
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int, cosine: bool) -> float:
+    """Linear warm-up over `warmup` steps, then constant or (cosine) down to LR_FLOOR of the peak."""
     if step < warmup:
         return peak * (step + 1) / warmup
     if not cosine:
         return peak
     frac = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))  # cosine to 10% of peak
+    return peak * (LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 def optimizer_step(model, opt, cfg: TrainConfig, lr: float) -> float:
+    """Clip the global gradient norm to cfg.grad_clip, step, zero the gradients; returns the norm before clipping."""
     for g in opt.param_groups:
         g["lr"] = lr
     if rank_world()[1] > 1:  # DTensor grads on two meshes (dense and expert): torchtitan's norm spans both
@@ -85,15 +93,56 @@ def optimizer_step(model, opt, cfg: TrainConfig, lr: float) -> float:
     return float(norm)
 
 
+def sft_step(model, opt, seqs: list[list[int]], starts: list[int], pad_id: int, lr: float, cfg: TrainConfig) -> float:
+    """One SFT step: mean cross-entropy of the completion tokens of seqs (prompt + demonstration);
+    returns the loss. Multi-rank: every rank gets the whole batch and trains rows r, r + world, ...,
+    its loss divided by the whole batch's token count (times world: FSDP averages gradients)."""
+    rank, world = rank_world()
+    if world > 1:
+        num_tokens = sum(len(s) - p for s, p in zip(seqs, starts))  # the whole batch's loss tokens
+        seqs, starts = seqs[rank::world], starts[rank::world]
+    inputs, targets, mask, _ = sequence_batch(seqs, starts, pad_id)
+    logits, _ = model(inputs.to(cfg.device))
+    nll = -token_logprobs(logits, targets.to(cfg.device))
+    mask = mask.to(cfg.device)
+    if world > 1:
+        loss = (nll * mask).sum() / num_tokens
+        (loss * world).backward()
+        value = all_reduce_float(loss.item())
+    else:
+        loss = (nll * mask).sum() / mask.sum()
+        loss.backward()
+        value = loss.item()
+    optimizer_step(model, opt, cfg, lr)
+    return value
+
+
 @dataclass
 class TrainBatch:
-    """The kept rollouts of one RL step as trainer inputs (index i = one sequence)."""
+    """The kept rollouts of one RL step as trainer inputs (index i = one sequence), and what the
+    trainer learns about them: pi_old, its entropy and RL-ZVP's token advantages."""
     seqs: list[list[int]]  # prompt + completion ids
     starts: list[int]  # prompt lengths: the completion starts at seqs[i][starts[i]]
     routes: list[torch.Tensor]  # [len(seqs[i]) - 1, L, K] routed experts recorded by the engine
     adv_B: torch.Tensor  # one advantage per sequence
     infer_logp: list[torch.Tensor] | None = None  # [len(completion)] the engine's log pi_infer of each completion token
-    adv_tokens: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] token advantages (RL-ZVP)
+    zvp: dict[int, bool] = field(default_factory=dict)  # i -> all correct, for the kept zero-variance groups (RL-ZVP)
+    pad_id: int = 0
+    old_logp: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] log pi_old, set by set_old
+    old_ent: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] entropy of pi_old (nats)
+    adv_tokens: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] token advantages
+
+    def set_old(self, idx: list[int], logp_BT: torch.Tensor, ent_BT: torch.Tensor, zvp_alpha: float):
+        """Record pi_old and its entropy for sequences idx (rows of the padded [B, T] tensors), and the
+        RL-ZVP token advantages that follow from that entropy for the zero-variance ones."""
+        for j, i in enumerate(idx):
+            n = len(self.seqs[i]) - 1  # unpadded: other micro-batches pad to their own width
+            self.old_logp[i], self.old_ent[i] = logp_BT[j, :n].detach(), ent_BT[j, :n].detach()
+            if i in self.zvp:
+                s = self.starts[i] - 1  # the completion's first target position
+                a = torch.zeros(n)
+                a[s:] = zvp_token_advantages(self.old_ent[i][s:n].cpu(), correct=self.zvp[i], alpha=zvp_alpha)
+                self.adv_tokens[i] = a
 
     def advantages(self, idx: list[int], T: int) -> torch.Tensor:
         """Advantages of sequences idx: [b] per sequence, or [b, T] per token when any of them has token advantages."""
@@ -107,15 +156,16 @@ class TrainBatch:
                 adv_bT[j, :len(a)] = a
         return adv_bT
 
-    def micro(self, idx: list[int], cfg: TrainConfig, pad_id: int):
+    def micro(self, idx: list[int], cfg: TrainConfig):
         """inputs, targets, loss mask [B, T] and routes to replay [B, T, L, K] (or None) for sequences idx."""
-        inputs, targets, mask, routes = sequence_batch([self.seqs[i] for i in idx], [self.starts[i] for i in idx], pad_id,
-                                                       [self.routes[i] for i in idx], cfg.model.num_moe_layers, cfg.model.top_k)
+        inputs, targets, mask, routes = sequence_batch([self.seqs[i] for i in idx], [self.starts[i] for i in idx],
+                                                       self.pad_id, [self.routes[i] for i in idx],
+                                                       cfg.model.num_moe_layers, cfg.model.top_k)
         dev = cfg.device
         return inputs.to(dev), targets.to(dev), mask.to(dev), (routes.to(dev) if cfg.router_replay else None)
 
     def engine_logp(self, idx: list[int], T: int) -> torch.Tensor:
-        """The engine's logprobs of sequences idx, [B, T], where the loss mask is 1 (as in old_policy); 0 elsewhere."""
+        """The engine's logprobs of sequences idx, [B, T], where the loss mask is 1; 0 elsewhere."""
         rows = [torch.zeros(len(self.seqs[i]) - 1) for i in idx]
         for row, i in zip(rows, idx):
             row[self.starts[i] - 1:] = self.infer_logp[i]
@@ -129,122 +179,99 @@ def minibatches(num_seqs: int, cfg: TrainConfig, step: int) -> list[list[int]]:
     return [perm[mb::n_mb] for mb in range(n_mb)]
 
 
+def micro_batches(batch: TrainBatch, seqs: list[int], cfg: TrainConfig) -> list[list[int]]:
+    """seqs packed into micro-batches of at most cfg.microbatch_tokens padded tokens; with several
+    ranks padded with empty ones to the most any rank has (every rank runs as many forwards)."""
+    packed = pack_microbatches([len(batch.seqs[i]) for i in seqs], cfg.microbatch_tokens)
+    micro = [[seqs[j] for j in idx] for idx in packed]
+    return padded_microbatches(micro) if rank_world()[1] > 1 else micro
+
+
 @torch.no_grad()
-def old_policy(model, batch: TrainBatch, cfg: TrainConfig, pad_id: int, seqs: list[int], old_logp: dict, old_ent: dict):
-    """Fill old_logp / old_ent for sequences seqs (multi-rank: this rank's): log pi_old and the
-    full-vocabulary entropy under pi_old, unpadded [len - 1], by a no-grad forward of the trainer's
-    current weights."""
-    micro = [[seqs[j] for j in idx] for idx in pack_microbatches([len(batch.seqs[i]) for i in seqs], cfg.microbatch_tokens)]
-    for idx in (padded_microbatches(micro) if rank_world()[1] > 1 else micro):
+def old_logprobs(model, batch: TrainBatch, seqs: list[int], cfg: TrainConfig):
+    """pi_old for sequences seqs (this rank's): a no-grad forward of the current weights, routes
+    replayed, into batch.set_old."""
+    for idx in micro_batches(batch, seqs, cfg):
         if not idx:
             idle_forward(model, cfg, backward=False)
             continue
-        inputs, targets, _, routes = batch.micro(idx, cfg, pad_id)
+        inputs, targets, _, routes = batch.micro(idx, cfg)
         logits, _ = model(inputs, routed_experts=routes)
-        store_old(batch, idx, token_logprobs(logits, targets, cfg.temperature), token_entropy(logits, cfg.temperature),
-                  old_logp, old_ent)
+        batch.set_old(idx, token_logprobs(logits, targets, cfg.temperature), token_entropy(logits, cfg.temperature),
+                      cfg.zvp_alpha)
 
 
-def store_old(batch: TrainBatch, idx: list[int], logp_BT: torch.Tensor, ent_BT: torch.Tensor, old_logp: dict, old_ent: dict):
-    for j, i in enumerate(idx):
-        n = len(batch.seqs[i]) - 1  # unpadded: later micro-batches pad to their own width
-        old_logp[i], old_ent[i] = logp_BT[j, :n].detach(), ent_BT[j, :n].detach()
+def minibatch_backward(model, batch: TrainBatch, members: list[int], first: bool, cfg: TrainConfig, loss_cfg: LossConfig,
+                       ref_model=None) -> tuple[float, list[dict]]:
+    """Accumulate the gradient of one mini-batch's loss (this rank's share of `members`); returns the
+    loss (summed over ranks) and each micro-batch's loss metrics. first: the step's first mini-batch,
+    whose pi_old comes from this forward."""
+    rank, world = rank_world()
+    # the loss of one optimizer step is a mean over the whole mini-batch, not per micro-batch
+    normalizer = (sum(len(batch.seqs[i]) - batch.starts[i] for i in members) if loss_cfg.aggregation == "token-mean"
+                  else len(members))
+    needs_infer = loss_cfg.tis_cap is not None or loss_cfg.icepop_bounds is not None
+    total, metrics = 0.0, []
+    for idx in micro_batches(batch, members[rank::world], cfg):
+        if not idx:  # this rank has run out of micro-batches: join the others' collectives
+            idle_forward(model, cfg, backward=True)
+            if ref_model is not None:
+                idle_forward(ref_model, cfg, backward=False)  # its all-gathers too
+            continue
+        inputs, targets, mask, routes = batch.micro(idx, cfg)
+        T = inputs.shape[1]
+        logits, _ = model(inputs, routed_experts=routes)
+        logp = token_logprobs(logits, targets, cfg.temperature)
+        if first:  # pi_old = pi_theta until the first optimizer step (detached: no graph is kept)
+            batch.set_old(idx, logp, token_entropy(logits.detach(), cfg.temperature), cfg.zvp_alpha)
+        ref_logp = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_logp = token_logprobs(ref_model(inputs, routed_experts=routes)[0], targets, cfg.temperature)
+        loss, lm = policy_loss(
+            logp, pad_rows([batch.old_logp[i] for i in idx], T), batch.advantages(idx, T).to(cfg.device), mask, loss_cfg,
+            old_entropy_BT=pad_rows([batch.old_ent[i] for i in idx], T), ref_logp_BT=ref_logp,
+            infer_logp_BT=batch.engine_logp(idx, T).to(cfg.device) if needs_infer else None, normalizer=normalizer)
+        (loss * world if world > 1 else loss).backward()
+        total += loss.item()
+        metrics.append(lm)
+    return all_reduce_float(total), metrics
 
 
-def zvp_advantages(batch: TrainBatch, idx: list[int], zvp: dict[int, bool], old_ent: dict, cfg: TrainConfig):
-    """RL-ZVP token advantages of the zero-variance-group sequences among idx, into batch.adv_tokens."""
-    for i in idx:
-        if i in zvp:
-            n, s = len(batch.seqs[i]) - 1, batch.starts[i] - 1
-            a = torch.zeros(n)
-            a[s:] = zvp_token_advantages(old_ent[i][s:n].cpu(), correct=zvp[i], alpha=cfg.zvp_alpha)
-            batch.adv_tokens[i] = a
+def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig, loss_cfg: LossConfig,
+                      ref_model=None) -> dict:
+    """The policy update of one RL step (module docstring, 1-4); returns metrics.
+
+    pi_old is recomputed by the trainer (not taken from the engine), so with stale rollouts the
+    ratio is taken against the current weights and pi_infer / pi_old is what TIS or IcePop
+    correct. ref_model: the frozen reference of the KL penalty (needed when loss_cfg.kl_coef != 0).
+    """
+    rank, world = rank_world()
+    split = minibatches(len(batch.seqs), cfg, step)
+    later = sorted(i for members in split[1:] for i in members[rank::world])  # mini-batch 0's pi_old comes with its loss
+    old_logprobs(model, batch, later, cfg)
+    m, losses, lmetrics = {}, [], []
+    lr = lr_at(step, cfg.lr, cfg.lr_warmup_steps, cfg.rl_steps, cosine=False)
+    for mb, members in enumerate(split):
+        loss, metrics = minibatch_backward(model, batch, members, mb == 0, cfg, loss_cfg, ref_model)
+        m["grad_norm"] = optimizer_step(model, opt, cfg, lr)
+        losses.append(loss)
+        lmetrics += metrics
+    lmetrics = all_gather_list(lmetrics)
+    m["loss"] = sum(losses) / len(losses)
+    m.update({f"loss/{k}": sum(x[k] for x in lmetrics) / len(lmetrics) for k in lmetrics[0]})
+    m.update(mismatch_metrics(batch))
+    m["filter/zvp_sequences"] = int(all_reduce_float(len(batch.adv_tokens)))
+    return m
 
 
-def mismatch_metrics(batch: TrainBatch, old_logp: dict) -> dict:
-    """Train-inference mismatch over the sequences in old_logp (all ranks): max |log pi_infer - log pi_old|
-    and the k3 estimate of KL(pi_infer || pi_old) (Schulman 2020, "Approximating KL divergence") on the
-    sampled completion tokens."""
-    deltas = [batch.infer_logp[i] - lp[batch.starts[i] - 1:].cpu() for i, lp in old_logp.items()]
+def mismatch_metrics(batch: TrainBatch) -> dict:
+    """Train-inference mismatch over the sequences whose pi_old this rank computed: max |log pi_infer -
+    log pi_old| and the k3 estimate of KL(pi_infer || pi_old) (Schulman 2020) on the sampled tokens."""
+    deltas = [batch.infer_logp[i] - lp[batch.starts[i] - 1:].cpu() for i, lp in batch.old_logp.items()]
     d = torch.cat(deltas) if deltas else torch.zeros(0)
     if rank_world()[1] == 1:
         return {"mismatch/max_abs_logp": d.abs().max().item() if len(d) else 0.0,
                 "mismatch/kl": (d.exp() - 1 - d).mean().item()}
     return {"mismatch/max_abs_logp": all_reduce_float(d.abs().max().item() if len(d) else 0.0, "max"),
             "mismatch/kl": all_reduce_float((d.exp() - 1 - d).sum().item()) / all_reduce_float(float(len(d)))}
-
-
-def policy_update(model, opt, batch: TrainBatch, old_logp: dict, old_ent: dict, zvp: dict[int, bool], cfg: TrainConfig,
-                  step: int, pad_id: int, ref_model=None) -> dict:
-    """num_minibatches optimizer steps over a random split of the batch, each from packed micro-batches.
-
-    old_logp / old_ent hold pi_old for every sequence but those of the first mini-batch: before
-    the first optimizer step pi_old is the current policy, so those come from the same forward
-    as the loss (detached), one no-grad forward fewer; their RL-ZVP advantages (zvp: sequence
-    -> all correct) follow from that entropy. Both dicts are filled in for them here.
-    ref_model: the frozen reference policy of the KL penalty (needed when cfg.kl_coef != 0).
-    Multi-rank: rank r trains members r, r + world, ... of each mini-batch (old_logp and
-    old_ent need only those); the normaliser counts the whole mini-batch and the loss is
-    scaled by world (FSDP averages gradients), so the step equals the 1-process step.
-    """
-    rank, world = rank_world()
-    losses, lmetrics, m = [], [], {}
-    loss_cfg = cfg.loss_config()
-    aggregation = loss_cfg.aggregation
-    needs_infer = loss_cfg.tis_cap is not None or loss_cfg.icepop_bounds is not None
-    for mb, members in enumerate(minibatches(len(batch.seqs), cfg, step)):
-        # the loss of one optimizer step is a mean over the whole mini-batch, not per micro-batch
-        normalizer = (sum(len(batch.seqs[i]) - batch.starts[i] for i in members) if aggregation == "token-mean"
-                      else len(members))
-        total = 0.0
-        local = members[rank::world]
-        micro = [[local[i] for i in idx] for idx in pack_microbatches([len(batch.seqs[i]) for i in local], cfg.microbatch_tokens)]
-        for idx in (padded_microbatches(micro) if world > 1 else micro):
-            if not idx:
-                idle_forward(model, cfg, backward=True)
-                if ref_model is not None:
-                    idle_forward(ref_model, cfg, backward=False)  # its all-gathers too
-                continue
-            inputs, targets, mask, routes = batch.micro(idx, cfg, pad_id)
-            T = inputs.shape[1]
-            logits, _ = model(inputs, routed_experts=routes)
-            logp = token_logprobs(logits, targets, cfg.temperature)
-            if mb == 0:  # pi_old = pi_theta until the first optimizer step (detached: no graph is kept)
-                store_old(batch, idx, logp, token_entropy(logits.detach(), cfg.temperature), old_logp, old_ent)
-                zvp_advantages(batch, idx, zvp, old_ent, cfg)
-            ref_logp = None
-            if ref_model is not None:
-                with torch.no_grad():
-                    ref_logp = token_logprobs(ref_model(inputs, routed_experts=routes)[0], targets, cfg.temperature)
-            loss, lm = policy_loss(
-                logp, pad_rows([old_logp[i] for i in idx], T), batch.advantages(idx, T).to(cfg.device), mask, loss_cfg,
-                old_entropy_BT=pad_rows([old_ent[i] for i in idx], T), ref_logp_BT=ref_logp,
-                infer_logp_BT=batch.engine_logp(idx, T).to(cfg.device) if needs_infer else None, normalizer=normalizer)
-            (loss * world if world > 1 else loss).backward()
-            total += loss.item()
-            lmetrics.append(lm)
-        m["grad_norm"] = optimizer_step(model, opt, cfg, lr_at(step, cfg.lr, cfg.lr_warmup_steps, cfg.rl_steps, cosine=False))
-        losses.append(all_reduce_float(total))
-    lmetrics = all_gather_list(lmetrics)
-    m["loss"] = sum(losses) / len(losses)
-    m.update({f"loss/{k}": sum(x[k] for x in lmetrics) / len(lmetrics) for k in lmetrics[0]})
-    return m
-
-
-def train_on_rollouts(model, opt, batch: TrainBatch, zvp: dict[int, bool], cfg: TrainConfig, step: int, pad_id: int,
-                      ref_model=None) -> dict:
-    """The trainer half of an RL step: pi_old and its entropy recomputed by the trainer (so with stale
-    rollouts the PPO ratio is taken against the current weights, and pi_infer / pi_old is what TIS or
-    IcePop correct), RL-ZVP token advantages, then the policy update. Returns metrics.
-
-    zvp: sequence index -> all correct, for the sequences of zero-variance groups kept for RL-ZVP."""
-    rank, world = rank_world()
-    parts = [members[rank::world] for members in minibatches(len(batch.seqs), cfg, step)]
-    later = sorted(i for members in parts[1:] for i in members)  # the first mini-batch's pi_old comes with its loss
-    old_logp, old_ent = {}, {}
-    old_policy(model, batch, cfg, pad_id, later, old_logp, old_ent)
-    zvp_advantages(batch, later, zvp, old_ent, cfg)
-    m = policy_update(model, opt, batch, old_logp, old_ent, zvp, cfg, step, pad_id, ref_model=ref_model)
-    m.update(mismatch_metrics(batch, old_logp))
-    m["filter/zvp_sequences"] = int(all_reduce_float(len(batch.adv_tokens)))
-    return m

@@ -38,18 +38,19 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import train  # noqa: E402
-from model import token_logprobs  # noqa: E402
+from config import load_config  # noqa: E402
+from model import Transformer, token_logprobs  # noqa: E402
 from reward import TaskMix, demonstration  # noqa: E402
-from rollout import NativeEngine, mismatch_metrics, policy_tensors, quantize_fp8  # noqa: E402
+from rollout import NativeEngine, SamplingParams, mismatch_metrics, policy_tensors, quantize_fp8  # noqa: E402
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, train_tokenizer  # noqa: E402
 
 
 def load_policy(args):
     """(model fp32, tokenizer, train config, prompts) of the tiny run after SFT."""
-    cfg = train.load_config(os.path.join(ROOT, "configs", "tiny.py"), [])
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.py"), ["ckpt_every=0"])
     task = TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size)
     torch.manual_seed(cfg.seed)
-    model = train.Transformer(cfg.model)
+    model = Transformer(cfg.model)
     if args.init_from:
         weights = os.path.join(args.init_from, "model.safetensors")
         if not os.path.exists(weights):
@@ -64,7 +65,9 @@ def load_policy(args):
                               num_merges=cfg.bpe_merges)
         cfg.sft_steps = args.sft_steps
         order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        train.sft(model, tok, task, order, cfg, log=lambda rec: None)
+        engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
+        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(task, order), model=model)
+        train.sft(sft_run, train.sft_optimizer(model, cfg), 0)
     held_out = TaskMix(cfg.tasks, seed=cfg.eval_seed, size=args.prompts)  # prompts the SFT never saw
     prompts = [encode_prompt(tok, held_out[i].question) for i in range(args.prompts)]
     return model.eval().requires_grad_(False), tok, cfg, prompts
@@ -135,8 +138,7 @@ def main():
     rows = {}
     # bf16 engine / fp32 trainer: rounding 16x finer than e4m3's, so routing's share of the gap shows
     for engine_name, trainer_name in (("fp8", "bf16"), ("fp8", "fp32"), ("bf16", "fp32"), ("fp32", "fp32")):
-        rollouts = engines[engine_name].generate(prompts, n=args.samples, max_new_tokens=cfg.max_new_tokens,
-                                                 temperature=cfg.temperature, seed=args.seed)
+        rollouts = engines[engine_name].generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature), n=args.samples, seed=args.seed)
         for replay in (False, True):
             got = trainer_logprobs(trainers[trainer_name], rollouts, replay=replay, temperature=cfg.temperature)
             m = mismatch_metrics([r.logprobs for r in rollouts], [lp for lp, _ in got],

@@ -3,7 +3,7 @@
 The verifier takes `--verifier-ms` per rollout and waits rather than computes (time.sleep),
 as a sandboxed code run or a remote reward model does. The rollouts come from the tiny
 config's model shape (random weights, EOS never sampled, so every row runs to the token
-limit) through train.generate_rollouts, `--batches` generation batches of
+limit) through train.generate (the RL step's own), `--batches` generation batches of
 `--rows` rows. Three runs in one process:
 
 - generation alone: T_gen;
@@ -38,9 +38,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
+from config import TrainConfig  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from reward import RewardPool  # noqa: E402
+from reward import Item, RewardPool  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
+from tokenizer import build_tokenizer  # noqa: E402
 
 NO_EOS = -1  # an id never sampled, so every row runs to the token limit
 
@@ -61,21 +63,25 @@ def main():
     torch.manual_seed(0)
     mcfg = ModelConfig(vocab_size=336, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, num_experts=8,
                        top_k=2, moe_inter_dim=128, max_seq_len=args.prompt_len + args.new_tokens)
-    cfg = train.TrainConfig(model=mcfg, group_size=args.group_size, gen_batch_rows=args.rows,
-                            max_new_tokens=args.new_tokens)
+    cfg = TrainConfig(model=mcfg, group_size=args.group_size, gen_batch_rows=args.rows, max_new_tokens=args.new_tokens)
     engine = NativeEngine(mcfg, eos_id=NO_EOS, pad_id=0)
     engine.update_weights(Transformer(mcfg).named_parameters(), version=0)
     num_prompts = args.batches * (args.rows // args.group_size)
-    prompts = torch.randint(1, mcfg.vocab_size, (num_prompts, args.prompt_len)).tolist()
-    predicted = [float(args.prompt_len)] * num_prompts
+    # prompts of random bytes: a byte-level tokenizer makes each exactly prompt_len tokens with <|bos|> and "\n"
+    tok = build_tokenizer(mcfg.vocab_size)
+    text = torch.randint(ord("a"), ord("z") + 1, (num_prompts, args.prompt_len - 2)).tolist()
+    items = [Item("".join(map(chr, t)), "", 0, i) for i, t in enumerate(text)]
     delay = args.verifier_ms / 1000
 
-    def verifier(tokens: list[int]) -> float:
+    def verifier(completion: str, item) -> float:
         time.sleep(delay)
-        return float(len(tokens) % 2)
+        return float(len(completion) % 2)
 
-    def generate(on_rollouts=None):
-        return train.generate_rollouts(engine, prompts, predicted, cfg, seed=0, on_rollouts=on_rollouts)
+    run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(items, list(range(num_prompts))))
+
+    def generate(pool=None):
+        run.pool = pool  # with a pool, train.generate hands each batch to it as soon as it is generated
+        return train.generate(run, items, args.group_size, step=0, stream=0)
 
     generate()  # warm-up
     runs = []  # per repeat: generate alone, reward alone, generate with overlapped reward (and its generation part)
@@ -87,20 +93,15 @@ def main():
 
             t = time.perf_counter()
             for i, r in enumerate(rollouts):
-                pool.submit(i, r.completion_ids)
+                pool.submit(i, train.completion_text(tok, r), items[r.group_id])
             after, _ = pool.gather(list(range(len(rollouts))))
             t_reward = time.perf_counter() - t
 
-            keys = iter(range(len(rollouts)))
-
-            def submit(batch):
-                for r in batch:
-                    pool.submit(next(keys), r.completion_ids)
-
             t = time.perf_counter()
-            generate(on_rollouts=submit)
+            generate(pool)
             t_gen_overlapped = time.perf_counter() - t
-            overlapped, reasons = pool.gather(list(range(len(rollouts))))
+            keys = [(0, g, j) for g in range(num_prompts) for j in range(args.group_size)]  # train.generate's keys
+            overlapped, reasons = pool.gather(keys)
             t_overlap = time.perf_counter() - t
             assert reasons == ["ok"] * len(rollouts) and sorted(overlapped) == sorted(after)
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qwen3_small import small_qwen3_moe  # noqa: E402
-from rollout import NativeEngine  # noqa: E402
+from rollout import SamplingParams, NativeEngine  # noqa: E402
 
 NO_EOS = -1  # an id never sampled, so every row runs to the token limit
 
@@ -84,7 +84,7 @@ def main():
         engine.update_weights(ours.named_parameters(), version=0)
 
         def run(new_tokens, engine=engine):
-            out = engine.generate(rows, max_new_tokens=new_tokens, seed=0)
+            out = engine.generate(rows, SamplingParams(max_new_tokens=new_tokens), seed=0)
             assert all(len(r.completion_ids) == new_tokens for r in out)
         fns[name, "prefill"], fns[name, "total"] = (lambda run=run: run(1)), (lambda run=run: run(args.new_tokens))
     fns["transformers_generate", "prefill"] = lambda: hf_generate(1)

@@ -132,8 +132,8 @@ def continuous_ms(prompts: list[int], tokens: list[int], lengths: list[list[int]
 
 def real_engine(args) -> dict:
     """Measured wall time (s) of generating every prompt's G rollouts in FIFO and in length-aware batches."""
-    from rollout import NativeEngine
-    from train import load_config
+    from rollout import NativeEngine, SamplingParams
+    from config import load_config
     from model import Transformer
     cfg = load_config(TINY_CONFIG, [])
     torch.manual_seed(0)
@@ -154,7 +154,7 @@ def real_engine(args) -> dict:
         t = time.perf_counter()
         for b in batches:
             limit = max(n for i in b for n in now[i])
-            engine.generate([prompts[i] for i in b], n=args.group_size, max_new_tokens=limit, seed=0)
+            engine.generate([prompts[i] for i in b], SamplingParams(max_new_tokens=limit), n=args.group_size, seed=0)
         return time.perf_counter() - t
 
     run(schedules["length_aware"][:1])  # warm-up
@@ -171,11 +171,12 @@ def real_engine(args) -> dict:
 def rl_step_time(args) -> dict:
     """Seconds per RL step of the tiny config, synchronous against max_staleness=1."""
     import train
+    from config import load_config
     tmp = tempfile.mkdtemp(prefix="bench_scheduler_")
     quiet = dict(eval_size=args.eval_size, eval_every=10 ** 6)
 
     def run(overrides):
-        cfg = train.load_config(TINY_CONFIG, [f"{k}={v}" for k, v in {**quiet, **overrides}.items()])
+        cfg = load_config(TINY_CONFIG, [f"{k}={v}" for k, v in {**quiet, **overrides}.items()])
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             train.main(cfg)
         records = [json.loads(line) for line in open(os.path.join(cfg.out_dir, "metrics.jsonl"))]
@@ -217,8 +218,8 @@ def overlap_ceiling(args) -> dict:
     in two threads, and in two processes: whether this machine has idle capacity to overlap onto."""
     import multiprocessing as mp
     import threading
-    from rollout import NativeEngine
-    from train import load_config
+    from rollout import NativeEngine, SamplingParams
+    from config import load_config
     from model import Transformer
     cfg = load_config(TINY_CONFIG, [])
     model = Transformer(cfg.model)
@@ -231,7 +232,7 @@ def overlap_ceiling(args) -> dict:
     def generate():
         torch.set_num_threads(1)
         for _ in range(n):
-            engine.generate(prompts, n=8, max_new_tokens=cfg.max_new_tokens, seed=0)
+            engine.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens), n=8, seed=0)
 
     def train_steps():
         torch.set_num_threads(1)
@@ -292,7 +293,7 @@ def main():
     print(f"   {'schedule':<36}{'wall (s)':>10}{'vs FIFO':>9}")
     for k in ("fifo", "buckets_fifo_dispatch", "length_aware"):
         print(f"   {k:<36}{sim[k] / 1000:>10.2f}{sim['fifo'] / sim[k]:>8.2f}x")
-    print(f"   with continuous batching instead (an engine that refills finished rows), vs round-robin:")
+    print("   with continuous batching instead (an engine that refills finished rows), vs round-robin:")
     for k in ("continuous_round_robin", "continuous_lpt"):
         print(f"   {k:<36}{sim[k] / 1000:>10.2f}{sim['continuous_round_robin'] / sim[k]:>8.2f}x")
     results["simulated_continuous_speedup"] = sim["continuous_round_robin"] / sim["continuous_lpt"]

@@ -1,8 +1,9 @@
 """Zero-variance elimination: generated tokens per informative group, staged against DAPO dynamic sampling.
 
 Both pipelines fill each step with `batch` informative groups (groups whose G rewards
-differ), drawing prompts in rounds until the step is full (`filter.collect_groups`); they
-differ only in what runs before and during generation:
+differ), drawing prompts in rounds until the step is full (train.collect_rollouts, the first
+half of an RL step, exactly as a run does it); they differ only in what runs before and
+during generation:
 
 - baseline, DAPO dynamic sampling (arXiv 2503.14476 sec. 3.2): every drawn prompt gets
   all G rollouts; zero-variance groups are dropped afterwards;
@@ -37,7 +38,6 @@ than DAPO once stage 1 skips most of what is drawn, hence the default 60).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -48,32 +48,80 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from filter import PromptHistory, Scored, StageConfig, collect_groups, is_informative  # noqa: E402
+import train  # noqa: E402
+from config import load_config  # noqa: E402
+from reward import Item  # noqa: E402
+from rollout import Rollout  # noqa: E402
+from tokenizer import build_tokenizer, encode_prompt  # noqa: E402
 
 BETA = 0.3  # Beta(BETA, BETA) pass rates: U-shaped
 MEAN_TOKENS = 400  # simulated completion length scale
+LENGTH_SPREAD = 0.2  # a simulated completion's length: Gaussian around its prompt's mean, this fraction of it as std
+ONE_CALL = 1 << 20  # generation rows per engine call: the simulated engine takes a round in one call
 
 
-def run_pipeline(cfg: StageConfig, draw, sample, key, predicted_tokens, *, steps: int, batch: int, seed: int) -> dict:
-    """Totals over `steps` steps of collect_groups, plus the zero-variance rate after each stage."""
-    history, rng = PromptHistory(), random.Random(seed)
+class SimTask:
+    """Prompts "p{i}" with pass rate p_i: a rollout's reward is Bernoulli(p_i)."""
+
+    def __init__(self, pass_rate: list[float], seed: int):
+        self.items = [Item(f"p{i}", "", 0, i) for i in range(len(pass_rate))]
+        self.pass_rate, self.gen = pass_rate, random.Random(seed)
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def score(self, completion, item):
+        return float(self.gen.random() < self.pass_rate[item.index])
+
+
+class SimEngine:
+    """An engine whose rollouts have only a length: around their prompt's mean (ids of byte 0)."""
+    weight_version = 0
+
+    def __init__(self, mean_length: dict[tuple, float], seed: int):
+        self.mean_length, self.gen = mean_length, random.Random(seed)
+
+    def generate(self, prompts, params, *, n=1, seed=None, group_ids=None):
+        out = []
+        for p, g in zip(prompts, group_ids):
+            mean = self.mean_length[tuple(p)]
+            for _ in range(n):
+                c = max(1, round(self.gen.gauss(mean, LENGTH_SPREAD * mean)))
+                out.append(Rollout(list(p), [0] * c, torch.zeros(c), torch.zeros(0), "stop", g, 0))
+        return out
+
+
+def stage_overrides(args, staged: bool) -> list[str]:
+    """TrainConfig overrides of a pipeline: DAPO (over-sampling only) or staged (stages 1 and 2 on too)."""
+    base = [f"group_size={args.group_size}", f"prompts_per_step={args.batch}", f"oversample_rounds={args.rounds}",
+            f"seed={args.seed}"]
+    if not staged:
+        return base
+    return base + [f"skip_prob={args.skip_prob}", f"skip_half_life={args.half_life}", f"probe_size={args.probes}",
+                   f"probe_stop_threshold={args.stop_threshold}"]
+
+
+def run_pipeline(run: train.Run, *, steps: int) -> dict:
+    """Totals over `steps` steps of train.collect_rollouts, plus the zero-variance rate after each stage."""
     t = {"rollouts": 0, "tokens": 0, "informative": 0, "drawn": 0, "rolled_out": 0, "rolled_out_zv": 0, "full": 0,
          "full_zv": 0, "skipped": 0, "stopped": 0, "steps_short": 0}
     for step in range(steps):
-        groups, counts = collect_groups(draw(batch), sample, history, step, cfg, key=key, predicted_tokens=predicted_tokens,
-                                        rng=rng, draw=draw, target=batch)
-        full = [g for _, g in groups if len(g) >= cfg.group_size]
-        t["rollouts"] += sum(len(g) for _, g in groups)
-        t["tokens"] += sum(s.num_tokens for _, g in groups for s in g)
-        t["informative"] += counts["groups_informative"]
-        t["steps_short"] += counts["groups_informative"] < batch  # over-sampling ran out of rounds
-        t["drawn"] += counts["prompts_drawn"]
-        t["rolled_out"] += len(groups)
-        t["rolled_out_zv"] += sum(not is_informative(g) for _, g in groups)
-        t["full"] += len(full)
-        t["full_zv"] += sum(not is_informative(g) for g in full)
-        t["skipped"] += counts["stage1_prompts_skipped"]
-        t["stopped"] += counts["stage2_prompts_stopped"]
+        m, _ = train.collect_rollouts(run, step)
+        stopped = m["filter/stage2_prompts_stopped"]  # a stopped prompt's group is its agreeing probes
+        t["rollouts"] += m["filter/rollouts_generated"]
+        t["tokens"] += m["filter/tokens_generated"]
+        t["informative"] += m["filter/groups_informative"]
+        t["steps_short"] += m["filter/groups_informative"] < run.cfg.prompts_per_step  # over-sampling ran out of rounds
+        t["drawn"] += m["filter/prompts_drawn"]
+        t["rolled_out"] += m["filter/groups"]
+        t["rolled_out_zv"] += m["filter/groups_dropped"]
+        t["full"] += m["filter/groups"] - stopped
+        t["full_zv"] += m["filter/groups_dropped"] - stopped
+        t["skipped"] += m["filter/stage1_prompts_skipped"]
+        t["stopped"] += stopped
     t["tokens_per_informative"] = t["tokens"] / max(1, t["informative"])
     t["zv_after_stage1"] = t["rolled_out_zv"] / max(1, t["rolled_out"])
     t["zv_after_stage2"] = t["full_zv"] / max(1, t["full"])
@@ -81,28 +129,16 @@ def run_pipeline(cfg: StageConfig, draw, sample, key, predicted_tokens, *, steps
     return t
 
 
-def compare(make_draw, sample, key, predicted_tokens, args, *, steps: int) -> dict:
-    """Baseline and staged pipelines over the same prompt order and policy."""
-    base = StageConfig(group_size=args.group_size, oversample_rounds=args.rounds)
-    staged = StageConfig(group_size=args.group_size, skip_prob=args.skip_prob, skip_half_life=args.half_life,
-                         probe_size=args.probes, stop_threshold=args.stop_threshold, oversample_rounds=args.rounds)
+def compare(make_run, args, *, steps: int) -> dict:
+    """Baseline and staged pipelines, each on a fresh run (same prompt order and policy)."""
     out = {}
-    for name, cfg in (("dapo", base), ("staged", staged)):
+    for name in ("dapo", "staged"):
         t0 = time.perf_counter()
-        out[name] = run_pipeline(cfg, make_draw(), sample, key, predicted_tokens, steps=steps, batch=args.batch,
-                                 seed=args.seed)
+        out[name] = run_pipeline(make_run(stage_overrides(args, staged=name == "staged")), steps=steps)
         out[name]["seconds"] = time.perf_counter() - t0
     out["dapo"]["zv_drawn"] = out["dapo"]["zv_after_stage1"]  # every drawn prompt went to rollout in full
     out["ratio"] = out["staged"]["tokens_per_informative"] / out["dapo"]["tokens_per_informative"]
     return out
-
-
-def cycler(order: list):
-    """draw(n) over `order`, round and round (epochs), from the start."""
-    def make():
-        it = itertools.cycle(order)
-        return lambda n: [next(it) for _ in range(n)]
-    return make
 
 
 def simulated(args) -> dict:
@@ -111,50 +147,52 @@ def simulated(args) -> dict:
     length = [rng.lognormvariate(math.log(MEAN_TOKENS), 0.5) for _ in range(args.prompts)]
     order = list(range(args.prompts))
     rng.shuffle(order)
-    gen = random.Random(args.seed + 1)
 
-    def sample(prompts, n):
-        return [[Scored(float(gen.random() < pass_rate[i]), max(1, round(gen.gauss(length[i], 0.2 * length[i]))))
-                 for _ in range(n)] for i in prompts]
+    def make_run(overrides):
+        cfg = load_config(None, overrides + [f"gen_batch_rows={ONE_CALL}", f"max_new_tokens={10 * MEAN_TOKENS}"])
+        tok = build_tokenizer(cfg.model.vocab_size)
+        task = SimTask(pass_rate, args.seed + 1)
+        mean_length = {tuple(encode_prompt(tok, it.question)): length[it.index] for it in task.items}
+        return train.Run(cfg=cfg, engine=SimEngine(mean_length, args.seed + 2), tok=tok,
+                         prompts=train.Prompts(task, order))
 
-    return compare(cycler(order), sample, key=lambda i: i, predicted_tokens=lambda i: length[i], args=args,
-                   steps=args.steps)
+    return compare(make_run, args, steps=args.steps)
 
 
 def tiny(args) -> dict:
     """The tiny config's model after a short SFT (or --init-from), sampling its own task."""
-    import train
+    from model import Transformer
     from reward import TaskMix, demonstration
     from rollout import NativeEngine
-    from scheduler import LengthPredictor
     from tokenizer import EOS, PAD, load_tokenizer, train_tokenizer
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = train.load_config(os.path.join(root, "configs", "tiny.py"), [f"group_size={args.group_size}"])
+    tiny_config = os.path.join(root, "configs", "tiny.py")
+    cfg = load_config(tiny_config, [f"group_size={args.group_size}", "ckpt_every=0"])
     task = TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size)
     torch.manual_seed(cfg.seed)
-    model = train.Transformer(cfg.model)
+    model = Transformer(cfg.model)
     if args.init_from:
         from safetensors.torch import load_model
         tok = load_tokenizer(os.path.join(args.init_from, "tokenizer.tiktoken"), cfg.model.vocab_size)
         load_model(model, os.path.join(args.init_from, "model.safetensors"))
-    else:
+    engine = NativeEngine(cfg.model, eos_id=0, pad_id=0)  # ids set below, once the tokenizer is known
+    if not args.init_from:
         tok = train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items], vocab_size=cfg.model.vocab_size,
                               num_merges=cfg.bpe_merges)
         cfg.sft_steps = args.sft_steps
         order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        train.sft(model, tok, task, order, cfg, log=lambda rec: None)
-    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
+        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(task, order), model=model)
+        train.sft(sft_run, train.sft_optimizer(model, cfg), 0)
+    engine.eos_id, engine.pad_id = tok.encode_single_token(EOS), tok.encode_single_token(PAD)
     engine.update_weights(model.named_parameters(), version=0)
-    pool = [task[i] for i in range(args.tiny_pool)]
-    predictor, calls = LengthPredictor(prior=cfg.max_new_tokens / 2), itertools.count()
 
-    def sample(items, n):
-        groups, _ = train.sample_groups(engine, tok, task, items, n, predictor, cfg, step=0, stream=next(calls), pool=None)
-        return groups
+    def make_run(overrides):
+        run_cfg = load_config(tiny_config, overrides)
+        return train.Run(cfg=run_cfg, engine=engine, tok=tok, prompts=train.Prompts(task, list(range(args.tiny_pool))),
+                         model=model)
 
-    return compare(cycler(pool), sample, key=lambda it: it.question, predicted_tokens=lambda it: predictor.predict(it.question),
-                   args=args, steps=args.tiny_steps)
+    return compare(make_run, args, steps=args.tiny_steps)
 
 
 def main():

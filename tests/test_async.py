@@ -4,41 +4,29 @@ import pytest
 import torch
 
 import train
-from model import Transformer
-from reward import Item
-from rollout import NativeEngine
-from scheduler import LengthPredictor
-from test_train import MICRO  # the same micro config as the synchronous tests
-from tokenizer import EOS, PAD, build_tokenizer
+from config import load_config
+from runs import MICRO, ParityTask, make_run, micro_config
 
 
-class ParityTask:
-    """Stand-in verifier: reward 1 for completions of even character length, so groups have mixed rewards."""
+class CountingPrompts(train.Prompts):
+    """Prompts that record how many each draw asked for."""
 
-    def score(self, completion, item):
-        return float(len(completion) % 2 == 0)
+    def __init__(self, task):
+        super().__init__(task, list(range(len(task))))
+        self.drawn = []
+
+    def draw(self, n):
+        self.drawn.append(n)
+        return super().draw(n)
 
 
 def run_async(tmp_path, overrides):
-    path = tmp_path / "cfg.py"
-    path.write_text(MICRO)
-    cfg = train.load_config(str(path), ["temperature=1.5", "lr=1e-2"] + overrides)
-    tok = build_tokenizer(cfg.model.vocab_size)
-    model = Transformer(cfg.model)
-    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
-    engine.update_weights(model.named_parameters(), version=0)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    fresh = (Item(f"question {i}", "0", 0, i) for i in range(10_000))
-    drawn = []
-
-    def draw(n):
-        drawn.append(n)
-        return [next(fresh) for _ in range(n)]
-
-    steps = train.rl_loop_async(model, opt, engine, tok, ParityTask(), draw, LengthPredictor(4.0), cfg, train.RLState())
-    metrics = list(steps)
-    return cfg, model, engine, before, metrics, drawn
+    cfg = micro_config(tmp_path, ["temperature=1.5", "lr=1e-2"] + overrides)
+    run = make_run(cfg)
+    run.prompts = CountingPrompts(ParityTask())
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    metrics = list(train.rl_loop_async(run))
+    return cfg, run.model, run.engine, before, metrics, run.prompts.drawn
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -84,20 +72,13 @@ def test_stale_rollouts_show_a_logprob_gap_that_tis_sees(tmp_path):
 
 
 def test_a_producer_error_reaches_the_trainer(tmp_path):
-    class Broken:
+    class Broken(ParityTask):
         def score(self, completion, item):
             raise KeyError("verifier fell over")
 
-    path = tmp_path / "cfg.py"
-    path.write_text(MICRO)
-    cfg = train.load_config(str(path), ["max_staleness=1"])
-    tok = build_tokenizer(cfg.model.vocab_size)
-    model = Transformer(cfg.model)
-    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
-    opt = torch.optim.AdamW(model.parameters())
-    draw = lambda n: [Item(f"q{i}", "0", 0, i) for i in range(n)]  # noqa: E731
+    run = make_run(micro_config(tmp_path, ["max_staleness=1"]), Broken())
     with pytest.raises(KeyError, match="verifier fell over"):
-        list(train.rl_loop_async(model, opt, engine, tok, Broken(), draw, LengthPredictor(4.0), cfg, train.RLState()))
+        list(train.rl_loop_async(run))
 
 
 def test_main_with_max_staleness_runs_and_logs_staleness(tmp_path):
@@ -145,4 +126,4 @@ def test_async_checkpoints_hold_no_rollout_run_ahead_and_resume_finishes(tmp_pat
 
 def test_negative_max_staleness_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="max_staleness"):
-        train.main(train.load_config(None, ["max_staleness=-1", f"out_dir={tmp_path}"]))
+        train.main(load_config(None, ["max_staleness=-1", f"out_dir={tmp_path}"]))

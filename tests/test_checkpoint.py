@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import checkpoint
 import train
+from config import load_config
 from filter import PromptHistory
 from model import Transformer
 
@@ -66,7 +67,7 @@ def records(out):
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ref")
     path, over = config(tmp, tmp / "run", "ckpt_every=0")
-    train.main(train.load_config(path, over))
+    train.main(load_config(path, over))
     return weights(tmp / "run"), records(tmp / "run")
 
 
@@ -113,21 +114,21 @@ def test_crash_during_a_checkpoint_save_leaves_the_previous_one_loadable(tmp_pat
 
     monkeypatch.setattr(checkpoint, "_write_trainer_state", crash_on_second_save)
     with pytest.raises(OSError, match="injected"):
-        train.main(train.load_config(path, over))
+        train.main(load_config(path, over))
     ckpt_dir = out / "ckpt"
     assert sorted(os.listdir(ckpt_dir)) == ["step_00000002", "step_00000004.tmp"]
     assert not (ckpt_dir / "step_00000004.tmp" / checkpoint.COMPLETE_MARKER).exists()
     assert checkpoint.latest_checkpoint(str(out)) == str(ckpt_dir / "step_00000002")
     saved = json.loads((ckpt_dir / "step_00000002" / "config.json").read_text())  # the resolved config beside it
     assert saved["ckpt_every"] == 2 and saved["model"]["dim"] == 32
-    cfg = train.load_config(path, over)
+    cfg = load_config(path, over)
     model = Transformer(cfg.model)
     state = checkpoint.read_checkpoint(str(ckpt_dir / "step_00000002"), model, train.sft_optimizer(model, cfg))
     assert (state["phase"], state["step"], state["used"]) == ("sft", 1, 2 * cfg.sft_batch_size)
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         checkpoint.read_checkpoint(str(ckpt_dir / "step_00000004.tmp"), model, train.sft_optimizer(model, cfg))
     monkeypatch.setattr(checkpoint, "_write_trainer_state", real)
-    train.main(train.load_config(path, over + ["resume=auto"]))  # the crashed save is redone, the run finishes
+    train.main(load_config(path, over + ["resume=auto"]))  # the crashed save is redone, the run finishes
     assert_same_run(out, uninterrupted)
     assert sorted(os.listdir(ckpt_dir)) == ["step_00000004", "step_00000006"]  # ckpt_keep=2, no temporaries left
 
@@ -145,12 +146,12 @@ def test_resume_with_a_kl_reference_model_ends_bitwise_equal(tmp_path):
     """The KL penalty's frozen reference travels in the checkpoint (full tensors) and comes back."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     path, over = config(tmp_path, full, "ckpt_every=1", "ckpt_keep=20", "kl_coef=0.1")
-    train.main(train.load_config(path, over))
+    train.main(load_config(path, over))
     shutil.copytree(full, resumed)
     for d in (resumed / "ckpt").iterdir():
         if int(d.name.split("_")[1]) > 5:  # keep up to RL step 1 (3 SFT steps, then 2 RL steps)
             shutil.rmtree(d)
-    train.main(train.load_config(path, [f"out_dir={resumed}", "ckpt_every=1", "ckpt_keep=20", "kl_coef=0.1",
+    train.main(load_config(path, [f"out_dir={resumed}", "ckpt_every=1", "ckpt_keep=20", "kl_coef=0.1",
                                         "resume=auto"]))
     a, b = weights(full), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import checkpoint
 import distributed
 import train
+from config import load_config
 from hf import save_hf
 from model import Transformer
 
@@ -66,7 +67,7 @@ def test_two_ranks_with_ep2_match_the_one_process_run_step_by_step(tmp_path, ext
     cfg_path = tmp_path / "cfg.py"
     cfg_path.write_text(RUN)
     one, two = tmp_path / "one", tmp_path / "two"
-    train.main(train.load_config(str(cfg_path), [f"out_dir={one}", *extra]))
+    train.main(load_config(str(cfg_path), [f"out_dir={one}", *extra]))
     done = subprocess.run(torchrun(str(cfg_path), f"out_dir={two}", "ep=2", *extra), cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -194,13 +195,13 @@ def test_two_rank_model_starts_from_the_one_process_weights(tmp_path, init):
     overrides = ["ep=2", "model.num_experts=4", "model.dim=32", "model.n_layers=2", "model.n_heads=4",
                  "model.n_kv_heads=2", "model.head_dim=8", "model.moe_inter_dim=16", "model.vocab_size=64",
                  "model.qk_norm=true"]
-    cfg = train.load_config(None, overrides)
+    cfg = load_config(None, overrides)
     torch.manual_seed(cfg.seed)
     if init == "hf":
         torch.manual_seed(123)
         saved = Transformer(cfg.model)  # weights the run's own seed would not give
         save_hf(saved, str(tmp_path / "hf"))
-        cfg = train.load_config(None, overrides + [f"init_hf={tmp_path / 'hf'}"])
+        cfg = load_config(None, overrides + [f"init_hf={tmp_path / 'hf'}"])
         torch.manual_seed(cfg.seed)
     want = dict(distributed.build_model(cfg).named_parameters())
     if init == "hf":

@@ -1,4 +1,4 @@
-"""The three zero-variance stages and the per-step driver, with a scripted sampler in place of a model."""
+"""The three zero-variance stages as pure decisions, and train.collect_rollouts driving them with a scripted verifier."""
 
 import json
 import random
@@ -6,24 +6,48 @@ import random
 import pytest
 import torch
 
-from filter import (OFFLINE_WEIGHT, PromptHistory, PromptRecord, Scored, StageConfig, collect_groups, post_rollout_filter,
-                    pre_rollout_filter, probe_rollouts, rest_agree_probability, zvp_token_advantages)
+import train
+from filter import (OFFLINE_WEIGHT, FilterConfig, PromptHistory, PromptRecord, Scored, post_rollout_filter,
+                    pre_rollout_filter, probe_decisions, rest_agree_probability, zvp_token_advantages)
+from reward import Item
+from runs import make_run, micro_config
 
 
-class ScriptedSampler:
-    """Prompt p's j-th rollout gets reward script[p][j % len(script[p])] and 10 tokens; records each call's n."""
+class ScriptedTask:
+    """Prompts named by the script's keys; prompt p's j-th scored rollout gets reward script[p][j % len(script[p])]."""
 
     def __init__(self, script: dict):
-        self.script, self.calls, self.seen = script, [], {}
+        self.script, self.seen = script, {}
+        self.items = [Item(p, "0", 0, i) for i, p in enumerate(script)]
 
-    def __call__(self, prompts, n):
-        self.calls.append((list(prompts), n))
-        out = []
-        for p in prompts:
-            start = self.seen.get(p, 0)
-            self.seen[p] = start + n
-            out.append([Scored(self.script[p][(start + j) % len(self.script[p])], 10, (p, start + j)) for j in range(n)])
-        return out
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def score(self, completion, item):
+        j = self.seen.get(item.question, 0)
+        self.seen[item.question] = j + 1
+        return self.script[item.question][j % len(self.script[item.question])]
+
+
+def scripted_run(tmp_path, script: dict, overrides=()):
+    """A Run over the script's prompts (in order), recording each engine call's (sorted prompts, n)."""
+    run = make_run(micro_config(tmp_path, [f"prompts_per_step={len(script)}", "gen_batch_rows=1024", *overrides]),
+                   ScriptedTask(script))
+    calls, generate = [], run.engine.generate
+
+    def recording(prompts, params, *, n=1, seed=None, group_ids=None):
+        calls.append((sorted(run.tok.decode(p[1:]).strip() for p in prompts), n))  # prompt texts, without BOS and newline
+        return generate(prompts, params, n=n, seed=seed, group_ids=group_ids)
+
+    run.engine.generate = recording
+    return run, calls
+
+
+def scored(rewards: list[float], tokens: int = 10) -> list[Scored]:
+    return [Scored(r, tokens) for r in rewards]
 
 
 def test_skip_probability_is_zero_for_unseen_or_informative_prompts_and_halves_every_half_life():
@@ -42,8 +66,8 @@ def test_pre_rollout_filter_skips_recent_zero_variance_prompts_and_counts_the_sa
     h = PromptHistory()
     h.observe("a", 1.0, step=3)
     h.observe("b", 0.25, step=3)
-    keep, stats = pre_rollout_filter(["a", "b", "c"], h, 3, skip_prob=1.0, half_life=10.0, rng=random.Random(0),
-                                     group_size=8, predicted_tokens=[5.0, 7.0, 9.0])
+    cfg = FilterConfig(group_size=8, skip_prob=1.0, skip_half_life=10.0)
+    keep, stats = pre_rollout_filter(["a", "b", "c"], h, 3, cfg, rng=random.Random(0), predicted_tokens=[5.0, 7.0, 9.0])
     assert keep == [False, True, True]
     assert stats == {"prompts_skipped": 1, "rollouts_saved": 8, "tokens_saved_est": 40.0}
 
@@ -53,11 +77,11 @@ def test_a_prompt_drawn_many_times_is_skipped_with_its_skip_probability_not_that
     keys = [f"q{i}" for i in range(2000)]
     for k in keys:
         h.observe(k, 0.0, step=0)
-    kw = dict(skip_prob=1.0, half_life=1.0, rng=rng, group_size=8, predicted_tokens=[1.0] * len(keys))
-    visits = [pre_rollout_filter(keys, h, 1, **kw)[0] for _ in range(5)]  # five draws of every prompt at step 1
+    cfg, kw = FilterConfig(group_size=8, skip_prob=1.0, skip_half_life=1.0), dict(rng=rng, predicted_tokens=[1.0] * len(keys))
+    visits = [pre_rollout_filter(keys, h, 1, cfg, **kw)[0] for _ in range(5)]  # five draws of every prompt at step 1
     assert all(v == visits[0] for v in visits)  # one decision per record, not one per visit
     assert sum(not kept for kept in visits[0]) / len(keys) == pytest.approx(0.5, abs=0.04)  # 2^(-1/1)
-    later = pre_rollout_filter(keys, h, 2, **kw)[0]  # the probability decays: a prompt back at step 1 stays back
+    later = pre_rollout_filter(keys, h, 2, cfg, **kw)[0]  # the probability decays: a prompt back at step 1 stays back
     assert all(k2 for k1, k2 in zip(visits[0], later) if k1) and sum(not k for k in later) / len(keys) == pytest.approx(0.25, abs=0.04)
     h.observe("q0", 1.0, step=2)  # a new observation gets a new draw
     assert h.records["q0"].draw is None
@@ -75,72 +99,68 @@ def test_offline_pass_rates_are_applied_once_and_bad_rows_rejected(tmp_path):
         h.load_offline(str(path))
 
 
-def test_probes_that_agree_stop_the_prompt_and_the_others_get_the_rest_of_their_group():
-    sampler = ScriptedSampler({"easy": [1.0], "hard": [0.0], "mixed": [1.0, 0.0]})
-    groups, stats = probe_rollouts(["easy", "hard", "mixed"], sampler, group_size=8, probe_size=2)
-    assert sampler.calls == [(["easy", "hard", "mixed"], 2), (["mixed"], 6)]
-    assert [len(g) for g in groups] == [2, 2, 8]
-    assert [s.payload for s in groups[2]] == [("mixed", j) for j in range(8)]  # probes first, in order
+def test_probes_that_agree_stop_the_prompt_and_the_others_get_the_rest_of_their_group(tmp_path):
+    cfg = FilterConfig(group_size=8, probe_size=2)
+    go_on, stats = probe_decisions([scored([1.0, 1.0]), scored([0.0, 0.0]), scored([1.0, 0.0])], [None] * 3, cfg)
+    assert go_on == [2]
     assert stats == {"prompts_stopped": 2, "rollouts_saved": 12, "tokens_saved_est": 120.0, "rollouts_added": 0}
+    run, calls = scripted_run(tmp_path, {"easy": [1.0], "hard": [0.0], "mixed": [1.0, 0.0]},
+                              ["group_size=8", "probe_size=2"])
+    m, batch = train.collect_rollouts(run, 0)
+    assert calls == [(["easy", "hard", "mixed"], 2), (["mixed"], 6)]
+    assert m["filter/rollouts_generated"] == 2 + 2 + 8 and m["filter/stage2_prompts_stopped"] == 2
+    assert len(batch.seqs) == 8  # stage 3 drops the two stopped groups of two probes
 
 
-def test_informative_prompts_can_get_an_enlarged_group():
-    sampler = ScriptedSampler({"easy": [1.0], "mixed": [1.0, 0.0]})
-    groups, stats = probe_rollouts(["easy", "mixed"], sampler, group_size=4, probe_size=2, enlarged_size=6)
-    assert [len(g) for g in groups] == [2, 6] and stats["rollouts_added"] == 2
+def test_informative_prompts_can_get_an_enlarged_group(tmp_path):
+    run, calls = scripted_run(tmp_path, {"easy": [1.0], "mixed": [1.0, 0.0]},
+                              ["probe_size=2", "enlarged_group_size=6"])
+    m, _ = train.collect_rollouts(run, 0)
+    assert calls == [(["easy", "mixed"], 2), (["mixed"], 4)]
+    assert m["filter/rollouts_generated"] == 2 + 6 and m["filter/stage2_rollouts_added"] == 2
 
 
 @pytest.mark.parametrize("probe_size, enlarged", [(1, 0), (8, 0), (0, 12), (2, 6)])
 def test_bad_probe_settings_are_value_errors(probe_size, enlarged):
     with pytest.raises(ValueError):
-        probe_rollouts(["p"], ScriptedSampler({"p": [1.0]}), group_size=8, probe_size=probe_size, enlarged_size=enlarged)
+        FilterConfig(group_size=8, probe_size=probe_size, enlarged_group_size=enlarged)
 
 
-def test_with_every_stage_off_the_driver_samples_each_prompt_once_with_a_full_group():
-    sampler = ScriptedSampler({p: [0.0] for p in "abc"})
-    groups, counts = collect_groups(list("abc"), sampler, PromptHistory(), 0, StageConfig(group_size=4), key=str,
-                                    predicted_tokens=lambda p: 1.0, rng=random.Random(0), draw=lambda n: list("xyz"))
-    assert sampler.calls == [(list("abc"), 4)]
-    assert [p for p, _ in groups] == list("abc") and counts["groups_informative"] == 0
+def test_with_every_stage_off_the_driver_samples_each_prompt_once_with_a_full_group(tmp_path):
+    run, calls = scripted_run(tmp_path, {p: [0.0] for p in "abc"})
+    m, batch = train.collect_rollouts(run, 0)
+    assert calls == [(list("abc"), 4)]
+    assert m["filter/groups_informative"] == 0 and batch is None
 
 
-def test_over_sampling_draws_prompts_until_the_batch_has_its_informative_groups():
+def test_over_sampling_draws_prompts_until_the_batch_has_its_informative_groups(tmp_path):
     script = {f"p{i}": ([1.0, 0.0] if i % 2 else [0.0]) for i in range(40)}  # every other prompt is informative
-    fresh = iter(sorted(script, key=lambda k: int(k[1:]))[4:])
-    drawn = []
-
-    def draw(n):
-        drawn.append(n)
-        return [next(fresh) for _ in range(n)]
-
-    cfg = StageConfig(group_size=4, probe_size=2, oversample_rounds=3)
-    groups, counts = collect_groups(["p0", "p1", "p2", "p3"], ScriptedSampler(script), PromptHistory(), 0, cfg,
-                                    key=str, predicted_tokens=lambda p: 1.0, rng=random.Random(0), draw=draw)
-    assert counts["groups_informative"] >= 4 and counts["oversample_rounds"] == 1
-    assert drawn == [4]  # 2 informative of 4 drawn: 2 missing at rate 1/2
-    assert counts["prompts_drawn"] == 8 and counts["stage2_prompts_stopped"] == 4
+    run, calls = scripted_run(tmp_path, script, ["prompts_per_step=4", "probe_size=2", "oversample_rounds=3"])
+    m, _ = train.collect_rollouts(run, 0)
+    assert m["filter/groups_informative"] >= 4 and m["filter/oversample_rounds"] == 1
+    # probes of the 4 drawn, the rest of the 2 informative; 2 missing at rate 1/2: 4 more drawn, and so on
+    assert [len(p) for p, _ in calls] == [4, 2, 4, 2]
+    assert m["filter/prompts_drawn"] == 8 and m["filter/stage2_prompts_stopped"] == 4
 
 
-def test_history_from_one_step_makes_stage_one_skip_the_next():
-    script = {"easy": [1.0], "mixed": [1.0, 0.0]}
-    history, cfg = PromptHistory(), StageConfig(group_size=4, skip_prob=1.0, skip_half_life=100.0)
-    args = dict(key=str, predicted_tokens=lambda p: 3.0, rng=random.Random(0))
-    collect_groups(["easy", "mixed"], ScriptedSampler(script), history, 0, cfg, **args)
-    sampler = ScriptedSampler(script)
-    groups, counts = collect_groups(["easy", "mixed"], sampler, history, 1, cfg, **args)
-    assert sampler.calls == [(["mixed"], 4)]
-    assert counts["stage1_prompts_skipped"] == 1 and counts["stage1_tokens_saved_est"] == 12.0
+def test_history_from_one_step_makes_stage_one_skip_the_next(tmp_path):
+    run, calls = scripted_run(tmp_path, {"easy": [1.0], "mixed": [1.0, 0.0]},
+                              ["skip_prob=1.0", "skip_half_life=100.0"])
+    train.collect_rollouts(run, 0)
+    calls.clear()
+    m, _ = train.collect_rollouts(run, 1)  # the same two prompts again: the task's order cycles
+    assert calls == [(["mixed"], 4)]
+    predicted = train.predicted_length(run, run.prompts.task[0])
+    assert m["filter/stage1_prompts_skipped"] == 1 and m["filter/stage1_tokens_saved_est"] == 4 * predicted
 
 
-def test_agreeing_probes_stop_a_prompt_unless_its_history_makes_the_rest_likely_to_differ():
+def test_agreeing_probes_stop_a_prompt_unless_its_history_makes_the_rest_likely_to_differ(tmp_path):
     script = {"was_mixed": [1.0, 1.0, 0.0, 0.0], "unseen": [1.0, 1.0, 0.0, 0.0]}  # the first two probes agree
-    history = PromptHistory()
-    history.observe("was_mixed", 0.5, step=0, n=4)
-    sampler = ScriptedSampler(script)
-    groups, counts = collect_groups(["was_mixed", "unseen"], sampler, history, 1, StageConfig(group_size=4, probe_size=2),
-                                    key=str, predicted_tokens=lambda p: 1.0, rng=random.Random(0))
-    assert [len(g) for _, g in groups] == [4, 2] and counts["stage2_prompts_stopped"] == 1
-    assert history.records["unseen"].n == 2 and history.records["was_mixed"].n == 4
+    run, calls = scripted_run(tmp_path, script, ["probe_size=2"])
+    run.history.observe("was_mixed", 0.5, step=0, n=4)
+    m, _ = train.collect_rollouts(run, 1)
+    assert calls == [(["unseen", "was_mixed"], 2), (["was_mixed"], 2)] and m["filter/stage2_prompts_stopped"] == 1
+    assert run.history.records["unseen"].n == 2 and run.history.records["was_mixed"].n == 4
 
 
 def test_rest_agree_probability_is_the_beta_posterior_predictive():
@@ -160,9 +180,7 @@ def test_rest_agree_probability_is_the_beta_posterior_predictive():
 @pytest.mark.parametrize("threshold", [-0.1, 1.5])
 def test_stop_threshold_outside_unit_interval_is_refused(threshold):
     with pytest.raises(ValueError, match="stop_threshold"):
-        StageConfig(group_size=8, probe_size=4, stop_threshold=threshold)
-    with pytest.raises(ValueError, match="stop_threshold"):
-        probe_rollouts(["p"], ScriptedSampler({"p": [1.0]}), group_size=8, probe_size=4, stop_threshold=threshold)
+        FilterConfig(group_size=8, probe_size=4, stop_threshold=threshold)
 
 
 def test_history_state_dict_round_trips_and_reads_older_two_field_records():

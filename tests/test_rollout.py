@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model import Transformer, token_logprobs
-from rollout import NativeEngine, sample
+from rollout import SamplingParams, NativeEngine, sample
 
 EOS, PAD = 1, 0
 
@@ -23,7 +23,7 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20]]  # ragged: exercises left pa
 
 def test_trainer_forward_with_replayed_routes_matches_engine_logprobs_and_routes(tiny_cfg):
     engine, model = engine_and_model(tiny_cfg)
-    rollouts = engine.generate(PROMPTS, n=2, max_new_tokens=12, seed=0)
+    rollouts = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12), n=2, seed=0)
     assert len(rollouts) == 6 and [r.group_id for r in rollouts] == [0, 0, 1, 1, 2, 2]
     for r in rollouts:
         seq = torch.tensor(r.prompt_ids + r.completion_ids)
@@ -38,7 +38,7 @@ def test_trainer_forward_with_replayed_routes_matches_engine_logprobs_and_routes
 
 def test_engine_routes_equal_the_models_own_uncached_routes(tiny_cfg):
     engine, model = engine_and_model(tiny_cfg)
-    for r in engine.generate(PROMPTS, n=1, max_new_tokens=10, seed=1):
+    for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=10), n=1, seed=1):
         seq = torch.tensor(r.prompt_ids + r.completion_ids)
         _, own = model(seq[None, :-1], return_routes=True)
         assert torch.equal(own[0].to(torch.int32), r.routes)
@@ -46,16 +46,16 @@ def test_engine_routes_equal_the_models_own_uncached_routes(tiny_cfg):
 
 def test_same_seed_gives_the_same_rollouts(tiny_cfg):
     engine, _ = engine_and_model(tiny_cfg)
-    a = engine.generate(PROMPTS, n=3, max_new_tokens=10, seed=7)
-    b = engine.generate(PROMPTS, n=3, max_new_tokens=10, seed=7)
+    a = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10), n=3, seed=7)
+    b = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10), n=3, seed=7)
     assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
     assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
 
 
 def test_temperature_zero_is_greedy_and_deterministic(tiny_cfg):
     engine, model = engine_and_model(tiny_cfg)
-    a = engine.generate(PROMPTS, n=2, max_new_tokens=8, temperature=0.0, seed=1)
-    b = engine.generate(PROMPTS, n=2, max_new_tokens=8, temperature=0.0, seed=2)
+    a = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), n=2, seed=1)
+    b = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), n=2, seed=2)
     assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
     r = a[0]
     seq = torch.tensor(r.prompt_ids + r.completion_ids)
@@ -65,7 +65,7 @@ def test_temperature_zero_is_greedy_and_deterministic(tiny_cfg):
 
 def test_rollouts_stop_at_eos_or_token_limit(tiny_cfg):
     engine, _ = engine_and_model(tiny_cfg)
-    for r in engine.generate(PROMPTS, n=4, max_new_tokens=6, seed=3):
+    for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=6), n=4, seed=3):
         if r.finish_reason == "stop":
             assert r.completion_ids[-1] == EOS and EOS not in r.completion_ids[:-1]
         else:
@@ -93,14 +93,14 @@ def test_update_weights_rejects_unknown_and_missing_tensors(tiny_cfg):
 def test_prompt_too_long_for_the_context_is_a_value_error(tiny_cfg):
     engine, _ = engine_and_model(tiny_cfg)
     with pytest.raises(ValueError, match="max_seq_len"):
-        engine.generate([[3] * 60], max_new_tokens=10)
+        engine.generate([[3] * 60], SamplingParams(max_new_tokens=10))
 
 
 # ----------------------------------------------------------------------------- cache, seeds, batches
 
 def test_cached_decode_equals_an_uncached_full_forward(tiny_cfg):
     engine, model = engine_and_model(tiny_cfg)
-    for r in engine.generate(PROMPTS, n=2, max_new_tokens=10, seed=4):
+    for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=10), n=2, seed=4):
         seq = torch.tensor(r.prompt_ids + r.completion_ids)
         logits, own = model(seq[None, :-1], return_routes=True)  # no cache, no replay
         logp = token_logprobs(logits, seq[None, 1:])[0, len(r.prompt_ids) - 1:]
@@ -110,8 +110,8 @@ def test_cached_decode_equals_an_uncached_full_forward(tiny_cfg):
 
 def test_a_rollout_does_not_depend_on_its_batch_mates(tiny_cfg):
     engine, _ = engine_and_model(tiny_cfg)
-    together = engine.generate(PROMPTS, n=2, max_new_tokens=10, seed=5, group_ids=[10, 11, 12])
-    apart = engine.generate([PROMPTS[2], PROMPTS[0]], n=2, max_new_tokens=10, seed=5, group_ids=[12, 10])
+    together = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10), n=2, seed=5, group_ids=[10, 11, 12])
+    apart = engine.generate([PROMPTS[2], PROMPTS[0]], SamplingParams(max_new_tokens=10), n=2, seed=5, group_ids=[12, 10])
     by_key = {(r.group_id, i % 2): r for i, r in enumerate(together)}
     for i, r in enumerate(apart):
         same = by_key[(r.group_id, i % 2)]
@@ -121,9 +121,9 @@ def test_a_rollout_does_not_depend_on_its_batch_mates(tiny_cfg):
 
 def test_samples_of_one_prompt_differ_and_different_seeds_differ(tiny_cfg):
     engine, _ = engine_and_model(tiny_cfg)
-    a = engine.generate([PROMPTS[1]], n=4, max_new_tokens=12, seed=0)
+    a = engine.generate([PROMPTS[1]], SamplingParams(max_new_tokens=12), n=4, seed=0)
     assert len({tuple(r.completion_ids) for r in a}) > 1
-    b = engine.generate([PROMPTS[1]], n=4, max_new_tokens=12, seed=1)
+    b = engine.generate([PROMPTS[1]], SamplingParams(max_new_tokens=12), n=4, seed=1)
     assert [r.completion_ids for r in a] != [r.completion_ids for r in b]
 
 
@@ -169,7 +169,7 @@ def test_update_weights_syncs_the_sigmoid_routers_expert_bias(tiny_cfg):
         engine.update_weights(model.named_parameters(), version=1)
     engine.update_weights(policy_tensors(model), version=1)
     assert torch.equal(engine.model.layers[1].mlp.expert_bias, model.layers[1].mlp.expert_bias)
-    r = engine.generate([PROMPTS[0]], max_new_tokens=6, seed=0)[0]
+    r = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6), seed=0)[0]
     seq = torch.tensor(r.prompt_ids + r.completion_ids)
     _, own = model(seq[None, :-1], return_routes=True)
     assert torch.equal(own[0].to(torch.int32), r.routes)
@@ -231,7 +231,7 @@ def test_fp8_engine_logprobs_stay_near_the_high_precision_ones(tiny_cfg):
     model = Transformer(tiny_cfg).requires_grad_(False)
     engine = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, fp8=True)
     engine.update_weights(model.named_parameters(), version=1)
-    for r in engine.generate(PROMPTS, n=2, max_new_tokens=8, seed=0):
+    for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=8), n=2, seed=0):
         seq = torch.tensor(r.prompt_ids + r.completion_ids)
         logp = token_logprobs(model(seq[None, :-1], routed_experts=r.routes[None])[0], seq[None, 1:])[0, len(r.prompt_ids) - 1:]
         assert float((logp - r.logprobs).abs().max()) < 0.05  # FP8 noise, not a different model
@@ -249,14 +249,13 @@ def _sglang_output(ids, logps, routes_TLK, reason="stop"):
 
 def test_sglang_request_asks_for_logprobs_routes_and_seeded_samples():
     from sglang_engine import sglang_request
-    req = sglang_request([[1, 2], [3]], n=2, max_new_tokens=5, temperature=1.0, top_p=0.9, top_k=0, seed=7, eos_id=9,
-                         group_ids=[4, 5])
+    req = sglang_request([[1, 2], [3]], SamplingParams(max_new_tokens=5, temperature=1.0, top_p=0.9, top_k=0), n=2, seed=7, eos_id=9, group_ids=[4, 5])
     assert req["input_ids"] == [[1, 2], [1, 2], [3], [3]]
     assert req["return_logprob"] and req["return_routed_experts"] and req["routed_experts_start_len"] == 0
     p = req["sampling_params"]
     assert p[0]["top_k"] == -1 and p[0]["stop_token_ids"] == [9] and p[0]["max_new_tokens"] == 5
     assert len({q["sampling_seed"] for q in p}) == 4
-    again = sglang_request([[3]], n=2, max_new_tokens=5, temperature=1.0, top_p=0.9, top_k=0, seed=7, eos_id=9, group_ids=[5])
+    again = sglang_request([[3]], SamplingParams(max_new_tokens=5, temperature=1.0, top_p=0.9, top_k=0), n=2, seed=7, eos_id=9, group_ids=[5])
     assert [q["sampling_seed"] for q in again["sampling_params"]] == [q["sampling_seed"] for q in p[2:]]
 
 
@@ -343,7 +342,7 @@ def test_sglang_engine_rollouts_match_the_trainer(tiny_cfg, tmp_path):
     model = Transformer(cfg)
     save_hf(model, str(tmp_path))
     engine = SGLangEngine(str(tmp_path), eos_id=EOS, mem_fraction_static=0.3)
-    rollouts = engine.generate(PROMPTS, n=2, max_new_tokens=8, seed=0)
+    rollouts = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8), n=2, seed=0)
     infer, trainer = [], []
     for r in rollouts:
         seq = torch.tensor(r.prompt_ids + r.completion_ids)
@@ -376,8 +375,8 @@ def test_compiled_decode_step_gives_the_eager_rollouts(tiny_cfg):
     compiled = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, compile=True)
     for e in (eager, compiled):
         e.update_weights(model.named_parameters(), version=0)
-    a = eager.generate(PROMPTS, n=2, max_new_tokens=6, seed=0)
-    b = compiled.generate(PROMPTS, n=2, max_new_tokens=6, seed=0)
+    a = eager.generate(PROMPTS, SamplingParams(max_new_tokens=6), n=2, seed=0)
+    b = compiled.generate(PROMPTS, SamplingParams(max_new_tokens=6), n=2, seed=0)
     assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
     for x, y in zip(a, b):
         torch.testing.assert_close(x.logprobs, y.logprobs, rtol=0, atol=1e-5)

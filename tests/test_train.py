@@ -5,7 +5,11 @@ import torch
 from safetensors.torch import load_file
 
 import train
+from config import TrainConfig, load_config
+from metrics import MetricsLog
 from model import Transformer
+from runs import MICRO, make_run, micro_config
+from trainer import TrainBatch, sequence_batch, train_on_rollouts
 
 
 def write_config(tmp_path, text):
@@ -16,10 +20,10 @@ def write_config(tmp_path, text):
 
 def test_config_file_holds_deltas_and_overrides_are_typed(tmp_path):
     path = write_config(tmp_path, "rl_steps = 7\nmodel = dict(dim=64, n_layers=2)\n")
-    cfg = train.load_config(path, ["lr=3e-4", "model.top_k=3", "router_replay=false", "loss_type=grpo"])
+    cfg = load_config(path, ["lr=3e-4", "model.top_k=3", "router_replay=false", "loss_type=grpo"])
     assert cfg.rl_steps == 7 and cfg.lr == 3e-4 and cfg.router_replay is False and cfg.loss_type == "grpo"
     assert cfg.model.dim == 64 and cfg.model.n_layers == 2 and cfg.model.top_k == 3
-    assert cfg.group_size == train.TrainConfig().group_size  # untouched fields keep their defaults
+    assert cfg.group_size == TrainConfig().group_size  # untouched fields keep their defaults
 
 
 @pytest.mark.parametrize("override, match", [
@@ -32,7 +36,7 @@ def test_config_file_holds_deltas_and_overrides_are_typed(tmp_path):
 ])
 def test_bad_overrides_are_value_errors_that_say_what_is_valid(override, match):
     with pytest.raises(ValueError, match=match):
-        train.load_config(None, [override])
+        load_config(None, [override])
 
 
 @pytest.mark.parametrize("override, match", [
@@ -46,17 +50,17 @@ def test_bad_overrides_are_value_errors_that_say_what_is_valid(override, match):
 ])
 def test_bad_filter_or_reward_settings_fail_before_any_training(override, match, tmp_path):
     with pytest.raises(ValueError, match=match):
-        train.main(train.load_config(None, [override, f"out_dir={tmp_path}"]))
+        train.main(load_config(None, [override, f"out_dir={tmp_path}"]))
 
 
 def test_unknown_key_in_config_file_names_close_matches(tmp_path):
     path = write_config(tmp_path, "group_sise = 4\n")
     with pytest.raises(ValueError, match="did you mean group_size"):
-        train.load_config(path, [])
+        load_config(path, [])
 
 
 def test_sequence_batch_masks_exactly_the_completion_targets():
-    inputs, targets, mask, routes = train.sequence_batch([[1, 2, 3, 4, 5], [6, 7, 8]], [3, 1], pad_id=0,
+    inputs, targets, mask, routes = sequence_batch([[1, 2, 3, 4, 5], [6, 7, 8]], [3, 1], pad_id=0,
                                                          routes=[torch.ones(4, 2, 1), torch.ones(2, 2, 1)],
                                                          num_layers=2, top_k=1)
     assert inputs.tolist() == [[1, 2, 3, 4], [6, 7, 0, 0]]
@@ -65,20 +69,6 @@ def test_sequence_batch_masks_exactly_the_completion_targets():
     assert (routes[1, 2:] == -1).all() and (routes[0] == 1).all()
 
 
-MICRO = """
-model = dict(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
-             moe_inter_dim=32, max_seq_len=64)
-bpe_merges = 40
-train_size = 300
-eval_size = 24
-sft_steps = 4
-sft_batch_size = 8
-rl_steps = 3
-prompts_per_step = 4
-group_size = 4
-max_new_tokens = 8
-eval_every = 2
-"""
 
 
 def test_tiny_run_end_to_end_writes_metrics_checkpoint_and_plot(tmp_path):
@@ -95,39 +85,21 @@ def test_tiny_run_end_to_end_writes_metrics_checkpoint_and_plot(tmp_path):
     assert len(rl) == 3 and all(0 <= r["filter/zero_variance_frac"] <= 1 for r in rl)
     # the engine's logprobs equal the trainer's old logprobs under replay, through train.py's own batching
     assert all(r["mismatch/max_abs_logp"] <= 1e-5 for r in rl if "mismatch/max_abs_logp" in r)
-    cfg = train.load_config(None, [])
+    cfg = load_config(None, [])
     cfg.model = type(cfg.model)(**json.loads((out / "config.json").read_text())["model"])
     model = Transformer(cfg.model)
     model.load_state_dict(load_file(out / "model.safetensors"))
 
 
-class ParityTask:
-    """Stand-in verifier: reward 1 for completions of even character length, so groups have mixed rewards."""
-
-    def score(self, completion, item):
-        return float(len(completion) % 2 == 0)
-
-
 def test_rl_step_replays_engine_routes_updates_the_policy_and_syncs_the_engine(tmp_path):
-    from reward import Item
-    from rollout import NativeEngine
-    from scheduler import LengthPredictor
-    from tokenizer import EOS, PAD, build_tokenizer
-
-    cfg = train.load_config(write_config(tmp_path, MICRO), ["temperature=1.5"])
-    tok = build_tokenizer(cfg.model.vocab_size)
-    model = Transformer(cfg.model)
-    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
-    engine.update_weights(model.named_parameters(), version=0)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    items = [Item(f"question {i}", "0", 0, i) for i in range(4)]
-    m = train.rl_step(model, opt, engine, tok, ParityTask(), items, LengthPredictor(4.0), cfg, step=0)
+    run = make_run(micro_config(tmp_path, ["temperature=1.5"]))
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    m = train.rl_step(run, step=0)
     assert "skipped_update" not in m and m["trained_sequences"] > 0
     assert m["mismatch/max_abs_logp"] <= 1e-5
-    assert engine.weight_version == 1
-    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
-    for (n, p), (_, q) in zip(model.named_parameters(), engine.model.named_parameters()):
+    assert run.engine.weight_version == 1
+    assert any(not torch.equal(before[n], p) for n, p in run.model.named_parameters())
+    for (n, p), (_, q) in zip(run.model.named_parameters(), run.engine.model.named_parameters()):
         assert torch.equal(p, q), n
 
 
@@ -135,22 +107,11 @@ def test_rl_step_replays_engine_routes_updates_the_policy_and_syncs_the_engine(t
 def test_the_first_minibatch_takes_pi_old_from_its_own_forward(tmp_path, num_minibatches):
     """Before the first optimizer step pi_old is the current policy: the trainer runs no separate
     no-grad forward for the first mini-batch (none at all with one mini-batch), and its PPO ratio is 1."""
-    from reward import Item
-    from rollout import NativeEngine
-    from scheduler import LengthPredictor
-    from tokenizer import EOS, PAD, build_tokenizer
-
-    cfg = train.load_config(write_config(tmp_path, MICRO), ["temperature=1.5", f"num_minibatches={num_minibatches}"])
-    tok = build_tokenizer(cfg.model.vocab_size)
-    model = Transformer(cfg.model)
-    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
-    engine.update_weights(model.named_parameters(), version=0)
-    items = [Item(f"question {i}", "0", 0, i) for i in range(4)]
-    m, batch, zvp = train.collect_rollouts(engine, tok, ParityTask(), items, LengthPredictor(4.0), cfg, 0, train.RLState())
+    run = make_run(micro_config(tmp_path, ["temperature=1.5", f"num_minibatches={num_minibatches}"]))
+    m, batch = train.collect_rollouts(run, 0)
     forwards = []
-    model.register_forward_hook(lambda mod, args, out: forwards.append(torch.is_grad_enabled()))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    m = train.train_on_rollouts(model, opt, batch, zvp, cfg, 0, tok.encode_single_token(PAD))
+    run.model.register_forward_hook(lambda mod, args, out: forwards.append(torch.is_grad_enabled()))
+    m = train_on_rollouts(run.model, run.opt, batch, 0, run.cfg, run.loss)
     no_grad = forwards.count(False)
     assert (no_grad == 0) if num_minibatches == 1 else (0 < no_grad < forwards.count(True))
     assert m["mismatch/max_abs_logp"] <= 1e-5
@@ -159,30 +120,15 @@ def test_the_first_minibatch_takes_pi_old_from_its_own_forward(tmp_path, num_min
 
 
 def test_rl_step_with_every_stage_on_trains_and_counts_what_each_stage_saved(tmp_path):
-    from reward import Item, StubRewardModel
-    from rollout import NativeEngine
-    from scheduler import LengthPredictor
-    from tokenizer import EOS, PAD, build_tokenizer
-
-    cfg = train.load_config(write_config(tmp_path, MICRO), [
+    run = make_run(micro_config(tmp_path, [
         "temperature=1.5", "skip_prob=1.0", "probe_size=2", "enlarged_group_size=6", "oversample_rounds=2",
-        "zero_variance=rl-zvp", "reward_workers=2", "overlong_buffer=4", "repetition_weight=0.5"])
-    tok = build_tokenizer(cfg.model.vocab_size)
-    model = Transformer(cfg.model)
-    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
-    engine.update_weights(model.named_parameters(), version=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    pool = train.RewardPool(ParityTask().score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
-    state = train.RLState(pool=pool, reward_model=StubRewardModel())
-    fresh = (Item(f"question {i}", "0", 0, i) for i in range(1000))
-    draw = lambda n: [next(fresh) for _ in range(n)]  # noqa: E731
-    predictor = LengthPredictor(4.0)
-    with pool:
-        m0 = train.rl_step(model, opt, engine, tok, ParityTask(), draw(4), predictor, cfg, 0, state, draw)
-        state.history.observe("question 1000", 1.0, step=0)  # a prompt stage 1 must skip at step 1
-        m1 = train.rl_step(model, opt, engine, tok, ParityTask(), [Item("question 1000", "0", 0, 0)] + draw(3),
-                           predictor, cfg, 1, state, draw)
-    assert m1["filter/stage1_prompts_skipped"] >= 1 and m1["filter/stage1_rollouts_saved"] >= cfg.group_size
+        "zero_variance=rl-zvp", "reward_workers=2", "overlong_buffer=4", "repetition_weight=0.5", "reward_model=stub"]))
+    with run.pool:
+        m0 = train.rl_step(run, 0)
+        nxt = run.prompts.task[run.prompts.order[run.prompts.used]]
+        run.history.observe(nxt.question, 1.0, step=0)  # the next prompt drawn, all correct: stage 1 must skip it
+        m1 = train.rl_step(run, 1)
+    assert m1["filter/stage1_prompts_skipped"] >= 1 and m1["filter/stage1_rollouts_saved"] >= run.cfg.group_size
     for m in (m0, m1):
         assert "skipped_update" not in m and m["reward/timeouts"] == m["reward/errors"] == 0
         groups = m["filter/groups"]
@@ -191,11 +137,11 @@ def test_rl_step_with_every_stage_on_trains_and_counts_what_each_stage_saved(tmp
         assert m["filter/rollouts_generated"] == 2 * stopped + 6 * (groups - stopped)
         assert m["trained_sequences"] == m["filter/rollouts_generated"]  # RL-ZVP trains on every group
         assert m["filter/rollouts_dropped"] == 0 and m["filter/zvp_sequences"] >= 2 * m["filter/zvp_groups"]
-    assert engine.weight_version == 2
+    assert run.engine.weight_version == 2
 
 
 def test_token_advantages_replace_a_sequences_advantage_only_where_given():
-    batch = train.TrainBatch(seqs=[[1, 2, 3], [4, 5, 6, 7]], starts=[1, 2], routes=[None, None],
+    batch = TrainBatch(seqs=[[1, 2, 3], [4, 5, 6, 7]], starts=[1, 2], routes=[None, None],
                              adv_B=torch.tensor([0.5, -1.0]))
     assert batch.advantages([0, 1], 3).tolist() == [0.5, -1.0]
     batch.adv_tokens[1] = torch.tensor([0.0, 0.2, 0.3])
@@ -217,9 +163,9 @@ def test_policy_loss_with_constant_token_advantages_equals_sequence_advantages(l
 
 
 def test_engine_logprobs_line_up_with_the_loss_mask():
-    batch = train.TrainBatch(seqs=[[1, 2, 3, 4, 5], [6, 7, 8]], starts=[3, 1], routes=[None, None], adv_B=torch.zeros(2),
+    batch = TrainBatch(seqs=[[1, 2, 3, 4, 5], [6, 7, 8]], starts=[3, 1], routes=[None, None], adv_B=torch.zeros(2),
                              infer_logp=[torch.tensor([-0.1, -0.2]), torch.tensor([-0.3, -0.4])])
-    _, _, mask, _ = train.sequence_batch(batch.seqs, batch.starts, pad_id=0)
+    _, _, mask, _ = sequence_batch(batch.seqs, batch.starts, pad_id=0)
     assert torch.equal(batch.engine_logp([0, 1], T=4), torch.tensor([[0, 0, -0.1, -0.2], [-0.3, -0.4, 0, 0]]))
     assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 0, 0]]
 
@@ -227,21 +173,10 @@ def test_engine_logprobs_line_up_with_the_loss_mask():
 def test_rl_step_passes_loss_options_through_with_a_frozen_reference(tmp_path):
     import copy
 
-    from reward import Item
-    from rollout import NativeEngine
-    from scheduler import LengthPredictor
-    from tokenizer import EOS, PAD, build_tokenizer
-
-    cfg = train.load_config(write_config(tmp_path, MICRO), ["temperature=1.5", "loss_type=gspo", "kl_coef=0.1",
-                                                            "kl_estimator=k1", "tis_cap=2.0", "aggregation=token-mean"])
-    tok = build_tokenizer(cfg.model.vocab_size)
-    model = Transformer(cfg.model)
-    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
-    engine.update_weights(model.named_parameters(), version=0)
-    ref_model = copy.deepcopy(model).requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    items = [Item(f"question {i}", "0", 0, i) for i in range(4)]
-    m = train.rl_step(model, opt, engine, tok, ParityTask(), items, LengthPredictor(4.0), cfg, step=0, ref_model=ref_model)
+    run = make_run(micro_config(tmp_path, ["temperature=1.5", "loss_type=gspo", "kl_coef=0.1", "kl_estimator=k1",
+                                           "tis_cap=2.0", "aggregation=token-mean"]))
+    run.ref_model = copy.deepcopy(run.model).requires_grad_(False)
+    m = train.rl_step(run, step=0)
     assert "skipped_update" not in m and "loss/kl_ref" in m
     # under router replay the engine's logprobs equal pi_old, so aligned TIS weights are all 1
     assert m["loss/mismatch/tis_truncated_frac"] == 0 and abs(m["loss/mismatch/is_weight_mean"] - 1) <= 1e-4
@@ -252,7 +187,7 @@ def test_every_config_field_has_a_docstring():
     import inspect
 
     from model import ModelConfig
-    for cls in (train.TrainConfig, ModelConfig):
+    for cls in (TrainConfig, ModelConfig):
         body = ast.parse(inspect.getsource(cls)).body[0].body
         for node, nxt in zip(body, body[1:] + [None]):
             if isinstance(node, ast.AnnAssign):
@@ -261,18 +196,18 @@ def test_every_config_field_has_a_docstring():
 
 
 def test_logger_choice_is_checked_and_a_missing_package_is_a_clear_error(tmp_path, monkeypatch):
-    cfg = train.load_config(None, [f"out_dir={tmp_path}", "logger=mlflow"])
+    cfg = load_config(None, [f"out_dir={tmp_path}", "logger=mlflow"])
     with pytest.raises(ValueError, match="valid: 'none', 'tensorboard', 'wandb'"):
-        train.MetricsLog(cfg)
+        MetricsLog(cfg)
     monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # as if not installed
-    cfg = train.load_config(None, [f"out_dir={tmp_path}", "logger=wandb"])
+    cfg = load_config(None, [f"out_dir={tmp_path}", "logger=wandb"])
     with pytest.raises(ValueError, match="pip install wandb"):
-        train.MetricsLog(cfg)
+        MetricsLog(cfg)
 
 
 def test_tensorboard_logger_writes_events_beside_the_jsonl(tmp_path):
     pytest.importorskip("tensorboard")
-    log = train.MetricsLog(train.load_config(None, [f"out_dir={tmp_path}", "logger=tensorboard"]))
+    log = MetricsLog(load_config(None, [f"out_dir={tmp_path}", "logger=tensorboard"]))
     log({"stage": "rl", "step": 0, "reward": 0.5, "loss": 1.0})
     log.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"stage": "rl", "step": 0, "reward": 0.5, "loss": 1.0}

@@ -1,0 +1,61 @@
+"""A train.Run for tests: a micro model, a byte tokenizer, a stand-in task and a fresh engine."""
+
+import torch
+
+import train
+from config import TrainConfig, load_config
+from model import Transformer
+from reward import Item, RewardPool
+from rollout import NativeEngine
+from tokenizer import EOS, PAD, build_tokenizer
+
+MICRO = """
+model = dict(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
+             moe_inter_dim=32, max_seq_len=64)
+bpe_merges = 40
+train_size = 300
+eval_size = 24
+sft_steps = 4
+sft_batch_size = 8
+rl_steps = 3
+prompts_per_step = 4
+group_size = 4
+max_new_tokens = 8
+eval_every = 2
+"""
+
+
+class ParityTask:
+    """Stand-in task: prompts "question i", reward 1 for completions of even character length (mixed groups)."""
+
+    def __init__(self, size: int = 10_000):
+        self.items = [Item(f"question {i}", "0", 0, i) for i in range(size)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def score(self, completion, item):
+        return float(len(completion) % 2 == 0)
+
+
+def micro_config(tmp_path, overrides=()) -> TrainConfig:
+    """The micro config with overrides, writing to tmp_path."""
+    path = tmp_path / "micro.py"
+    path.write_text(MICRO)
+    return load_config(str(path), [f"out_dir={tmp_path / 'run'}", *overrides])
+
+
+def make_run(cfg: TrainConfig, task=None) -> train.Run:
+    """A Run over `task` (default ParityTask) drawn in order, its engine on the fresh policy's weights."""
+    task = task or ParityTask()
+    tok = build_tokenizer(cfg.model.vocab_size)
+    model = Transformer(cfg.model)
+    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
+    engine.update_weights(model.named_parameters(), version=0)
+    return train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(task, list(range(len(task)))), model=model,
+                     opt=torch.optim.AdamW(model.parameters(), lr=cfg.lr),
+                     pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
+                     if cfg.reward_workers else None)
