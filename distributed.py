@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model import Transformer
-from rollout import full_tensor, policy_tensors
+from model import Transformer, full_tensor, policy_tensors
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -140,7 +139,7 @@ def reference_copy(model, cfg: TrainConfig, dims=None) -> Transformer:
 
 
 def full_policy_tensors(model):
-    """(name, full tensor) of every parameter and persistent buffer (rollout.policy_tensors), DTensor
+    """(name, full tensor) of every parameter and persistent buffer (model.policy_tensors), DTensor
     shards gathered: a collective, every rank must call it."""
     for name, t in policy_tensors(model):
         yield name, full_tensor(t)

@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, full_tensor, policy_tensors
 
 
 _HF_RENAMES = [  # (our name pattern, HF names concatenated along our dim `cat`); {e} = one key per expert
@@ -58,17 +58,20 @@ def hf_names(name: str) -> list[str]:
     raise KeyError(f"no HF name for parameter {name!r}")
 
 
-def _hf_tensors(model: Transformer):
-    """(our name, tensor) for every parameter and persistent buffer an HF checkpoint holds."""
-    seen = set()
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
-        name = name.replace("._checkpoint_wrapped_module", "")  # activation-checkpointed blocks
-        if name.rsplit(".", 1)[-1] == "expert_bias" and model.cfg.router != "sigmoid":
-            continue
-        if id(t) in seen:  # tied lm_head: the embedding carries it
-            continue
-        seen.add(id(t))
-        yield name, t
+def hf_tensors(named_tensors, cfg: ModelConfig):
+    """Our (name, tensor) pairs in the hub layout, lazily: fused q|k|v and gate|up split back into HF's
+    tensors, stacked experts [E, in, out] into one [out, in] matrix per expert (the inverse of what
+    load_hf reads). What save_hf writes and what SGLang's weight sync sends."""
+    for name, t in named_tensors:
+        keys = hf_names(name)
+        if "{e}" in keys[0]:  # stacked experts [E, in, out]: each fused part transposed back to [out, in]
+            for e in range(t.shape[0]):
+                for k, part in zip(keys, t[e].chunk(len(keys), dim=1)):
+                    yield k.format(e=e), part.T.contiguous()
+        else:  # fused q|k|v (unequal parts) or gate|up rows
+            sizes = ([cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2 if ".wqkv." in name
+                     else [t.shape[0] // len(keys)] * len(keys))
+            yield from zip(keys, t.split(sizes, dim=0))
 
 
 def load_hf(path: str, model: Transformer | None = None) -> Transformer:
@@ -118,7 +121,7 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
 
     offsets = getattr(model, "local_offsets", {})  # set by parallelize for sharded tensors
     with torch.no_grad():
-        for name, t in _hf_tensors(model):
+        for name, t in policy_tensors(model):
             local = t.to_local() if hasattr(t, "to_local") else t
             start = offsets.get(name, (0,) * local.dim())
             sl = tuple(slice(o, o + n) for o, n in zip(start, local.shape))
@@ -135,7 +138,7 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
         for name, b in model.named_buffers():  # buffers no checkpoint holds start at zero
             if name.rsplit(".", 1)[-1] == "expert_bias" and model.cfg.router != "sigmoid":
                 b.zero_()
-    known = {k.format(e=e) for n, _ in _hf_tensors(model) for k in hf_names(n) for e in range(model.cfg.num_experts)}
+    known = {k.format(e=e) for n, _ in policy_tensors(model) for k in hf_names(n) for e in range(model.cfg.num_experts)}
     skipped = set(weight_map) - known
     if skipped:
         print(f"load_hf: skipped {len(skipped)} checkpoint tensors this model does not use, e.g. {sorted(skipped)[0]}")
@@ -149,50 +152,40 @@ def umask_mode(path: str):
     os.chmod(path, 0o666 & ~mask)
 
 
-def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_bytes: int = 4 << 30):
-    """Write the model as an HF checkpoint: config.json plus safetensors in the hub layout
-    (one key per expert), sharded with model.safetensors.index.json above max_shard_bytes.
+def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_bytes: int = 4 << 30, fp8: bool = False):
+    """Write the model as an HF checkpoint: config.json plus safetensors in the hub layout (one key per
+    expert), sharded with model.safetensors.index.json above max_shard_bytes.
 
-    Sharded (DTensor) parameters are gathered one at a time, so every rank must call this;
-    only the ranks with write=True (rank 0) touch the disk.
+    fp8: blockwise-FP8 instead (the DeepSeek-V3 / Qwen3-FP8 format SGLang serves with
+    quantization="fp8"): the FP8 targets in e4m3 with their `weight_scale_inv`, the rest in bf16,
+    and the quantization_config in config.json. Sharded (DTensor) parameters are gathered one at a
+    time, so every rank must call this; only the ranks with write=True (rank 0) touch the disk.
     """
     from safetensors.torch import save_file
-    shards, current, size = [], {}, 0
-    for name, t in _hf_tensors(model):
-        full = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
-        keys = hf_names(name)
-        if "{e}" in keys[0]:  # per expert, each fused part transposed back to HF's [out, in]
-            items = [(k.format(e=e), p.T) for e in range(full.shape[0])
-                     for k, p in zip(keys, full[e].chunk(len(keys), dim=1))]
-        else:
-            cfg = model.cfg
-            sizes = ([cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2 if ".wqkv." in name
-                     else [full.shape[0] // len(keys)] * len(keys))
-            items = list(zip(keys, full.split(sizes, dim=0)))
-        for k, v in items:
-            if current and size + v.numel() * v.element_size() > max_shard_bytes:
-                shards.append(current)
-                current, size = {}, 0
-            current[k] = v.contiguous()
-            size += v.numel() * v.element_size()
-    shards.append(current)
+
+    from rollout import FP8, WEIGHT_BLOCK, quantize_fp8, weight_buckets
+    tensors = hf_tensors(((n, full_tensor(t).cpu()) for n, t in policy_tensors(model)), model.cfg)
+    if fp8:
+        tensors = ((n, t if t.dtype == FP8 or n.endswith("_scale_inv") else t.to(torch.bfloat16))
+                   for n, t in quantize_fp8(tensors, hf=True))
+    shards = list(weight_buckets(((n, t.contiguous()) for n, t in tensors), max_shard_bytes))
     if not write:
         return
     os.makedirs(path, exist_ok=True)
     config = model.cfg.to_hf()
-    config["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    config["torch_dtype"] = "bfloat16" if fp8 else str(next(model.parameters()).dtype).removeprefix("torch.")
+    if fp8:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": list(WEIGHT_BLOCK)}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        umask_mode(os.path.join(path, "model.safetensors"))
-        return
     weight_map = {}
     for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(dict(shard), os.path.join(path, file), metadata={"format": "pt"})
         umask_mode(os.path.join(path, file))
-        weight_map.update({k: file for k in shard})
-    total = sum(v.numel() * v.element_size() for s in shards for v in s.values())
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        weight_map.update({n: file for n, _ in shard})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for shard in shards for _, t in shard)
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)

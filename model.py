@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -592,6 +593,29 @@ def parallelize(model: Transformer, dims, *, param_dtype: torch.dtype | None = t
         fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored or None)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored or None)
     model.local_offsets = {
-        name.replace("._checkpoint_wrapped_module", ""): compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1]
+        unwrapped(name): compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1]
         for name, p in model.named_parameters() if isinstance(p, DTensor)}
     return model
+
+
+CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"  # what activation checkpointing inserts into parameter names
+
+
+def unwrapped(name: str) -> str:
+    """A parameter's name as the unwrapped model has it (state dicts, HF names, engines use these)."""
+    return name.replace(CHECKPOINT_WRAPPER, "")
+
+
+def policy_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter (a tied lm_head once, as the embedding) and persistent buffer (GLM-4.5's
+    expert_bias), detached, under the unwrapped model's names: what an engine, a checkpoint or an
+    HF export needs. Sharded parameters come as their local DTensors (see `full_tensor`)."""
+    persistent = set(model.state_dict(keep_vars=True))  # state_dict already drops the wrapper from names
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if unwrapped(name) in persistent:
+            yield unwrapped(name), t.detach()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective: every rank of its mesh must call it), else t, detached."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()

@@ -49,8 +49,6 @@ expert) pairs, D model dim, H query heads, G kv heads, d head dim, r rotary dims
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -60,8 +58,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import grouped_mm
-from model import GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, rope, run_experts, swiglu
-from hf import hf_names
+from model import (GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, full_tensor, rope, run_experts,
+                   swiglu)
 
 Named = Iterable[tuple[str, torch.Tensor]]
 
@@ -336,21 +334,6 @@ def quantize_fp8(named_tensors: Named, *, hf: bool = False) -> Iterator[tuple[st
 
 # ----------------------------------------------------------------------------- weight sync
 
-def policy_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
-    """Everything an engine needs from the trainer: parameters (a tied lm_head once) and
-    persistent buffers (GLM-4.5's expert_bias), detached."""
-    persistent = set(model.state_dict(keep_vars=True))
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        name = name.replace("._checkpoint_wrapped_module", "")  # activation checkpointing's wrapper
-        if name in persistent:
-            yield name, t.detach()
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor shard (a collective: every rank of its mesh must call it), else t, detached."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
-
-
 def weight_buckets(named_tensors: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of tensors of at most bucket_bytes each (a larger tensor alone), in order."""
     bucket, size = [], 0
@@ -376,46 +359,6 @@ def _stage(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list
         for (n, t), piece in zip(part, flat.split([t.numel() for _, t in part])):
             out[n] = piece.view(t.shape)
     return [(n, out[n]) for n, _ in bucket]
-
-
-def hf_tensors(named_tensors: Named, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our (name, tensor) pairs in the HF hub layout (one [out, in] matrix per expert), as `hf.save_hf` writes them."""
-    for name, t in named_tensors:
-        if name.rsplit(".", 1)[-1] == "expert_bias" and cfg.router != "sigmoid":
-            continue
-        keys = hf_names(name)
-        if "{e}" in keys[0]:  # stacked experts [E, in, out]: each fused part transposed back to [out, in]
-            for e in range(t.shape[0]):
-                for k, part in zip(keys, t[e].chunk(len(keys), dim=1)):
-                    yield k.format(e=e), part.T.contiguous()
-        else:  # fused q|k|v (unequal parts) or gate|up rows
-            sizes = ([cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2 if ".wqkv." in name
-                     else [t.shape[0] // len(keys)] * len(keys))
-            yield from zip(keys, t.split(sizes, dim=0))
-
-
-def save_fp8_hf(model: Transformer, path: str, *, max_shard_bytes: int = 4 << 30):
-    """Write `model` as a blockwise-FP8 HF checkpoint (the DeepSeek-V3 / Qwen3-FP8 format SGLang
-    serves with quantization="fp8"): config.json with its quantization_config, safetensors shards."""
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    config = model.cfg.to_hf()
-    config["torch_dtype"] = "bfloat16"
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(WEIGHT_BLOCK)}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    tensors = quantize_fp8(hf_tensors(policy_tensors(model), model.cfg), hf=True)
-    shards = list(weight_buckets(((n, t if t.dtype == FP8 or n.endswith("_scale_inv") else t.to(torch.bfloat16))
-                                  for n, t in tensors), max_shard_bytes))
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: t.contiguous().cpu() for n, t in shard}, os.path.join(path, file), metadata={"format": "pt"})
-        weight_map.update({n: file for n, _ in shard})
-    if len(shards) > 1:
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
 
 
 # ----------------------------------------------------------------------------- native engine

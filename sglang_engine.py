@@ -21,9 +21,9 @@ import os
 
 import torch
 
-from model import ModelConfig
-from rollout import (DEFAULT_BUCKET_BYTES, Named, Rollout, SamplingParams, full_tensor, hf_tensors, quantize_fp8,
-                     row_keys, weight_buckets)
+from hf import hf_tensors
+from model import ModelConfig, full_tensor
+from rollout import DEFAULT_BUCKET_BYTES, Named, Rollout, SamplingParams, quantize_fp8, row_keys, weight_buckets
 
 
 def _import_sglang():
@@ -141,7 +141,7 @@ def _ok(result, what: str):
 class SGLangEngine:
     """Rollouts from `sglang.Engine` (CUDA only), in the same `Rollout` record as NativeEngine.
 
-    fp8=True serves a blockwise-FP8 checkpoint (write one with `save_fp8_hf`) and syncs
+    fp8=True serves a blockwise-FP8 checkpoint (write one with `hf.save_hf(model, path, fp8=True)`) and syncs
     weights quantised on the trainer side (`quantize_fp8`, HF names); otherwise weights go
     in the trainer's dtype. Weight sync sends buckets with `update_weights_from_tensor`
     inside `begin_weight_update()` / `end_weight_update()` where the installed SGLang has
@@ -162,7 +162,7 @@ class SGLangEngine:
             hf_config = json.load(f)
         if fp8 and (hf_config.get("quantization_config") or {}).get("quant_method") != "fp8":
             raise ValueError(f"fp8=True needs a blockwise-FP8 checkpoint and {model_path} has no fp8 quantization_config; "
-                             f"write one with rollout.save_fp8_hf(model, path)")
+                             f"write one with hf.save_hf(model, path, fp8=True)")
         engine = sglang.Engine(**sglang_engine_args(model_path, fp8=fp8, tp_size=tp_size,
                                                     mem_fraction_static=mem_fraction_static, seed=seed, **engine_kwargs))
         self._setup(engine, ModelConfig.from_hf(hf_config), eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes)

@@ -46,8 +46,9 @@ from espo import LossConfig, ragged_group_advantages
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, FilterConfig, PromptHistory, Scored, oversample_size,
                     post_rollout_filter, pre_rollout_filter, probe_decisions)
 from metrics import MetricsLog, plot
+from model import policy_tensors
 from reward import Item, RewardConfig, RewardPool, TaskMix, demonstration, reward_model_for, shaped_rewards
-from rollout import NativeEngine, Rollout, SamplingParams, policy_tensors
+from rollout import NativeEngine, Rollout, SamplingParams
 from scheduler import LengthPredictor, Pipeline, length_buckets
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, save_tokenizer, train_tokenizer
 from trainer import TrainBatch, lr_at, sft_step, train_on_rollouts

@@ -41,7 +41,8 @@ import train  # noqa: E402
 from config import load_config  # noqa: E402
 from model import Transformer, token_logprobs  # noqa: E402
 from reward import TaskMix, demonstration  # noqa: E402
-from rollout import NativeEngine, SamplingParams, mismatch_metrics, policy_tensors, quantize_fp8  # noqa: E402
+from model import policy_tensors  # noqa: E402
+from rollout import NativeEngine, SamplingParams, mismatch_metrics, quantize_fp8  # noqa: E402
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, train_tokenizer  # noqa: E402
 
 

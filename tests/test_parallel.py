@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from hf import load_hf, save_hf
-from model import ModelConfig, Transformer, parallelize
+from model import ModelConfig, Transformer, parallelize, unwrapped
 
 CFG = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
            moe_inter_dim=16, num_shared_experts=1, first_k_dense_replace=1, dense_inter_dim=24, router="sigmoid",
@@ -45,7 +45,7 @@ def worker(rank, world, port, ep, ac, ckpt, out):
         rows = slice(rank * B // world, (rank + 1) * B // world)
         loss = step(model, tokens[rows], targets[rows]).detach()
         dist.all_reduce(loss)  # each rank has the same token count: the mean of the means is the mean
-        grads = {n.replace("._checkpoint_wrapped_module", ""): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+        grads = {unwrapped(n): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
                  for n, p in model.named_parameters()}
         if rank == 0:
             torch.save({"loss": loss / world, "grads": grads}, out)

@@ -159,7 +159,7 @@ def test_weight_buckets_respect_the_byte_limit_and_keep_order():
 
 
 def test_update_weights_syncs_the_sigmoid_routers_expert_bias(tiny_cfg):
-    from rollout import policy_tensors
+    from model import policy_tensors
     cfg = dataclasses.replace(tiny_cfg, router="sigmoid", hf_model_type="glm4_moe")
     model = Transformer(cfg)
     for layer in model.layers:
@@ -297,7 +297,7 @@ class _FakeSGLang:
 
 @pytest.mark.parametrize("sessions", [True, False])
 def test_sglang_weight_sync_brackets_buckets_with_sessions_when_present(tiny_cfg, sessions):
-    from rollout import policy_tensors
+    from model import policy_tensors
     from sglang_engine import SGLangEngine
     fake = _FakeSGLang(sessions)
     engine = SGLangEngine.from_engine(fake, tiny_cfg, eos_id=EOS, bucket_bytes=64 << 10)
@@ -381,3 +381,26 @@ def test_compiled_decode_step_gives_the_eager_rollouts(tiny_cfg):
     for x, y in zip(a, b):
         torch.testing.assert_close(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
         assert torch.equal(x.routes, y.routes)
+
+
+def test_fp8_checkpoint_holds_e4m3_weights_with_inverse_scales_that_dequantise_to_the_model(tiny_cfg, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from hf import hf_tensors, save_hf
+    from model import policy_tensors
+    from rollout import FP8, dequantize_fp8_blockwise
+    cfg = dataclasses.replace(tiny_cfg, qk_norm=True)  # a Qwen3-MoE
+    model = Transformer(cfg)
+    save_hf(model, str(tmp_path), fp8=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8" and config["torch_dtype"] == "bfloat16"
+    saved = load_file(tmp_path / "model.safetensors")
+    for name, want in hf_tensors(policy_tensors(model), cfg):
+        if saved[name].dtype == FP8:  # attention and expert matrices
+            got = dequantize_fp8_blockwise(saved[name], saved[name + "_scale_inv"])
+            assert (got - want).abs().max() <= want.abs().max() / 16  # e4m3 keeps 3 mantissa bits
+        else:  # router, norms, embeddings, lm_head stay high precision
+            assert saved[name].dtype == torch.bfloat16 and torch.equal(saved[name], want.to(torch.bfloat16))
+    assert any(t.dtype == FP8 for t in saved.values()) and any(n.endswith(".mlp.gate.weight") for n in saved)
