@@ -337,6 +337,37 @@ def mismatch_weights(old_logp_BT: torch.Tensor, infer_logp_BT: torch.Tensor, mas
     return weight_BT, metrics
 
 
+def mismatch_metrics(infer_logp: list[torch.Tensor], trainer_logp: list[torch.Tensor], *,
+                     infer_routes: list[torch.Tensor] | None = None,
+                     trainer_routes: list[torch.Tensor] | None = None) -> dict[str, float]:
+    """Train-inference mismatch of one batch, on the engine's own samples, in float64.
+
+    infer_logp / trainer_logp: per sequence, log pi(token) [C_i] of the sampled tokens
+    under the engine and under the trainer (pi_old, in a run). With d = log pi_infer - log pi_trainer:
+    mismatch/kl is the k3 estimate of KL(pi_infer || pi_trainer), mean(exp(-d) - 1 + d)
+    (unbiased and non-negative for samples from pi_infer; Schulman 2020, "Approximating
+    KL Divergence"), mismatch/kl_k1 the plain mean(d), mismatch/max_abs_logp and
+    mismatch/mean_abs_logp over tokens. infer_routes / trainer_routes: per sequence
+    [T_i, L, K] expert ids; mismatch/route_diff/layer{l} is the fraction of tokens whose
+    expert set in MoE layer l differs (order within the top-k ignored, rows with -1
+    skipped), mismatch/route_diff its mean over layers.
+    """
+    d = torch.cat([a.double().flatten() - b.double().flatten().to(a.device) for a, b in zip(infer_logp, trainer_logp)]
+                  or [torch.zeros(0, dtype=torch.float64)])
+    if d.numel() == 0:  # nothing sampled: no gap to report
+        d = torch.zeros(1, dtype=torch.float64)
+    m = {"mismatch/kl": (torch.exp(-d) - 1 + d).mean().item(), "mismatch/kl_k1": d.mean().item(),
+         "mismatch/max_abs_logp": d.abs().max().item(), "mismatch/mean_abs_logp": d.abs().mean().item()}
+    if infer_routes is not None and trainer_routes is not None:
+        a = torch.cat([r.long() for r in infer_routes]).sort(dim=-1).values  # (N, L, K)
+        b = torch.cat([r.long().to(a.device) for r in trainer_routes]).sort(dim=-1).values
+        valid_N = ((a >= 0) & (b >= 0)).all(-1).all(-1)
+        diff_L = (a[valid_N] != b[valid_N]).any(-1).double().mean(0)
+        m.update({f"mismatch/route_diff/layer{l}": v for l, v in enumerate(diff_L.tolist())})
+        m["mismatch/route_diff"] = diff_L.mean().item()
+    return m
+
+
 # ----------------------------------------------------------------------------- the loss
 
 @dataclass(frozen=True)

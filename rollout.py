@@ -39,8 +39,8 @@ the same numbers up to accumulation order. Scales are stored as their inverse
 (`<name>_scale_inv`, multiply to dequantise), DeepSeek-V3's checkpoint convention that
 SGLang loads. The trainer quantises before sending (`quantize_fp8`).
 
-`mismatch_metrics` measures the train-inference gap of a batch: KL(pi_infer || pi_trainer)
-(k3 estimator), max |delta logp|, and the fraction of routes that differ per layer.
+The train-inference gap of the logprobs and routes recorded here is measured by
+espo.mismatch_metrics.
 
 Legend: U unique prompts, B rows (prompts x samples), P longest prompt, S cache columns,
 C completion tokens, L MoE layers, K experts per token, E experts, R routed (token,
@@ -558,33 +558,3 @@ class NativeEngine:
                 routes=routes_BSLK[i, pads[i]:P + c - 1].clone(), finish_reason="stop" if stop else "length",
                 group_id=groups[i // n], weight_version=self.weight_version))
         return rollouts
-
-
-# ----------------------------------------------------------------------------- train-inference mismatch
-
-def mismatch_metrics(infer_logp: list[torch.Tensor], trainer_logp: list[torch.Tensor], *,
-                     infer_routes: list[torch.Tensor] | None = None,
-                     trainer_routes: list[torch.Tensor] | None = None) -> dict[str, float]:
-    """Train-inference mismatch of one batch, on the engine's own samples.
-
-    infer_logp / trainer_logp: per sequence, log pi(token) [C_i] of the sampled tokens
-    under the engine and under the trainer. With d = log pi_infer - log pi_trainer:
-    mismatch/kl is the k3 estimate of KL(pi_infer || pi_trainer), mean(exp(-d) - 1 + d)
-    (unbiased and non-negative for samples from pi_infer; Schulman 2020, "Approximating
-    KL Divergence"), mismatch/kl_k1 the plain mean(d), mismatch/max_abs_logp and
-    mismatch/mean_abs_logp over tokens. infer_routes / trainer_routes: per sequence
-    [T_i, L, K] expert ids; mismatch/route_diff/layer{l} is the fraction of tokens whose
-    expert set in MoE layer l differs (order within the top-k ignored, rows with -1
-    skipped), mismatch/route_diff its mean over layers.
-    """
-    d = torch.cat([a.double().flatten() - b.double().flatten().to(a.device) for a, b in zip(infer_logp, trainer_logp)])
-    m = {"mismatch/kl": (torch.exp(-d) - 1 + d).mean().item(), "mismatch/kl_k1": d.mean().item(),
-         "mismatch/max_abs_logp": d.abs().max().item(), "mismatch/mean_abs_logp": d.abs().mean().item()}
-    if infer_routes is not None and trainer_routes is not None:
-        a = torch.cat([r.long() for r in infer_routes]).sort(dim=-1).values  # (N, L, K)
-        b = torch.cat([r.long().to(a.device) for r in trainer_routes]).sort(dim=-1).values
-        valid_N = ((a >= 0) & (b >= 0)).all(-1).all(-1)
-        diff_L = (a[valid_N] != b[valid_N]).any(-1).double().mean(0)
-        m.update({f"mismatch/route_diff/layer{l}": v for l, v in enumerate(diff_L.tolist())})
-        m["mismatch/route_diff"] = diff_L.mean().item()
-    return m

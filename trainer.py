@@ -12,7 +12,7 @@ step (`TrainBatch`: sequences, the engine's routes and logprobs, advantages):
   3. `num_minibatches` optimizer steps over a random split of the sequences, each the
      gradient of one loss (espo.policy_loss) normalised over its whole mini-batch and
      accumulated over token-budget micro-batches (scheduler.pack_microbatches).
-  4. The train-inference mismatch: KL(pi_infer || pi_old) and friends (espo.mismatch_metrics).
+  4. The train-inference mismatch: k3 of KL(pi_infer || pi_old) and friends (espo.mismatch_metrics).
 
 Several ranks: rank r trains members r, r + world, ... of each mini-batch, with the whole
 mini-batch's normaliser and its loss scaled by world (FSDP averages gradients), so a step
@@ -31,7 +31,7 @@ import torch
 
 from config import TrainConfig
 from distributed import all_gather_list, all_reduce_float, idle_forward, padded_microbatches, rank_world
-from espo import LossConfig, policy_loss
+from espo import LossConfig, mismatch_metrics, policy_loss
 from filter import zvp_token_advantages
 from model import token_entropy, token_logprobs
 from scheduler import pack_microbatches
@@ -260,18 +260,21 @@ def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig
     lmetrics = all_gather_list(lmetrics)
     m["loss"] = sum(losses) / len(losses)
     m.update({f"loss/{k}": sum(x[k] for x in lmetrics) / len(lmetrics) for k in lmetrics[0]})
-    m.update(mismatch_metrics(batch))
+    m.update(mismatch(batch))
     m["filter/zvp_sequences"] = int(all_reduce_float(len(batch.adv_tokens)))
     return m
 
 
-def mismatch_metrics(batch: TrainBatch) -> dict:
-    """Train-inference mismatch over the sequences whose pi_old this rank computed: max |log pi_infer -
-    log pi_old| and the k3 estimate of KL(pi_infer || pi_old) (Schulman 2020) on the sampled tokens."""
-    deltas = [batch.infer_logp[i] - lp[batch.starts[i] - 1:].cpu() for i, lp in batch.old_logp.items()]
-    d = torch.cat(deltas) if deltas else torch.zeros(0)
+def mismatch(batch: TrainBatch) -> dict:
+    """espo.mismatch_metrics of the engine's logprobs against pi_old, over the sequences whose pi_old
+    this rank computed; with several ranks their token-weighted mean (their max for the max)."""
+    idx = list(batch.old_logp)
+    infer = [batch.infer_logp[i] for i in idx]
+    old = [batch.old_logp[i][batch.starts[i] - 1:].cpu() for i in idx]  # pi_old of the completion tokens only
+    m = mismatch_metrics(infer, old)
     if rank_world()[1] == 1:
-        return {"mismatch/max_abs_logp": d.abs().max().item() if len(d) else 0.0,
-                "mismatch/kl": (d.exp() - 1 - d).mean().item()}
-    return {"mismatch/max_abs_logp": all_reduce_float(d.abs().max().item() if len(d) else 0.0, "max"),
-            "mismatch/kl": all_reduce_float((d.exp() - 1 - d).sum().item()) / all_reduce_float(float(len(d)))}
+        return m
+    n = float(sum(len(x) for x in infer))
+    total = all_reduce_float(n)
+    return {k: all_reduce_float(v, "max") if k.startswith("mismatch/max") else all_reduce_float(v * n) / max(total, 1.0)
+            for k, v in m.items()}

@@ -5,7 +5,7 @@ of each attention and expert matrix, quantised on the trainer side: `quantize_fp
 the trainer holds it in bf16 or fp32. On the engine's own samples, the trainer's
 logprobs of the sampled tokens are computed twice: routing freely (its own top-k) and
 replaying the engine's recorded expert ids (R3, arXiv 2510.11370). Reported per trainer
-precision (`rollout.mismatch_metrics`): KL(pi_infer || pi_trainer) (k3 estimate over
+precision (`espo.mismatch_metrics`): KL(pi_infer || pi_trainer) (k3 estimate over
 sampled tokens), max and mean |delta logp|, and the fraction of (token, MoE layer) routes
 where the trainer's own top-k set differs from the engine's (0 under replay, by
 construction). Control rows: a bf16 engine against the fp32 trainer (finer rounding than
@@ -42,7 +42,8 @@ from config import load_config  # noqa: E402
 from model import Transformer, token_logprobs  # noqa: E402
 from reward import TaskMix, demonstration  # noqa: E402
 from model import policy_tensors  # noqa: E402
-from rollout import NativeEngine, SamplingParams, mismatch_metrics, quantize_fp8  # noqa: E402
+from espo import mismatch_metrics  # noqa: E402
+from rollout import NativeEngine, SamplingParams, quantize_fp8  # noqa: E402
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, train_tokenizer  # noqa: E402
 
 

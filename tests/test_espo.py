@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from espo import (AGGREGATIONS, LOSS_TYPES, LossConfig, entropy_bins, group_advantages, policy_loss)
+from espo import (AGGREGATIONS, LOSS_TYPES, LossConfig, entropy_bins, group_advantages, mismatch_metrics, policy_loss)
 from reference_losses import espo_bins, reference_loss
 
 V = 50
@@ -264,3 +264,30 @@ def test_bad_options_are_value_errors():
         group_advantages(torch.ones(3, 1))
     with pytest.raises(ValueError, match="std_over"):
         group_advantages(torch.ones(3, 2), std_over="prompt")
+
+
+# ----------------------------------------------------------------------------- mismatch metrics
+
+def test_mismatch_metrics_are_zero_for_identical_policies_and_count_route_flips():
+    lp = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    routes = [torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]]), torch.tensor([[[1, 0], [3, 2]]])]  # [T, L=2, K=2]
+    m = mismatch_metrics(lp, lp, infer_routes=routes, trainer_routes=routes)
+    assert m["mismatch/kl"] == 0 and m["mismatch/max_abs_logp"] == 0 and m["mismatch/route_diff"] == 0
+    flipped = [routes[0].clone(), torch.tensor([[[1, 0], [3, 5]]])]  # order ignored; layer 1 of the last token differs
+    flipped[0][0, 1] = torch.tensor([-1, -1])  # a padding row does not count
+    m = mismatch_metrics(lp, [x + 0.1 for x in lp], infer_routes=routes, trainer_routes=flipped)
+    assert m["mismatch/route_diff/layer0"] == 0 and m["mismatch/route_diff/layer1"] == 0.5
+    assert abs(m["mismatch/max_abs_logp"] - 0.1) < 1e-6 and abs(m["mismatch/kl"] - (math.exp(0.1) - 1 - 0.1)) < 1e-6
+
+
+def test_mismatch_kl_is_k3_of_kl_from_the_engine_to_pi_old_in_float64():
+    """d = log pi_infer - log pi_old: k3 of KL(pi_infer || pi_old) is exp(-d) - 1 + d (the samples are
+    pi_infer's), not exp(d) - 1 - d; at |d| = 1e-4 float32 would lose it to cancellation (~d^2/2 = 5e-9)."""
+    infer = [torch.tensor([-1.0, -2.0], dtype=torch.float32)]
+    old = [torch.tensor([-1.0001, -1.5], dtype=torch.float32)]
+    d = (infer[0].double() - old[0].double())
+    m = mismatch_metrics(infer, old)
+    assert m["mismatch/kl"] == pytest.approx(float((torch.exp(-d) - 1 + d).mean()), rel=1e-12)
+    assert abs(m["mismatch/kl"] - float((torch.exp(d) - 1 - d).mean())) > 1e-3  # the inverted ratio differs
+    tiny = mismatch_metrics([infer[0][:1]], [old[0][:1]])["mismatch/kl"]
+    assert tiny == pytest.approx(float(d[0]) ** 2 / 2, rel=1e-3)

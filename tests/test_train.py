@@ -212,3 +212,26 @@ def test_tensorboard_logger_writes_events_beside_the_jsonl(tmp_path):
     log.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"stage": "rl", "step": 0, "reward": 0.5, "loss": 1.0}
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
+
+
+def test_logged_mismatch_is_espo_mismatch_metrics_of_the_engine_against_pi_old(tmp_path):
+    """The trainer's mismatch/* metrics are espo.mismatch_metrics over the sampled tokens, with pi_old the
+    trainer's own logprobs (routes replayed); an engine on other weights shows the gap."""
+    from espo import mismatch_metrics
+    from model import token_logprobs
+    run = make_run(micro_config(tmp_path, ["temperature=1.5", "num_minibatches=1"]))
+    with torch.no_grad():
+        for p in run.engine.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # the engine's weights drift from the trainer's
+    m, batch = train.collect_rollouts(run, 0)
+    old = []
+    with torch.no_grad():
+        for i in range(len(batch.seqs)):
+            inputs, targets, _, routes = batch.micro([i], run.cfg)
+            logp = token_logprobs(run.model(inputs, routed_experts=routes)[0], targets, run.cfg.temperature)
+            old.append(logp[0, batch.starts[i] - 1:])
+    want = mismatch_metrics(batch.infer_logp, old)
+    got = train_on_rollouts(run.model, run.opt, batch, 0, run.cfg, run.loss)
+    assert want["mismatch/kl"] > 1e-6
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-9), k
