@@ -12,7 +12,7 @@
    (0.53 of T^2 at BQ = 32, T = 512; torch computes 1.0). The algorithm is FlashAttention-2's
    (arXiv 2307.08691, alg. 1 and 2): the forward keeps a running max and sum over key chunks
    of KB (online softmax) and saves each row's log-sum-exp; the backward recomputes
-   P = exp(S - lse) chunk by chunk, with dS = P * (dP - rowsum(dO * O)). The R = H/G query
+   P = exp(S - lse) chunk by chunk, with dS = P * (dP - rowsum(dO * O)). The R = H/J query
    heads that share a kv head are stacked into one block of R * BQ rows, so K and V are
    read once per group and the products are R times taller. Forward tasks are (batch, kv
    head, query block), longest first; backward tasks are (batch, kv head), each owning its
@@ -36,11 +36,11 @@
    are skipped, never set to -inf).
 
    Layouts (row-major, in elements): attention q, out, dO, dq [B, H, T, d] and k, v, dk, dv
-   [B, G, T, d] with any strides for the first three dims and d contiguous, lse [B, H, T]
+   [B, J, T, d] with any strides for the first three dims and d contiguous, lse [B, H, T]
    contiguous; experts x, y, dx [R, D], h [R, 2I] (gate | up), W13 [E, D, 2I], W2 [E, I, D],
    all contiguous, rows grouped by expert (counts[e] rows each); combine out, dout [N K, D],
    y, dy [N, D], w, dw [N, K], inverse [N K] int64, contiguous. Shape legend: B batch,
-   H query heads, G kv heads, R = H / G (attention) or routed rows (experts), T tokens,
+   H query heads, J kv heads, R = H / J (attention) or routed rows (experts), T tokens,
    d head dim, M stacked query rows of a block, N keys in a chunk, E experts, D model dim,
    I expert hidden dim. */
 
@@ -112,7 +112,7 @@ static int run_tasks(const void* job, task_fn task, int ntasks, size_t buf_float
 /* ---------------------------------------------------------------- causal attention */
 
 typedef struct {
-  int B, H, G, T, d, BQ, KB;
+  int B, H, J, T, d, BQ, KB;
   float scale;
   const float *q, *k, *v, *o, *lse, *go;
   float *out, *lse_out, *dq, *dk, *dv;
@@ -124,8 +124,8 @@ typedef struct {
 /* Forward task t: kv head g of batch row b, query block i, its R heads stacked. */
 static void attn_fwd_task(const void* job, int t, float* buf) {
   const Attn* a = job;
-  int R = a->H / a->G, d = a->d, nq = (a->T + a->BQ - 1) / a->BQ;
-  int i = nq - 1 - t / (a->B * a->G), b = t % (a->B * a->G) / a->G, g = t % a->G; /* longest first */
+  int R = a->H / a->J, d = a->d, nq = (a->T + a->BQ - 1) / a->BQ;
+  int i = nq - 1 - t / (a->B * a->J), b = t % (a->B * a->J) / a->J, g = t % a->J; /* longest first */
   int q0 = i * a->BQ, rows = MIN(a->BQ, a->T - q0), M = R * rows, keys = q0 + rows;
   float *Q = buf, *O = Q + (size_t)M * d, *S = O + (size_t)M * d, *mx = S + (size_t)M * a->KB, *sum = mx + M;
   for (int m = 0; m < M; m++) memcpy(Q + (size_t)m * d, ROW(a->q, a->sq, b, g * R + m / rows, q0 + m % rows), d * 4);
@@ -162,7 +162,7 @@ static void attn_fwd_task(const void* job, int t, float* buf) {
 /* Backward task t: kv head g of batch row b; query blocks in turn, keys in chunks of KB. */
 static void attn_bwd_task(const void* job, int t, float* buf) {
   const Attn* a = job;
-  int R = a->H / a->G, d = a->d, T = a->T, b = t / a->G, g = t % a->G, Mmax = R * a->BQ;
+  int R = a->H / a->J, d = a->d, T = a->T, b = t / a->J, g = t % a->J, Mmax = R * a->BQ;
   float *Q = buf, *dO = Q + (size_t)Mmax * d, *dQ = dO + (size_t)Mmax * d, *P = dQ + (size_t)Mmax * d;
   float *dP = P + (size_t)Mmax * a->KB, *delta = dP + (size_t)Mmax * a->KB, *lse = delta + Mmax;
   const float *K = ROW(a->k, a->sk, b, g, 0), *V = ROW(a->v, a->sv, b, g, 0);
@@ -206,8 +206,8 @@ static void attn_bwd_task(const void* job, int t, float* buf) {
   }
 }
 
-#define ATTN_ARGS int B, int H, int G, int T, int d, int BQ, int KB, float scale, int nthreads
-#define ATTN_SHAPE {.B = B, .H = H, .G = G, .T = T, .d = d, .BQ = BQ, .KB = KB, .scale = scale}
+#define ATTN_ARGS int B, int H, int J, int T, int d, int BQ, int KB, float scale, int nthreads
+#define ATTN_SHAPE {.B = B, .H = H, .J = J, .T = T, .d = d, .BQ = BQ, .KB = KB, .scale = scale}
 
 int attn_fwd(ATTN_ARGS, const float* q, const int64_t* sq, const float* k, const int64_t* sk, const float* v,
              const int64_t* sv, float* out, const int64_t* so, float* lse) {
@@ -215,8 +215,8 @@ int attn_fwd(ATTN_ARGS, const float* q, const int64_t* sq, const float* k, const
   a.q = q, a.k = k, a.v = v, a.out = out, a.lse_out = lse;
   memcpy(a.sq, sq, sizeof a.sq), memcpy(a.sk, sk, sizeof a.sk), memcpy(a.sv, sv, sizeof a.sv);
   memcpy(a.so, so, sizeof a.so);
-  size_t M = (size_t)(H / G) * BQ;
-  return run_tasks(&a, attn_fwd_task, B * G * ((T + BQ - 1) / BQ), M * (2 * d + KB + 2), nthreads);
+  size_t M = (size_t)(H / J) * BQ;
+  return run_tasks(&a, attn_fwd_task, B * J * ((T + BQ - 1) / BQ), M * (2 * d + KB + 2), nthreads);
 }
 
 int attn_bwd(ATTN_ARGS, const float* go, const int64_t* sgo, const float* q, const int64_t* sq, const float* k,
@@ -227,8 +227,8 @@ int attn_bwd(ATTN_ARGS, const float* go, const int64_t* sgo, const float* q, con
   memcpy(a.sgo, sgo, sizeof a.sgo), memcpy(a.sq, sq, sizeof a.sq), memcpy(a.sk, sk, sizeof a.sk);
   memcpy(a.sv, sv, sizeof a.sv), memcpy(a.so, so, sizeof a.so), memcpy(a.sdq, sdq, sizeof a.sdq);
   memcpy(a.sdk, sdk, sizeof a.sdk), memcpy(a.sdv, sdv, sizeof a.sdv);
-  size_t M = (size_t)(H / G) * BQ;
-  return run_tasks(&a, attn_bwd_task, B * G, M * (3 * d + 2 * KB + 2), nthreads);
+  size_t M = (size_t)(H / J) * BQ;
+  return run_tasks(&a, attn_bwd_task, B * J, M * (3 * d + 2 * KB + 2), nthreads);
 }
 
 /* ---------------------------------------------------------------- SwiGLU experts */

@@ -27,7 +27,7 @@ backend also needs) into a per-CPU cache and called through ctypes, the GIL rele
 runs on torch's OpenMP threads and the BLAS torch links (MKL). Where it cannot be built
 (no compiler, a BLAS other than MKL) the torch paths run, with a warning.
 
-Shape legend: B batch, H query heads, G kv heads, T tokens, d head dim, N rows, E experts,
+Shape legend: B batch, H query heads, J kv heads, T tokens, d head dim, N rows, E experts,
 R routed rows (grouped by expert), D model dim, I expert hidden dim.
 """
 
@@ -54,7 +54,7 @@ CPU_ATTENTION_MIN_TOKENS = 384
 """Shorter sequences take SDPA: there torch's flash kernel, whose one 512-key block then spans
 the whole row, measured as fast (0.6-1.0x of it at T = 32-256, 1.05x at 320, 1.1-1.6x from 384)."""
 CPU_ATTENTION_KEY_CHUNK = 512
-"""Keys per chunk of the CPU kernel's online softmax: bounds its buffers to (H/G * 32) x 512 floats."""
+"""Keys per chunk of the CPU kernel's online softmax: bounds its buffers to (H/J * 32) x 512 floats."""
 CPU_EXPERT_ROW_BLOCK = 256
 """Rows of an expert the CPU kernel takes at a time: a block's x W13 (256 x 2I floats, 512 KB at
 I = 256) stays in L2 for its SwiGLU; measured 256 and 512 equal, 128 5% slower."""
@@ -157,20 +157,20 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, rep
     return x.index_select(0, index)
 
 
-def causal_attention(q_BHTd: torch.Tensor, k_BGTd: torch.Tensor, v_BGTd: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + causal mask) v [B, H, T, d] in q's dtype; GQA when G < H.
+def causal_attention(q_BHTd: torch.Tensor, k_BJTd: torch.Tensor, v_BJTd: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v [B, H, T, d] in q's dtype; GQA when J < H.
 
     On CPU from CPU_ATTENTION_MIN_TOKENS tokens, kernels.c's (in fp32: other dtypes are cast
     to it and back) where it could be built; elsewhere `F.scaled_dot_product_attention`.
     """
     if q_BHTd.device.type == "cpu" and q_BHTd.shape[2] >= CPU_ATTENTION_MIN_TOKENS:
-        return _cpu_causal(q_BHTd, k_BGTd, v_BGTd)
-    return _sdpa_causal(q_BHTd, k_BGTd, v_BGTd)
+        return _cpu_causal(q_BHTd, k_BJTd, v_BJTd)
+    return _sdpa_causal(q_BHTd, k_BJTd, v_BJTd)
 
 
-def _sdpa_causal(q_BHTd, k_BGTd, v_BGTd) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q_BHTd, k_BGTd, v_BGTd, is_causal=True,
-                                          enable_gqa=q_BHTd.shape[1] != k_BGTd.shape[1])
+def _sdpa_causal(q_BHTd, k_BJTd, v_BJTd) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q_BHTd, k_BJTd, v_BJTd, is_causal=True,
+                                          enable_gqa=q_BHTd.shape[1] != k_BJTd.shape[1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,16 +232,16 @@ class _CPUCausalAttention(torch.autograd.Function):
     """kernels.c's attention forward (saving each row's log-sum-exp) and backward, fp32, last dims contiguous."""
 
     @staticmethod
-    def forward(ctx, q_BHTd, k_BGTd, v_BGTd):
+    def forward(ctx, q_BHTd, k_BJTd, v_BJTd):
         B, H, T, d = q_BHTd.shape
-        G = k_BGTd.shape[1]
+        J = k_BJTd.shape[1]
         out_BHTd = q_BHTd.new_empty(B, T, H, d).transpose(1, 2)  # the caller's transpose back is then a view
         lse_BHT = q_BHTd.new_empty(B, H, T)
         _run(
-            "attn_fwd", B, H, G, T, d, CPU_ATTENTION_BLOCK, CPU_ATTENTION_KEY_CHUNK, ctypes.c_float(d ** -0.5),
-            torch.get_num_threads(), _ptr(q_BHTd), _strides(q_BHTd), _ptr(k_BGTd), _strides(k_BGTd),
-            _ptr(v_BGTd), _strides(v_BGTd), _ptr(out_BHTd), _strides(out_BHTd), _ptr(lse_BHT))
-        ctx.save_for_backward(q_BHTd, k_BGTd, v_BGTd, out_BHTd, lse_BHT)
+            "attn_fwd", B, H, J, T, d, CPU_ATTENTION_BLOCK, CPU_ATTENTION_KEY_CHUNK, ctypes.c_float(d ** -0.5),
+            torch.get_num_threads(), _ptr(q_BHTd), _strides(q_BHTd), _ptr(k_BJTd), _strides(k_BJTd),
+            _ptr(v_BJTd), _strides(v_BJTd), _ptr(out_BHTd), _strides(out_BHTd), _ptr(lse_BHT))
+        ctx.save_for_backward(q_BHTd, k_BJTd, v_BJTd, out_BHTd, lse_BHT)
         return out_BHTd
 
     @staticmethod
@@ -259,12 +259,12 @@ class _CPUCausalAttention(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def _cpu_causal(q_BHTd, k_BGTd, v_BGTd) -> torch.Tensor:
+def _cpu_causal(q_BHTd, k_BJTd, v_BJTd) -> torch.Tensor:
     """Runs eagerly inside torch.compile'd blocks (a graph break); fp32 in and out of the kernel."""
     if _cpu_lib() is None:
-        return _sdpa_causal(q_BHTd, k_BGTd, v_BGTd)
+        return _sdpa_causal(q_BHTd, k_BJTd, v_BJTd)
     dtype = q_BHTd.dtype
-    q, k, v = (x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q_BHTd, k_BGTd, v_BGTd))
+    q, k, v = (x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q_BHTd, k_BJTd, v_BJTd))
     return _CPUCausalAttention.apply(q, k, v).to(dtype)
 
 

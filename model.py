@@ -13,7 +13,7 @@ dense SwiGLU FFN (the first `first_k_dense_replace` blocks) or a mixture of expe
   set, renormalised to sum 1 when norm_topk_prob: g_i = I_i exp(s_i) / sum_j I_j exp(s_j).
   sigmoid (GLM-4.5, DeepSeek-V3 arXiv 2412.19437 eq. 15-16): p = sigmoid(s); the
   choice uses p + b (b the aux-loss-free expert bias, never in the weights), limited to
-  the topk_group best of n_group expert groups; weights p_i, renormalised when
+  the topk_group best of n_group expert partitions (HF's "groups"); weights p_i, renormalised when
   norm_topk_prob, times routed_scaling_factor. Experts are SwiGLU, run over the
   (token, expert) pairs sorted by expert (`run_experts`) by `kernels.swiglu_experts`
   (two grouped GEMMs, or on CPU one fused pass per expert); an optional shared expert
@@ -33,9 +33,9 @@ and RoPE follow the HF arithmetic (fp32 inside, fp32 frequency table) so fp32 lo
 match HF to float rounding.
 
 Shape legend: B batch, T tokens in this call, S cache length, D model dim, H query heads,
-G kv heads, d head dim, r rotary dims, E routed experts, K experts per token, I expert
+J kv heads, d head dim, r rotary dims, E routed experts, K experts per token, I expert
 hidden dim, L MoE layers, V vocabulary, N flattened tokens (B*T), R routed (token, expert)
-pairs (N*K).
+pairs (N*K), M expert partitions (group-limited routing).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class ModelConfig:
     n_heads: int = 8
     """Query heads H."""
     n_kv_heads: int = 2
-    """Key/value heads G (GQA); must divide n_heads."""
+    """Key/value heads J (GQA); must divide n_heads."""
     head_dim: int = 32
     """Per-head width d."""
     num_experts: int = 16
@@ -85,9 +85,9 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     """Multiplies the routed weights (sigmoid router)."""
     n_group: int = 1
-    """Expert groups for group-limited routing (sigmoid router)."""
+    """Expert partitions M of group-limited routing (sigmoid router; HF's key, DeepSeek-V3's "groups")."""
     topk_group: int = 1
-    """Groups a token may route into (sigmoid router)."""
+    """Expert partitions a token may route into (sigmoid router; HF's key)."""
     qk_norm: bool = False
     """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
     attention_bias: bool = False
@@ -233,18 +233,18 @@ def apply_rope(x_BHTd: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tenso
 
 
 class KVCache:
-    """Static per-layer key/value cache [B, G, S, d], addressed by absolute column."""
+    """Static per-layer key/value cache [B, J, S, d], addressed by absolute column."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, *, dtype, device):
         shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, layer: int, start: int, k_BGTd, v_BGTd):
+    def update(self, layer: int, start: int, k_BJTd, v_BJTd):
         """Write this call's keys/values at columns [start, start+T); return all columns so far."""
-        end = start + k_BGTd.shape[2]
-        self.k[layer, :, :, start:end] = k_BGTd
-        self.v[layer, :, :, start:end] = v_BGTd
+        end = start + k_BJTd.shape[2]
+        self.k[layer, :, :, start:end] = k_BJTd
+        self.v[layer, :, :, start:end] = v_BJTd
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
@@ -252,8 +252,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        H, G, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wqkv = nn.Linear(cfg.dim, (H + 2 * G) * d, bias=cfg.attention_bias)  # q, k, v fused: one GEMM
+        H, J, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, (H + 2 * J) * d, bias=cfg.attention_bias)  # q, k, v fused: one GEMM
         self.wo = nn.Linear(H * d, cfg.dim, bias=False)
         self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
@@ -261,14 +261,14 @@ class Attention(nn.Module):
     def forward(self, x_BTD, cos, sin, cache: KVCache | None, cache_start: int, mask_B1TS):
         B, T, _ = x_BTD.shape
         cfg = self.cfg
-        qkv = self.wqkv(x_BTD).view(B, T, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)  # (B, T, H+2G, d)
-        q, k, v = qkv.split([cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads], dim=2)  # (B, T, H|G|G, d)
-        v = v.transpose(1, 2)  # (B, G, T, d)
+        qkv = self.wqkv(x_BTD).view(B, T, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)  # (B, T, H+2J, d)
+        q, k, v = qkv.split([cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads], dim=2)  # (B, T, H|J|J, d)
+        v = v.transpose(1, 2)  # (B, J, T, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)  # (B, H|G, T, d)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)  # (B, H|J, T, d)
         if cache is not None:
-            k, v = cache.update(self.layer, cache_start, k, v)  # (B, G, S, d)
+            k, v = cache.update(self.layer, cache_start, k, v)  # (B, J, S, d)
         if cache is None and mask_B1TS is None:  # training: plain causal over this call's tokens
             y = causal_attention(q, k, v)  # (B, H, T, d)
         else:  # cached decoding, or an explicit mask
@@ -360,11 +360,12 @@ class MoE(nn.Module):
         else:
             scores_NE = logits_NE.sigmoid()
             choice_NE = scores_NE + self.expert_bias.float()
-            if cfg.n_group > 1:  # keep the topk_group groups whose best two experts score highest
+            if cfg.n_group > 1:  # group-limited routing: only the topk_group partitions whose best two experts score highest
                 N, E = choice_NE.shape
-                group_NG = choice_NE.view(N, cfg.n_group, E // cfg.n_group).topk(2, dim=-1).values.sum(-1)
-                keep_NG = torch.zeros_like(group_NG).scatter_(1, group_NG.topk(cfg.topk_group, dim=-1).indices, 1.0)
-                keep_NE = keep_NG[:, :, None].expand(N, cfg.n_group, E // cfg.n_group).reshape(N, E)
+                M = cfg.n_group  # expert partitions of E / M consecutive experts each
+                part_NM = choice_NE.view(N, M, E // M).topk(2, dim=-1).values.sum(-1)
+                keep_NM = torch.zeros_like(part_NM).scatter_(1, part_NM.topk(cfg.topk_group, dim=-1).indices, 1.0)
+                keep_NE = keep_NM[:, :, None].expand(N, M, E // M).reshape(N, E)
                 choice_NE = choice_NE.masked_fill(keep_NE == 0, float("-inf"))
         own_NK = choice_NE.topk(cfg.top_k, dim=-1).indices
         if replay_NK is None:

@@ -30,7 +30,7 @@ weight version that produced it.
 
 FP8 weights (`NativeEngine(fp8=True)`): blockwise e4m3 with one fp32 scale per 128x128
 block of each attention and expert (routed, shared, dense FFN) matrix, activations
-quantised per token in 1x128 groups when used (dynamic), DeepSeek-V3's recipe (arXiv
+quantised per token in 1x128 tiles when used (dynamic), DeepSeek-V3's recipe (arXiv
 2412.19437, section 3.3); the router gate, embeddings, lm_head and norms stay in high
 precision. A matmul uses `torch._scaled_mm` where it supports blockwise scales (Hopper
 GPUs, dims multiples of 128), else dequantise-then-matmul in the engine dtype (CPU,
@@ -44,7 +44,7 @@ espo.mismatch_metrics.
 
 Legend: U unique prompts, B rows (prompts x samples), P longest prompt, S cache columns,
 C completion tokens, L MoE layers, K experts per token, E experts, R routed (token,
-expert) pairs, D model dim, H query heads, G kv heads, d head dim, r rotary dims, V vocab.
+expert) pairs, D model dim, H query heads, J kv heads, d head dim, r rotary dims, V vocab.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def dequantize_fp8_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, block: tu
 
 
 def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x quantised to e4m3 per token in 1x128 groups and back: the numbers an FP8 GEMM sees."""
+    """x quantised to e4m3 per token in 1x128 tiles and back: the numbers an FP8 GEMM sees."""
     return dequantize_fp8_blockwise(*quantize_fp8_blockwise(x, ACT_BLOCK), ACT_BLOCK, x.dtype)
 
 
@@ -224,7 +224,7 @@ _scaled_mm_broken = False  # set once _scaled_mm has refused blockwise scales on
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None,
                dtype: torch.dtype, w_dequantized: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W^T [..., out] in `dtype`, for W [out, in] stored blockwise-FP8 (w_q e4m3,
-    w_scale_inv fp32 per 128x128 block), activations quantised per token in 1x128 groups.
+    w_scale_inv fp32 per 128x128 block), activations quantised per token in 1x128 tiles.
 
     `torch._scaled_mm` on Hopper when both dims are multiples of 128; elsewhere the
     activations are quantised and dequantised and multiplied by the dequantised weight
@@ -363,22 +363,22 @@ def _stage(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list
 
 # ----------------------------------------------------------------------------- native engine
 
-def _attend(attn, h_BD, cos_B1r, sin_B1r, k_BGSd, v_BGSd, col: int, bias_B11S):
+def _attend(attn, h_BD, cos_B1r, sin_B1r, k_BJSd, v_BJSd, col: int, bias_B11S):
     """One query token per row against cache columns [0, col] (col is written here)."""
     cfg, B = attn.cfg, h_BD.shape[0]
-    H, G, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qkv = attn.wqkv(h_BD).view(B, H + 2 * G, 1, d)  # (B, H+2G, 1, d): heads already in front of T
-    q, k, v = qkv.split([H, G, G], dim=1)  # (B, H|G|G, 1, d)
+    H, J, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qkv = attn.wqkv(h_BD).view(B, H + 2 * J, 1, d)  # (B, H+2J, 1, d): heads already in front of T
+    q, k, v = qkv.split([H, J, J], dim=1)  # (B, H|J|J, 1, d)
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rope(q, cos_B1r, sin_B1r), apply_rope(k, cos_B1r, sin_B1r)
-    k_BGSd[:, :, col] = k[:, :, 0]
-    v_BGSd[:, :, col] = v[:, :, 0]
-    keys, values = k_BGSd[:, :, :col + 1], v_BGSd[:, :, :col + 1]  # (B, G, n, d) views, no copy
-    # GQA: query heads [g * H/G, (g+1) * H/G) read kv head g
-    scores = torch.matmul(q.view(B, G, H // G, d), keys.transpose(-1, -2)) * d ** -0.5  # (B, G, H/G, n)
+    k_BJSd[:, :, col] = k[:, :, 0]
+    v_BJSd[:, :, col] = v[:, :, 0]
+    keys, values = k_BJSd[:, :, :col + 1], v_BJSd[:, :, :col + 1]  # (B, J, n, d) views, no copy
+    # GQA: query heads [j * H/J, (j+1) * H/J) read kv head j
+    scores = torch.matmul(q.view(B, J, H // J, d), keys.transpose(-1, -2)) * d ** -0.5  # (B, J, H/J, n)
     probs = (scores.float() + bias_B11S[..., :col + 1]).softmax(dim=-1).to(values.dtype)
-    return attn.wo(torch.matmul(probs, values).view(B, H * d))  # (B, G, H/G, d) -> (B, D)
+    return attn.wo(torch.matmul(probs, values).view(B, H * d))  # (B, J, H/J, d) -> (B, D)
 
 
 # torch 2.13's compile-time (fake) kernel of _grouped_mm accepts only bf16, so a compiled
@@ -386,7 +386,7 @@ def _attend(attn, h_BD, cos_B1r, sin_B1r, k_BGSd, v_BGSd, col: int, bias_B11S):
 _experts_outside_compile = torch.compiler.disable(run_experts)
 
 
-def decode_step(model: Transformer, tokens_B, cos_B1r, sin_B1r, k_LBGSd, v_LBGSd, col: int, bias_B11S, routes_BLK):
+def decode_step(model: Transformer, tokens_B, cos_B1r, sin_B1r, k_LBJSd, v_LBJSd, col: int, bias_B11S, routes_BLK):
     """Logits [B, V] fp32 of the next token after feeding tokens_B at cache column col.
 
     Writes this token's keys/values at column col of every layer and its routed experts
@@ -396,7 +396,7 @@ def decode_step(model: Transformer, tokens_B, cos_B1r, sin_B1r, k_LBGSd, v_LBGSd
     x = model.embed(tokens_B)  # (B, D)
     moe = 0
     for i, block in enumerate(model.layers):
-        x = x + _attend(block.attn, block.attn_norm(x), cos_B1r, sin_B1r, k_LBGSd[i], v_LBGSd[i], col, bias_B11S)
+        x = x + _attend(block.attn, block.attn_norm(x), cos_B1r, sin_B1r, k_LBJSd[i], v_LBJSd[i], col, bias_B11S)
         h = block.ffn_norm(x)
         if not block.is_moe:
             x = x + block.mlp(h)
@@ -517,10 +517,10 @@ class NativeEngine:
         last_BV = self.model.lm_head(h_UPD[:, -1]).float()[row_u]
 
         # decode state, allocated once: cache, outputs, per-row RoPE and the additive key mask
-        k_LBGSd = torch.empty(cfg.n_layers, B, cfg.n_kv_heads, S, cfg.head_dim, dtype=self.dtype, device=dev)
-        v_LBGSd = torch.empty_like(k_LBGSd)
-        k_LBGSd[:, :, :, :P] = prefill.k[:, row_u]
-        v_LBGSd[:, :, :, :P] = prefill.v[:, row_u]
+        k_LBJSd = torch.empty(cfg.n_layers, B, cfg.n_kv_heads, S, cfg.head_dim, dtype=self.dtype, device=dev)
+        v_LBJSd = torch.empty_like(k_LBJSd)
+        k_LBJSd[:, :, :, :P] = prefill.k[:, row_u]
+        v_LBJSd[:, :, :, :P] = prefill.v[:, row_u]
         routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=torch.int32, device=dev)
         routes_BSLK[:, :P] = routes_UPLK[row_u]
         pad_B = pad_U[row_u]
@@ -543,7 +543,7 @@ class NativeEngine:
                 steps = t + 1
                 break
             col = P + t
-            last_BV = self._decode(self.model, ids_B, cos_BSr[:, col:col + 1], sin_BSr[:, col:col + 1], k_LBGSd, v_LBGSd,
+            last_BV = self._decode(self.model, ids_B, cos_BSr[:, col:col + 1], sin_BSr[:, col:col + 1], k_LBJSd, v_LBJSd,
                                    col, bias_B11S, routes_BSLK[:, col])
 
         ids = ids_BC[:, :steps].tolist()
