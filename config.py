@@ -47,6 +47,8 @@ class TrainConfig:
     """Expert-parallel degree: each MoE layer's experts are split over this many GPUs."""
     activation_checkpoint: bool = False
     """Recompute each block's activations in backward instead of keeping them."""
+    compile: bool = False
+    """torch.compile the trainer's blocks and the engine's decode step (pays where per-op launch cost dominates: GPUs)."""
     dist_timeout_s: float = 600.0
     """Seconds a collective may wait for the other ranks before the job fails (a dead rank must not hang it)."""
     # checkpoints and logging
@@ -93,6 +95,8 @@ class TrainConfig:
     """Rollout sampling temperature (the trainer's logprobs use the same)."""
     top_p: float = 1.0
     """Rollout nucleus sampling mass."""
+    top_k: int = 0
+    """Rollout top-k sampling: only the k most likely tokens can be drawn (0 = off)."""
     gen_batch_rows: int = 256
     """Rows (prompts x G) per engine.generate call."""
     lr: float = 5e-5
@@ -212,7 +216,8 @@ class TrainConfig:
 
     def sampling_params(self) -> SamplingParams:
         """How rollouts are sampled (rollout.SamplingParams). Raises ValueError on a bad sampling setting."""
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k)
 
     def reward_config(self) -> RewardConfig:
         """How rewards are shaped (reward.RewardConfig). Raises ValueError on a bad reward setting."""

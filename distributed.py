@@ -84,7 +84,7 @@ def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> 
     Raises ValueError (from load_hf) if the checkpoint lacks a tensor or has another shape.
     """
     from hf import load_hf
-    from model import parallelize
+    from model import checkpoint_and_compile, parallelize
     if dims is None:
         model = Transformer(cfg.model)
         if cfg.init_hf:
@@ -92,11 +92,12 @@ def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> 
         model = model.to(cfg.device)
         if init_state is not None:
             model.load_state_dict(init_state)
-        return model
+        return checkpoint_and_compile(model, activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile)
     if cfg.init_hf:
         with torch.device("meta"):
             model = Transformer(cfg.model)
-        parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint)
+        parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint,
+                    compile=cfg.compile)
         model.to_empty(device=cfg.device)
         with torch.no_grad():
             for b in model.buffers():  # the only buffer is the router's expert bias, 0 at init (load_hf sets it if stored)
@@ -109,7 +110,8 @@ def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> 
         full.load_state_dict(init_state)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint)
+    parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint,
+                compile=cfg.compile)
     model.to_empty(device=cfg.device)
     set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
     with torch.no_grad():  # non-persistent buffers are not in a state dict

@@ -510,33 +510,21 @@ def token_entropy(logits_BTV: torch.Tensor, temperature: float = 1.0) -> torch.T
     return -(logp.exp() * logp).sum(dim=-1)
 
 
-def _logprobs_entropy_chunk(h_BCD, w_VD, targets_BC, temperature: float):
-    logp = (F.linear(h_BCD, w_VD).float() / temperature).log_softmax(dim=-1)  # (B, C, V) fp32, one chunk
-    return logp.gather(-1, targets_BC.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(dim=-1)
-
-
-def chunked_logprobs(hidden_BTD: torch.Tensor, lm_head_VD: torch.Tensor, targets_BT: torch.Tensor, *,
-                     temperature: float = 1.0, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(target) and full-vocabulary entropy, both [B, T] fp32, from final hidden states.
-
-    The lm_head and log-softmax run `chunk` positions at a time, each under activation
-    checkpointing, so the [B, T, V] fp32 logits are never held at once, in forward or
-    backward: peak extra memory is one [B, chunk, V] block.
-    """
-    from torch.utils.checkpoint import checkpoint
-    logps, ents = [], []
-    for s in range(0, hidden_BTD.shape[1], chunk):
-        h, t = hidden_BTD[:, s:s + chunk], targets_BT[:, s:s + chunk]
-        if torch.is_grad_enabled() and (h.requires_grad or lm_head_VD.requires_grad):
-            lp, ent = checkpoint(_logprobs_entropy_chunk, h, lm_head_VD, t, temperature, use_reentrant=False)
-        else:
-            lp, ent = _logprobs_entropy_chunk(h, lm_head_VD, t, temperature)
-        logps.append(lp)
-        ents.append(ent)
-    return torch.cat(logps, dim=1), torch.cat(ents, dim=1)
-
-
 # ----------------------------------------------------------------------------- parallelism
+
+def checkpoint_and_compile(model: Transformer, *, activation_checkpoint: bool, compile: bool) -> Transformer:
+    """Per block, in place: activation checkpointing (its activations recomputed in backward), then
+    torch.compile. `parallelize`'s steps 2 and 3; a one-process run takes just these."""
+    if activation_checkpoint:
+        # torch's wrapper lives under torch.distributed but is plain autograd: no process group needed
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
+    if compile:
+        for block in model.layers:
+            block.compile()
+    return model
+
 
 def parallelize(model: Transformer, dims, *, param_dtype: torch.dtype | None = torch.bfloat16,
                 reduce_dtype: torch.dtype | None = torch.float32, activation_checkpoint: bool = False,
@@ -571,13 +559,7 @@ def parallelize(model: Transformer, dims, *, param_dtype: torch.dtype | None = t
                 num_experts=model.cfg.num_experts, top_k=model.cfg.top_k))
             dispatcher.wire_meshes(ep_mesh=ep_mesh)
             block.mlp.dispatcher = dispatcher
-    if activation_checkpoint:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-        for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block)
-    if compile:
-        for block in model.layers:
-            block.compile()
+    checkpoint_and_compile(model, activation_checkpoint=activation_checkpoint, compile=compile)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     fsdp_mesh, efsdp = dims.get_mesh("fsdp"), dims.dp_shard * dims.cp * dims.tp // dims.ep
     ignored = set()  # EP-only experts (efsdp == 1): kept out of FSDP, gradients divided by ep in forward

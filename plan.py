@@ -13,7 +13,8 @@ each GPU holds under FSDP2 + expert parallel as `model.parallelize` applies it:
   (tokens x D) and one block at a time holds its full working set; without, every
   block holds it. The working set per token counts the residual stream and norms,
   q/k/v/o, the routed expert inputs and hidden states (K copies) and the shared/dense
-  FFN, in param_dtype; plus one chunk of fp32 logits (`model.chunked_logprobs`).
+  FFN, in param_dtype; plus fp32 logits for LOGITS_CHUNK_TOKENS positions (a chunked trainer,
+  which the GPU-ready numerics issue builds: today's trainer holds a micro-batch's whole logits).
 
 The rollout engine's memory (SGLang's own fraction of the GPU) is not included.
 Legend: P parameters, W GPUs (world), D model dim, K experts per token, I expert width.
@@ -27,7 +28,7 @@ from model import ModelConfig, Transformer
 
 GB = 1024 ** 3
 BYTES_STATE = 4 + 4 + 8  # fp32 master param, fp32 grad, AdamW exp_avg + exp_avg_sq
-LOGITS_CHUNK_TOKENS = 4096  # positions of fp32 logits alive at once in chunked_logprobs
+LOGITS_CHUNK_TOKENS = 4096  # positions of fp32 logits alive at once in a chunked trainer
 GPU_MEMORY_GB = {"H100 80GB": 80, "H200 141GB": 141}
 
 

@@ -99,8 +99,7 @@ class Rollout:
     weight_version: int
 
 
-def sample(logits_BV: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0,
-           generator: torch.Generator | None = None, u_B: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits_BV: torch.Tensor, params: SamplingParams, u_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled ids [B] int64 and their logprobs [B] fp32 under softmax(logits / temperature).
 
     temperature == 0 is greedy (logprobs then under the untempered softmax). top_k > 0
@@ -111,9 +110,9 @@ def sample(logits_BV: torch.Tensor, *, temperature: float, top_p: float = 1.0, t
     in float64 so u * total stays below the total): one random number per row, where
     torch.multinomial or a Gumbel/exponential race spend one per vocabulary entry (on
     CPU those dominate the sampler's time). A token of zero probability is never drawn.
-    u_B: the rows' uniforms in [0, 1) (float64, e.g. from `row_uniforms`); without it they
-    come from `generator` (or torch's global one).
+    u_B: the rows' uniforms in [0, 1) (float64, from `row_uniforms`).
     """
+    temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
     logits_BV = logits_BV.float()
     if temperature == 0:
         logp_BV = logits_BV.log_softmax(dim=-1)
@@ -130,8 +129,6 @@ def sample(logits_BV: torch.Tensor, *, temperature: float, top_p: float = 1.0, t
         drop = cum - sorted_p >= top_p * cum[:, -1:]  # mass before this token already reaches top_p
         probs_BV = probs_BV.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     cdf_BV = probs_BV.double().cumsum(dim=-1)
-    if u_B is None:
-        u_B = torch.rand(cdf_BV.shape[0], dtype=torch.float64, device=cdf_BV.device, generator=generator)
     u_B1 = u_B.to(torch.float64)[:, None]
     ids_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True).squeeze(-1)
     return ids_B, logp_BV.gather(-1, ids_B[:, None]).squeeze(-1)
@@ -533,8 +530,7 @@ class NativeEngine:
         done_B = torch.zeros(B, dtype=torch.bool, device=dev)
         steps = C
         for t in range(C):
-            ids_B, logp_B = sample(last_BV, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                   u_B=row_uniforms(keys_B, t))
+            ids_B, logp_B = sample(last_BV, params, row_uniforms(keys_B, t))
             ids_B = ids_B.masked_fill_(done_B, self.pad_id)  # finished rows emit padding
             ids_BC[:, t] = ids_B
             logp_BC[:, t] = logp_B

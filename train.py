@@ -49,7 +49,7 @@ from metrics import MetricsLog, plot
 from model import policy_tensors
 from reward import Item, RewardConfig, RewardPool, TaskMix, demonstration, reward_model_for, shaped_rewards
 from rollout import NativeEngine, Rollout, SamplingParams
-from scheduler import LengthPredictor, Pipeline, length_buckets
+from scheduler import LengthPredictor, Pipeline, balance, length_buckets
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, save_tokenizer, train_tokenizer
 from trainer import TrainBatch, lr_at, sft_step, train_on_rollouts
 
@@ -203,18 +203,20 @@ def generate(run: Run, items: list[Item], n: int, step: int, stream: int) -> lis
     with reward workers each batch is handed to them as soon as it is generated.
 
     stream: which of the step's generate rounds this is (probes, the rest, over-sampling), so each
-    draws its own random numbers. Multi-rank: rank r generates batches r, r + world, ..., each with
-    the prompts and seed it has in a 1-process run (sampling is batch-invariant: the same rollouts),
-    and returns only those.
+    draws its own random numbers. Multi-rank: each rank generates its share of the batches (LPT by
+    predicted work, scheduler.balance), each with the prompts and seed it has in a 1-process run
+    (sampling is batch-invariant: the same rollouts), and returns only those.
     """
     cfg = run.cfg
     prompts = [encode_prompt(run.tok, it.question) for it in items]
     predicted = [len(p) + predicted_length(run, it) for p, it in zip(prompts, items)]
+    buckets = length_buckets(predicted, max(1, cfg.gen_batch_rows // n))
     rank, world = rank_world()
+    # each rank gets about the same work: batches assigned longest first (a batch decodes until its longest row ends)
+    mine = balance([len(b) * max(predicted[i] for i in b) for b in buckets], world)[rank]
     rollouts = []
-    for b, bucket in enumerate(length_buckets(predicted, max(1, cfg.gen_batch_rows // n))):
-        if b % world != rank:
-            continue
+    for b in sorted(mine):
+        bucket = buckets[b]
         batch = run.engine.generate([prompts[i] for i in bucket], run.sampling, n=n, group_ids=bucket,
                                     seed=(cfg.seed + step) * 1000 + b + stream * STREAM_SEED_STRIDE)
         if run.pool is not None:  # rollouts of a prompt come out in order, so (stream, group, j) names each one
@@ -407,7 +409,7 @@ def evaluate(run: Run, *, samples: int, temperature: float) -> torch.Tensor:
     run draws from the same random stream.
     """
     cfg, items = run.cfg, run.eval_items
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p)
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     scores = []
     rows = max(1, cfg.eval_batch_rows // samples)
     rank, world = rank_world()
@@ -481,7 +483,7 @@ def start_run(cfg: TrainConfig, dims, resumed: dict | None) -> Run:
         init_state = load_file(os.path.join(cfg.init_from, "model.safetensors"))
     model = build_model(cfg, dims, init_state)  # before the engine: both draw their init from torch's RNG
     engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD),
-                          device=cfg.device)
+                          device=cfg.device, compile=cfg.compile)
     order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     return Run(cfg=cfg, engine=engine, tok=tok, prompts=Prompts(task, order), model=model, held_out=held_out,
                eval_items=eval_items, log=MetricsLog(cfg, keep=resumed["num_records"] if resumed else None),

@@ -73,8 +73,8 @@ def test_rollouts_stop_at_eos_or_token_limit(tiny_cfg):
 
 def test_top_p_keeps_only_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    gen = torch.Generator().manual_seed(0)
-    ids = {int(sample(logits, temperature=1.0, top_p=0.7, generator=gen)[0]) for _ in range(200)}
+    u = torch.rand(200, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ids = {int(sample(logits, SamplingParams(max_new_tokens=1, top_p=0.7), u[i])[0]) for i in range(200)}
     assert ids == {0, 1}
 
 
@@ -138,13 +138,14 @@ def test_row_uniforms_are_uniform_and_keyed_by_seed_group_and_sample():
 
 def test_top_k_keeps_only_the_k_most_likely():
     logits = torch.log(torch.tensor([[0.1, 0.4, 0.3, 0.2]]))
-    gen = torch.Generator().manual_seed(0)
-    assert {int(sample(logits, temperature=1.0, top_k=2, generator=gen)[0]) for _ in range(200)} == {1, 2}
+    u = torch.rand(200, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert {int(sample(logits, SamplingParams(max_new_tokens=1, top_k=2), u[i])[0]) for i in range(200)} == {1, 2}
 
 
 def test_sampled_logprob_is_under_the_untruncated_tempered_softmax():
     logits = torch.randn(3, 10)
-    ids, logp = sample(logits, temperature=0.7, top_k=3, top_p=0.9, u_B=torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+    params = SamplingParams(max_new_tokens=1, temperature=0.7, top_k=3, top_p=0.9)
+    ids, logp = sample(logits, params, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
     torch.testing.assert_close(logp, (logits / 0.7).log_softmax(-1).gather(-1, ids[:, None])[:, 0])
 
 

@@ -235,3 +235,13 @@ def test_logged_mismatch_is_espo_mismatch_metrics_of_the_engine_against_pi_old(t
     assert want["mismatch/kl"] > 1e-6
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-9), k
+
+
+def test_activation_checkpointing_in_one_process_recomputes_without_changing_the_losses(tmp_path):
+    def losses(name, *over):
+        out = tmp_path / name
+        path = write_config(tmp_path, MICRO + f"out_dir = {str(out)!r}\n")
+        train.main(train.parse_args([path, "sft_lr=1e-3", "ckpt_every=0", *over]))
+        return [(r.get("loss"), r.get("reward")) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+    assert losses("plain") == losses("recompute", "activation_checkpoint=true")
