@@ -425,6 +425,34 @@ class LossConfig:
         object.__setattr__(self, "clip_eps_high", high)
 
 
+def objective(logp_BT, log_w_BT, mask_BT, adv_B1, cfg: LossConfig, old_entropy_BT=None):
+    """cfg.loss_type's per-token objective (the dispatch over the objectives above): obj_BT, the ratio it
+    clips, the low/high clip masks, ESPO's entropy bins (None for the others) and ESPO's bin metrics."""
+    loss_type, eps_low, eps_high = cfg.loss_type, cfg.clip_eps_low, cfg.clip_eps_high
+    metrics, bin_BT = {}, None
+    if loss_type in ("grpo", "drgrpo"):
+        obj_BT, ratio_BT, low_BT, high_BT = token_clip_objective(log_w_BT, adv_B1, eps_low=eps_low, eps_high=eps_high)
+    elif loss_type in ("gspo", "gspo-token"):
+        obj_BT, ratio_BT, low_BT, high_BT = gspo_objective(logp_BT, log_w_BT, mask_BT, adv_B1, eps_low=eps_low,
+                                                           eps_high=eps_high, token_level=loss_type == "gspo-token")
+    elif loss_type == "gmpo":
+        obj_BT, ratio_BT, low_BT, high_BT = gmpo_objective(log_w_BT, mask_BT, adv_B1, eps_low=eps_low, eps_high=eps_high)
+    elif loss_type == "cispo":
+        obj_BT, ratio_BT, low_BT, high_BT = cispo_objective(logp_BT, log_w_BT, adv_B1, eps_low=eps_low, eps_high=eps_high)
+    else:  # espo
+        if old_entropy_BT is None:
+            raise ValueError("loss_type='espo' needs old_entropy_BT (pi_old's entropy per token)")
+        bin_BT = entropy_bins(old_entropy_BT, mask_BT, top_frac=cfg.espo_top_frac, num_bins=cfg.espo_num_bins)
+        obj_BT, ratio_BT, low_BT, high_BT, count_BQ, eps_BQ = espo_objective(
+            logp_BT, log_w_BT, mask_BT, adv_B1, old_entropy_BT, bin_BT, alpha=cfg.espo_alpha, vocab_size=cfg.vocab_size,
+            num_bins=cfg.espo_num_bins)
+        for q in range(cfg.espo_num_bins):
+            nonempty_B = count_BQ[:, q] > 0
+            metrics[f"espo/bin{q}_tokens"] = float(count_BQ[:, q].sum())
+            metrics[f"espo/bin{q}_clip_eps"] = float((eps_BQ[:, q] * nonempty_B).sum() / nonempty_B.sum().clamp(min=1))
+    return obj_BT, ratio_BT, low_BT, high_BT, bin_BT, metrics
+
+
 def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.Tensor, mask_BT: torch.Tensor,
                 cfg: LossConfig, *, old_entropy_BT: torch.Tensor | None = None, ref_logp_BT: torch.Tensor | None = None,
                 infer_logp_BT: torch.Tensor | None = None, normalizer: float | None = None):
@@ -449,35 +477,14 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
     espo/bin{q}_tokens and espo/bin{q}_clip_eps, and the mismatch weights'.
     Raises ValueError on a missing input the config needs, or token advantages with gmpo.
     """
-    loss_type, eps_low, eps_high = cfg.loss_type, cfg.clip_eps_low, cfg.clip_eps_high
     mask = mask_BT.to(logp_BT.dtype)
     old = old_logp_BT.detach()
     adv = adv_B.detach().to(logp_BT.dtype)
-    if adv.dim() == 2 and loss_type == "gmpo":
+    if adv.dim() == 2 and cfg.loss_type == "gmpo":
         raise ValueError("token advantages [B, T] need a token-level loss; loss_type='gmpo' takes one per sequence")
     adv_B1 = adv[:, None] if adv.dim() == 1 else adv  # [B, 1], or [B, T] token advantages
     log_w_BT = (logp_BT - old) * mask  # (B, T) log token ratio, 0 on padding
-    metrics, bin_BT = {}, None
-    if loss_type in ("grpo", "drgrpo"):
-        obj_BT, ratio_BT, low_BT, high_BT = token_clip_objective(log_w_BT, adv_B1, eps_low=eps_low, eps_high=eps_high)
-    elif loss_type in ("gspo", "gspo-token"):
-        obj_BT, ratio_BT, low_BT, high_BT = gspo_objective(logp_BT, log_w_BT, mask, adv_B1, eps_low=eps_low,
-                                                           eps_high=eps_high, token_level=loss_type == "gspo-token")
-    elif loss_type == "gmpo":
-        obj_BT, ratio_BT, low_BT, high_BT = gmpo_objective(log_w_BT, mask, adv_B1, eps_low=eps_low, eps_high=eps_high)
-    elif loss_type == "cispo":
-        obj_BT, ratio_BT, low_BT, high_BT = cispo_objective(logp_BT, log_w_BT, adv_B1, eps_low=eps_low, eps_high=eps_high)
-    else:  # espo
-        if old_entropy_BT is None:
-            raise ValueError("loss_type='espo' needs old_entropy_BT (pi_old's entropy per token)")
-        bin_BT = entropy_bins(old_entropy_BT, mask, top_frac=cfg.espo_top_frac, num_bins=cfg.espo_num_bins)
-        obj_BT, ratio_BT, low_BT, high_BT, count_BQ, eps_BQ = espo_objective(
-            logp_BT, log_w_BT, mask, adv_B1, old_entropy_BT, bin_BT, alpha=cfg.espo_alpha, vocab_size=cfg.vocab_size,
-            num_bins=cfg.espo_num_bins)
-        for q in range(cfg.espo_num_bins):
-            nonempty_B = count_BQ[:, q] > 0
-            metrics[f"espo/bin{q}_tokens"] = float(count_BQ[:, q].sum())
-            metrics[f"espo/bin{q}_clip_eps"] = float((eps_BQ[:, q] * nonempty_B).sum() / nonempty_B.sum().clamp(min=1))
+    obj_BT, ratio_BT, low_BT, high_BT, bin_BT, metrics = objective(logp_BT, log_w_BT, mask, adv_B1, cfg, old_entropy_BT)
     if cfg.tis_cap is not None or cfg.icepop_bounds is not None:
         if infer_logp_BT is None:
             raise ValueError("tis_cap / icepop_bounds need infer_logp_BT (the engine's logprobs)")

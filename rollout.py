@@ -360,21 +360,34 @@ def _stage(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list
 
 # ----------------------------------------------------------------------------- native engine
 
-def _attend(attn, h_BD, cos_B1r, sin_B1r, k_BJSd, v_BJSd, col: int, bias_B11S):
-    """One query token per row against cache columns [0, col] (col is written here)."""
+@dataclass
+class DecodeState:
+    """What the decode steps of one generate call read and write, allocated once (no shape depends on data)."""
+    k_LBJSd: torch.Tensor  # every row's KV cache; the prompt's columns are copied from its prefill
+    v_LBJSd: torch.Tensor
+    cos_BSr: torch.Tensor  # RoPE at each row's positions (left padding shifts a row's positions)
+    sin_BSr: torch.Tensor
+    bias_B11S: torch.Tensor  # additive attention mask: -inf on each row's left padding
+    routes_BSLK: torch.Tensor  # int32 routed experts of every token fed to the model
+
+
+def _attend(attn, h_BD, state: DecodeState, layer: int, col: int):
+    """One query token per row against cache columns [0, col] of `layer` (col is written here)."""
     cfg, B = attn.cfg, h_BD.shape[0]
     H, J, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     qkv = attn.wqkv(h_BD).view(B, H + 2 * J, 1, d)  # (B, H+2J, 1, d): heads already in front of T
     q, k, v = qkv.split([H, J, J], dim=1)  # (B, H|J|J, 1, d)
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
+    cos_B1r, sin_B1r = state.cos_BSr[:, col:col + 1], state.sin_BSr[:, col:col + 1]
     q, k = apply_rope(q, cos_B1r, sin_B1r), apply_rope(k, cos_B1r, sin_B1r)
+    k_BJSd, v_BJSd = state.k_LBJSd[layer], state.v_LBJSd[layer]
     k_BJSd[:, :, col] = k[:, :, 0]
     v_BJSd[:, :, col] = v[:, :, 0]
     keys, values = k_BJSd[:, :, :col + 1], v_BJSd[:, :, :col + 1]  # (B, J, n, d) views, no copy
     # GQA: query heads [j * H/J, (j+1) * H/J) read kv head j
     scores = torch.matmul(q.view(B, J, H // J, d), keys.transpose(-1, -2)) * d ** -0.5  # (B, J, H/J, n)
-    probs = (scores.float() + bias_B11S[..., :col + 1]).softmax(dim=-1).to(values.dtype)
+    probs = (scores.float() + state.bias_B11S[..., :col + 1]).softmax(dim=-1).to(values.dtype)
     return attn.wo(torch.matmul(probs, values).view(B, H * d))  # (B, J, H/J, d) -> (B, D)
 
 
@@ -383,17 +396,17 @@ def _attend(attn, h_BD, cos_B1r, sin_B1r, k_BJSd, v_BJSd, col: int, bias_B11S):
 _experts_outside_compile = torch.compiler.disable(run_experts)
 
 
-def decode_step(model: Transformer, tokens_B, cos_B1r, sin_B1r, k_LBJSd, v_LBJSd, col: int, bias_B11S, routes_BLK):
+def decode_step(model: Transformer, tokens_B: torch.Tensor, state: DecodeState, col: int) -> torch.Tensor:
     """Logits [B, V] fp32 of the next token after feeding tokens_B at cache column col.
 
-    Writes this token's keys/values at column col of every layer and its routed experts
-    into routes_BLK (int32). Arithmetic is the model's forward for T = 1, with the model's
-    own modules; only attention over the cache and the expert dispatch are specialised.
+    Writes this token's keys/values at column col of every layer and its routed experts into
+    state.routes_BSLK. Arithmetic is the model's forward for T = 1, with the model's own
+    modules; only attention over the cache and the expert dispatch are specialised.
     """
     x = model.embed(tokens_B)  # (B, D)
     moe = 0
     for i, block in enumerate(model.layers):
-        x = x + _attend(block.attn, block.attn_norm(x), cos_B1r, sin_B1r, k_LBJSd[i], v_LBJSd[i], col, bias_B11S)
+        x = x + _attend(block.attn, block.attn_norm(x), state, i, col)
         h = block.ffn_norm(x)
         if not block.is_moe:
             x = x + block.mlp(h)
@@ -403,7 +416,7 @@ def decode_step(model: Transformer, tokens_B, cos_B1r, sin_B1r, k_LBJSd, v_LBJSd
         if block.mlp.shared is not None:
             y = y + block.mlp.shared(h)
         x = x + y
-        routes_BLK[:, moe] = ids_NK
+        state.routes_BSLK[:, col, moe] = ids_NK
         moe += 1
     return model.lm_head(model.norm(x)).float()
 
@@ -427,7 +440,7 @@ class NativeEngine:
         self._fp8_weights = {n for n, t in self._slots.items() if t.dtype == FP8}
         cos, sin = rope(torch.arange(cfg.max_seq_len, device=self.device)[None], cfg)
         self._cos_Sr, self._sin_Sr = cos[0], sin[0]  # RoPE for every position, computed once
-        self._decode = torch.compile(decode_step, dynamic=True) if compile else decode_step
+        self._decode_step = torch.compile(decode_step, dynamic=True) if compile else decode_step
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Named, version: int):
@@ -483,22 +496,40 @@ class NativeEngine:
             raise ValueError(f"prompt lengths span [{min(lens)}, {max(lens)}] with max_new_tokens={max_new_tokens}; need "
                              f"prompts >= 1 token, max_new_tokens >= 1, and prompt + max_new_tokens <= "
                              f"max_seq_len = {self.cfg.max_seq_len}")
-        cfg, dev = self.cfg, self.device
         if seed is None:  # an unseeded call still varies from call to call, through torch's global RNG
             seed = int(torch.randint(1 << 62, (1,)))
         groups = group_ids if group_ids is not None else list(range(len(prompts)))
         if len(groups) != len(prompts):
             raise ValueError(f"group_ids has {len(groups)} entries for {len(prompts)} prompts")
-        keys_B = row_keys(seed, [g for g in groups for _ in range(n)], [j for _ in prompts for j in range(n)], dev)
+        # row i = sample i % n of prompt i // n; its random stream is keyed by (seed, group, sample)
+        keys_B = row_keys(seed, [g for g in groups for _ in range(n)], [j for _ in prompts for j in range(n)], self.device)
+        P = max(lens)  # the longest prompt: every row's first sampled token lands in column P
+        last_BV, state, pad_B = self._prefill(prompts, n, max_new_tokens)
+        ids_BC, logp_BC, steps = self._decode(last_BV, state, keys_B, params, P)
+        ids = ids_BC[:, :steps].tolist()
+        logp_BC, routes_BSLK, pads = logp_BC.float().cpu(), state.routes_BSLK.cpu(), pad_B.tolist()
+        rollouts = []
+        for i, row in enumerate(ids):
+            stop = self.eos_id in row
+            c = row.index(self.eos_id) + 1 if stop else steps  # an EOS ends the completion and belongs to it
+            rollouts.append(Rollout(
+                prompt_ids=list(prompts[i // n]), completion_ids=row[:c], logprobs=logp_BC[i, :c].clone(),
+                routes=routes_BSLK[i, pads[i]:P + c - 1].clone(), finish_reason="stop" if stop else "length",
+                group_id=groups[i // n], weight_version=self.weight_version))
+        return rollouts
+
+    def _prefill(self, prompts: list[list[int]], n: int, max_new_tokens: int):
+        """Prefill each distinct prompt once, left-padded so every row's next token lands in column P,
+        and allocate the decode state of its n rows. Returns the first logits [B, V] fp32, the
+        DecodeState and each row's left padding [B]."""
+        cfg, dev = self.cfg, self.device
         unique: dict[tuple, int] = {}
         for p in prompts:
             unique.setdefault(tuple(p), len(unique))
         uprompts = list(unique)
         row_u = torch.tensor([unique[tuple(p)] for p in prompts for _ in range(n)], device=dev)  # (B,) row -> unique prompt
-        U, B, P, C = len(uprompts), len(row_u), max(lens), max_new_tokens
-        S = P + C - 1  # the last sampled token is never fed back
-
-        # prefill the unique prompts, left-padded so every row's next token lands in column P
+        U, B, P = len(uprompts), len(row_u), max(len(p) for p in prompts)
+        S = P + max_new_tokens - 1  # the last sampled token is never fed back
         pad_U = torch.tensor([P - len(p) for p in uprompts], device=dev)
         tokens_UP = torch.full((U, P), self.pad_id, dtype=torch.long, device=dev)
         for u, p in enumerate(uprompts):
@@ -513,44 +544,35 @@ class NativeEngine:
                                                return_routes=True, cache=prefill, cache_start=0, mask_B1TS=mask_U1PP)
         last_BV = self.model.lm_head(h_UPD[:, -1]).float()[row_u]
 
-        # decode state, allocated once: cache, outputs, per-row RoPE and the additive key mask
         k_LBJSd = torch.empty(cfg.n_layers, B, cfg.n_kv_heads, S, cfg.head_dim, dtype=self.dtype, device=dev)
         v_LBJSd = torch.empty_like(k_LBJSd)
-        k_LBJSd[:, :, :, :P] = prefill.k[:, row_u]
+        k_LBJSd[:, :, :, :P] = prefill.k[:, row_u]  # each row copies its prompt's prefill
         v_LBJSd[:, :, :, :P] = prefill.v[:, row_u]
         routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=torch.int32, device=dev)
         routes_BSLK[:, :P] = routes_UPLK[row_u]
         pad_B = pad_U[row_u]
         col_S = torch.arange(S, device=dev)
         pos_BS = (col_S[None] - pad_B[:, None]).clamp(min=0)
-        cos_BSr, sin_BSr = self._cos_Sr[pos_BS], self._sin_Sr[pos_BS]
-        bias_B11S = torch.zeros(B, 1, 1, S, device=dev).masked_fill_((col_S[None] < pad_B[:, None])[:, None, None], float("-inf"))
+        bias_B11S = torch.zeros(B, 1, 1, S, device=dev).masked_fill_((col_S[None] < pad_B[:, None])[:, None, None],
+                                                                     float("-inf"))
+        state = DecodeState(k_LBJSd, v_LBJSd, self._cos_Sr[pos_BS], self._sin_Sr[pos_BS], bias_B11S, routes_BSLK)
+        return last_BV, state, pad_B
+
+    def _decode(self, last_BV: torch.Tensor, state: DecodeState, keys_B: torch.Tensor, params: SamplingParams, P: int):
+        """Sample and feed back one token per row per step until every row has stopped or the limit is
+        reached. Returns ids [B, C] int64 (padding after a row's EOS), their logprobs [B, C] and the steps run."""
+        B, C, dev = last_BV.shape[0], params.max_new_tokens, self.device
         ids_BC = torch.full((B, C), self.pad_id, dtype=torch.long, device=dev)
         logp_BC = torch.zeros(B, C, device=dev)
         done_B = torch.zeros(B, dtype=torch.bool, device=dev)
-        steps = C
         for t in range(C):
             ids_B, logp_B = sample(last_BV, params, row_uniforms(keys_B, t))
             ids_B = ids_B.masked_fill_(done_B, self.pad_id)  # finished rows emit padding
             ids_BC[:, t] = ids_B
             logp_BC[:, t] = logp_B
             done_B |= ids_B == self.eos_id
+            # the only host sync of a step: every STOP_CHECK_EVERY steps, whether all rows are done
             if t == C - 1 or (t % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1 and bool(done_B.all())):
-                steps = t + 1
-                break
-            col = P + t
-            last_BV = self._decode(self.model, ids_B, cos_BSr[:, col:col + 1], sin_BSr[:, col:col + 1], k_LBJSd, v_LBJSd,
-                                   col, bias_B11S, routes_BSLK[:, col])
-
-        ids = ids_BC[:, :steps].tolist()
-        logp_BC, routes_BSLK, pads = logp_BC.float().cpu(), routes_BSLK.cpu(), pad_B.tolist()
-        rollouts = []
-        for i, row in enumerate(ids):
-            stop = self.eos_id in row
-            c = row.index(self.eos_id) + 1 if stop else steps
-            prompt = prompts[i // n]
-            rollouts.append(Rollout(
-                prompt_ids=list(prompt), completion_ids=row[:c], logprobs=logp_BC[i, :c].clone(),
-                routes=routes_BSLK[i, pads[i]:P + c - 1].clone(), finish_reason="stop" if stop else "length",
-                group_id=groups[i // n], weight_version=self.weight_version))
-        return rollouts
+                return ids_BC, logp_BC, t + 1
+            last_BV = self._decode_step(self.model, ids_B, state, P + t)
+        return ids_BC, logp_BC, C
