@@ -28,11 +28,10 @@ Readings chosen:
 1. Stage 1's decay is in training steps since the prompt's last rollout, and each record
    gets one uniform draw, compared with the decayed probability at every visit: a prompt
    drawn many times in a step (over-sampling a small pool) still comes back on the
-   schedule; with a fresh draw per visit its return chance would compound per visit (in
-   bench/zve.py's simulation, staged/DAPO tokens per informative group 0.65x with a draw
-   per visit, 0.58x with one per record). GRESO instead
-   raises the skip probability with consecutive zero-variance epochs and tunes a base
-   exploration rate; the seed paper asks for a probability that decays so prompts return.
+   schedule; with a fresh draw per visit its return chance would compound per visit
+   (bench/zve.py compares both). GRESO instead raises the skip probability with
+   consecutive zero-variance epochs and tunes a base exploration rate; the seed paper
+   asks for a probability that decays so prompts return.
 2. Offline pass rates count as observed at step 0; online observations replace them.
 3. Stage 2's "agree" means all k probe rewards are equal (k >= 2); a stopped prompt's k
    probes stay a group of size k, which Stage 3 drops or reshapes like any other. The
@@ -44,9 +43,8 @@ Readings chosen:
    the default 0.5 agreeing probes stop a new prompt, as the seed paper does; a prompt
    last seen informative (e.g. 4 of 8 correct) mostly goes on, as its probes agree by
    chance more often than it turns zero-variance, and a false stop loses the group.
-   Against never stopping a prompt last seen informative, bench/zve.py measured the same
-   tokens per informative group at k = 4 (tiny model 0.73x, simulation 0.64-0.65x) with
-   half the zero-variance groups generated in full (12% -> 6%), and 0.69x -> 0.68x at k = 2.
+   Against never stopping a prompt last seen informative, it spends as many tokens per
+   informative group and generates fewer zero-variance groups in full (bench/zve.py).
 4. RL-ZVP: H_t is the full-vocabulary entropy of pi_old at completion token t (the
    trainer's recomputation, detached), max_t over the same response's completion tokens,
    detached; a is a config value.

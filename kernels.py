@@ -13,7 +13,7 @@
 - `GatherRows`: a row gather whose backward is a gather too. Sorting a MoE layer's
   (token, expert) pairs by expert and back are permutations; autograd would differentiate
   `x[index]` with a scatter-add (index_put with accumulate; atomic adds once inductor
-  compiles it for CPU, 3x the time of the gather in the bench's compiled step).
+  compiles it for CPU, several times the gather's cost; bench/model.py).
 - `causal_attention`: causal scaled dot-product attention. On CUDA it is
   `F.scaled_dot_product_attention`, whose flash kernels skip the masked upper triangle.
   torch 2.13's CPU flash kernel does not: it walks keys in blocks of 512 and computes a
@@ -49,15 +49,15 @@ import torch.nn.functional as F
 
 CPU_ATTENTION_BLOCK = 32
 """Query rows per block of the CPU attention kernel: smaller blocks waste less of the diagonal
-(half a block per block row) but make thinner GEMMs; 32 measured best at T = 512, d = 32."""
+(half a block per block row) but make thinner GEMMs (bench/model.py picked 32)."""
 CPU_ATTENTION_MIN_TOKENS = 384
 """Shorter sequences take SDPA: there torch's flash kernel, whose one 512-key block then spans
-the whole row, measured as fast (0.6-1.0x of it at T = 32-256, 1.05x at 320, 1.1-1.6x from 384)."""
+the whole row, is as fast."""
 CPU_ATTENTION_KEY_CHUNK = 512
 """Keys per chunk of the CPU kernel's online softmax: bounds its buffers to (H/J * 32) x 512 floats."""
 CPU_EXPERT_ROW_BLOCK = 256
 """Rows of an expert the CPU kernel takes at a time: a block's x W13 (256 x 2I floats, 512 KB at
-I = 256) stays in L2 for its SwiGLU; measured 256 and 512 equal, 128 5% slower."""
+I = 256) stays in L2 for its SwiGLU."""
 CPU_KERNELS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.c")
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp")
 
@@ -151,7 +151,7 @@ class GatherRows(torch.autograd.Function):
 def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, reps: int) -> torch.Tensor:
     """x[index] (rows); through `GatherRows` when autograd records, plain `index_select` otherwise
     (no autograd.Function overhead in no-grad forwards such as decoding). index_select, not
-    x[index]: torch 2.13's CPU advanced indexing copies element by element, 3-4x slower for rows."""
+    x[index]: torch 2.13's CPU advanced indexing copies element by element, slower for rows."""
     if torch.is_grad_enabled() and x.requires_grad:
         return GatherRows.apply(x, index, inverse, reps)
     return x.index_select(0, index)

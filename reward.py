@@ -439,11 +439,11 @@ class RewardPool:
     gives an item that overruns reward 0 ("timeout") and starts a fresh worker in place of
     the stuck one, which is abandoned (a thread cannot be killed; it ends on its own or
     with the process); a timed-out process is killed and replaced. No thread is started
-    per item: thread churn slowed the generation it overlaps by about a quarter. While a
-    thread-mode pool is open the interpreter's GIL switch interval is at least
-    GIL_SWITCH_INTERVAL_S: at the default 5 ms, workers waking to record a score made the
-    generating thread hand the GIL over mid-step, which cost the overlapped generation ~10%
-    (bench/reward_overlap.py); they get it anyway whenever a torch op releases it.
+    per item: thread churn slows the generation it overlaps. While a thread-mode pool is
+    open the interpreter's GIL switch interval is at least GIL_SWITCH_INTERVAL_S: at the
+    default 5 ms, workers waking to record a score make the generating thread hand the
+    GIL over mid-step (bench/reward_overlap.py measures the overlap); they get it anyway
+    whenever a torch op releases it.
     `counts` tallies the reasons: "ok", "timeout", "error: <exception type>".
     """
 
