@@ -1,8 +1,14 @@
-"""Policy losses and advantages as pure functions: ESPO and the GRPO family it builds on.
+"""Policy losses, advantages and the train-inference corrections, as pure functions over tensors.
 
-Every loss is a per-token objective obj_t (to maximise), optionally weighted for the
-train-inference mismatch and penalised by a KL to a reference, then aggregated to a
-scalar; `policy_loss` returns minus that scalar and a dict of float metrics.
+`policy_loss(logp, old_logp, adv, mask, LossConfig)` is the RL loss of the trainer: a
+per-token objective obj_t (to maximise) of one of seven losses (ESPO and the GRPO family it
+builds on, below), optionally weighted against the train-inference mismatch (TIS, IcePop)
+and penalised by a KL to a reference, then aggregated to a scalar (one of five
+aggregations); it returns minus that scalar and float metrics. `LossConfig` is built and
+checked once per run. Also here: group-relative advantages (`ragged_group_advantages`) and
+the mismatch metrics of engine against trainer (`mismatch_metrics`). Every formula is
+checked against a float64 per-sequence loop written from the papers (tests/reference_losses.py).
+Shapes: B, T, G, P, Q (letters of the README's legend).
 
 Advantages (GRPO, arXiv 2402.03300 sec. 4.1.2): for the G rollouts of one prompt with
 rewards r_1..r_G, A_i = (r_i - mean(r)) / (std(r) + eps); without the std (Dr.GRPO,
@@ -27,7 +33,8 @@ Token ratio w_t = pi_theta(y_t) / pi_old(y_t). The losses (A = A_i of the token'
 - espo: below.
 
 ESPO (arXiv 2512.00499): the tokens of each sequence are split by their entropy under
-the old policy, e_t = -sum_v pi_old(v) log pi_old(v), into entropy bins (the paper's "groups"; here a group is a prompt's rollouts). Default two
+the old policy, e_t = -sum_v pi_old(v) log pi_old(v), into entropy bins (the paper's
+"groups"; here a group is a prompt's rollouts). Default two
 bins: the top 20 percent highest-entropy tokens, and the rest; bins need not be contiguous.
 Each bin tau has a length-normalised ratio s_tau = exp(mean_{t in tau} log w_t), used in
 the GSPO-token stop-gradient form s_t = sg[s_tau] * pi_theta(y_t) / sg[pi_theta(y_t)]
@@ -76,9 +83,6 @@ Other choices:
    other losses' values; only its gradient is. The paper sets no lower bound and does not
    give its upper one: the defaults are eps_low = 1 (weight >= 0) and DAPO's 0.28.
 10. KL estimators are evaluated on tokens sampled from pi_old, as GRPO does.
-
-Legend: B sequences, T completion tokens (padded), G rollouts per prompt, P prompts,
-Q entropy bins.
 """
 
 from __future__ import annotations
@@ -121,8 +125,9 @@ def group_advantages(rewards_PG: torch.Tensor, *, scale_by_std: bool = True, std
     if std_over not in ("group", "batch"):
         raise ValueError(f"std_over={std_over!r}; valid: 'group', 'batch'")
     r = rewards_PG.float()
-    adv = r - r.mean(dim=1, keepdim=True)
+    adv = r - r.mean(dim=1, keepdim=True)  # (P, G) centred per group: sums to zero in every group
     if scale_by_std:
+        # eps keeps an all-equal group (std 0) at exactly zero instead of 0/0
         std = r.std(dim=1, keepdim=True) if std_over == "group" else adv.std()
         adv = adv / (std + eps)
     return adv
@@ -137,7 +142,7 @@ def ragged_group_advantages(rewards_P: list[torch.Tensor], *, scale_by_std: bool
     batch_std = None
     if scale_by_std and std_over == "batch":
         batch_std = torch.cat([r.float() - r.float().mean() for r in rewards_P]).std()
-    for size in sorted({len(r) for r in rewards_P}):
+    for size in sorted({len(r) for r in rewards_P}):  # groups of one size stack into one [P', G] call
         idx = [i for i, r in enumerate(rewards_P) if len(r) == size]
         stacked_PG = torch.stack([rewards_P[i] for i in idx])
         if batch_std is None:
@@ -161,14 +166,15 @@ def entropy_bins(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, *, top_frac: f
     if num_bins < 1 or not 0.0 < top_frac <= 1.0:
         raise ValueError(f"need num_bins >= 1 and top_frac in (0, 1]; got {num_bins}, {top_frac}")
     valid = mask_BT.bool()
-    n_valid_B1 = valid.sum(-1, keepdim=True)
+    n_valid_B1 = valid.sum(-1, keepdim=True)  # (B, 1) completion tokens per sequence
     if num_bins == 1:
         return torch.where(valid, 0, -1)
     # rank 0 = highest entropy; padding sorts last
     order_BT = entropy_BT.masked_fill(~valid, -math.inf).argsort(dim=-1, descending=True, stable=True)
     rank_BT = order_BT.argsort(dim=-1)  # (B, T) inverse permutation: each token's rank
-    top_B1 = (n_valid_B1 * top_frac).ceil().clamp(min=1)
+    top_B1 = (n_valid_B1 * top_frac).ceil().clamp(min=1)  # bin 0's size: at least one token (reading 3)
     rest_B1 = (n_valid_B1 - top_B1).clamp(min=1)
+    # ranks top, ..., n-1 split evenly into bins 1..num_bins-1: bin = 1 + floor((rank - top) * (bins - 1) / rest)
     bin_BT = 1 + ((rank_BT - top_B1) * (num_bins - 1)).div(rest_B1, rounding_mode="floor")
     bin_BT = torch.where(rank_BT < top_B1, 0, bin_BT)
     return torch.where(valid, bin_BT.long(), -1)
@@ -202,16 +208,17 @@ def aggregate(obj_BT: torch.Tensor, mask_BT: torch.Tensor, *, aggregation: str, 
     `entropy_bins`) and num_bins serve the ESPO bin mean.
     Raises ValueError when seq-mean-token-sum-norm lacks max_tokens.
     """
-    if aggregation == "token-mean":
+    if aggregation == "token-mean":  # every token of the batch weighs the same: long sequences weigh more (DAPO)
         return (obj_BT * mask_BT).sum() / (normalizer if normalizer is not None else mask_BT.sum().clamp(min=1))
     num_seqs = normalizer if normalizer is not None else obj_BT.shape[0]
     if aggregation == "seq-mean-bin-mean-token-mean":
         assert bin_BT is not None, "the ESPO bin mean needs bin_BT"
         idx_BT = bin_BT.clamp(min=0)  # padding parked in bin 0 with zero weight
         zeros_BQ = obj_BT.new_zeros(obj_BT.shape[0], num_bins)
-        count_BQ = zeros_BQ.scatter_add(1, idx_BT, mask_BT)
-        bin_obj_BQ = zeros_BQ.scatter_add(1, idx_BT, obj_BT * mask_BT) / count_BQ.clamp(min=1)
+        count_BQ = zeros_BQ.scatter_add(1, idx_BT, mask_BT)  # (B, Q) tokens per bin
+        bin_obj_BQ = zeros_BQ.scatter_add(1, idx_BT, obj_BT * mask_BT) / count_BQ.clamp(min=1)  # mean within a bin
         nonempty_BQ = (count_BQ > 0).to(mask_BT.dtype)
+        # mean over a sequence's non-empty bins: a short sequence may fill fewer bins than num_bins (reading 3)
         seq_obj_B = (bin_obj_BQ * nonempty_BQ).sum(-1) / nonempty_BQ.sum(-1).clamp(min=1)
         return seq_obj_B.sum() / num_seqs
     seq_sum_B = (obj_BT * mask_BT).sum(-1)
@@ -237,6 +244,8 @@ def aggregate(obj_BT: torch.Tensor, mask_BT: torch.Tensor, *, aggregation: str, 
 
 def token_clip_objective(log_w_BT, adv_B1, *, eps_low: float, eps_high: float):
     """GRPO/DAPO: min(w A, clip(w, 1 - eps_low, 1 + eps_high) A) (arXiv 2503.14476 eq. 8)."""
+    # the min takes the clipped branch only where it is the pessimistic one: w above 1 + eps_high with
+    # A > 0, or below 1 - eps_low with A < 0; there the gradient is zero
     ratio_BT = log_w_BT.exp()
     clipped_BT = ratio_BT.clamp(1 - eps_low, 1 + eps_high)
     obj_BT = torch.minimum(ratio_BT * adv_B1, clipped_BT * adv_B1)
@@ -245,6 +254,7 @@ def token_clip_objective(log_w_BT, adv_B1, *, eps_low: float, eps_high: float):
 
 def gspo_objective(logp_BT, log_w_BT, mask_BT, adv_B1, *, eps_low: float, eps_high: float, token_level: bool):
     """GSPO (arXiv 2507.18071 eq. 5, 7) or, if token_level, GSPO-token (eq. 13-14)."""
+    # log s_i = mean_t log w_t: the length-normalised sequence ratio (log_w is 0 on padding)
     log_s_B1 = log_w_BT.sum(-1, keepdim=True) / mask_BT.sum(-1, keepdim=True).clamp(min=1)
     if token_level:  # value s_i on every token, gradient s_i * grad log pi_theta(y_t)
         s_BT = (log_s_B1.detach() + logp_BT - logp_BT.detach()).exp()
@@ -267,6 +277,7 @@ def gmpo_objective(log_w_BT, mask_BT, adv_B1, *, eps_low: float, eps_high: float
 def cispo_objective(logp_BT, log_w_BT, adv_B1, *, eps_low: float, eps_high: float):
     """CISPO (arXiv 2506.13585 eq. 4-5): sg[clip(w, 1 - eps_low, 1 + eps_high)] A log pi_theta."""
     ratio_BT = log_w_BT.detach().exp()
+    # the clipped weight is a constant (detached): it scales the REINFORCE term A log pi, never zeroes it
     obj_BT = ratio_BT.clamp(1 - eps_low, 1 + eps_high) * adv_B1 * logp_BT
     return obj_BT, ratio_BT, ratio_BT < 1 - eps_low, ratio_BT > 1 + eps_high
 
@@ -281,12 +292,14 @@ def espo_objective(logp_BT, log_w_BT, mask_BT, adv_B1, entropy_BT, bin_BT, *, al
     zeros_BQ = logp_BT.new_zeros(logp_BT.shape[0], num_bins)
     count_BQ = zeros_BQ.scatter_add(1, idx_BT, mask_BT)
     safe_BQ = count_BQ.clamp(min=1)
-    mean_logw_BQ = zeros_BQ.scatter_add(1, idx_BT, log_w_BT.detach()) / safe_BQ
+    mean_logw_BQ = zeros_BQ.scatter_add(1, idx_BT, log_w_BT.detach()) / safe_BQ  # (B, Q) log s_tau per bin
     mean_ent_BQ = zeros_BQ.scatter_add(1, idx_BT, entropy_BT.detach().to(mask_BT.dtype) * mask_BT) / safe_BQ
+    # eps_tau = alpha * mean entropy / log|V|: uncertain tokens get a wider trust region (log|V| is the most entropy)
     eps_BQ = alpha * mean_ent_BQ / math.log(vocab_size)
     # GSPO-token form: value s_tau, gradient s_tau * grad log pi_theta(y_t)
     s_BT = (mean_logw_BQ.gather(1, idx_BT) + logp_BT - logp_BT.detach()).exp()
-    eps_BT = eps_BQ.gather(1, idx_BT)
+    eps_BT = eps_BQ.gather(1, idx_BT)  # (B, T) each token's bin's clip range
+    # clamp with tensor bounds: clip(s, 1 - eps, 1 + eps) elementwise
     obj_BT = torch.minimum(s_BT * adv_B1, torch.maximum(torch.minimum(s_BT, 1 + eps_BT), 1 - eps_BT) * adv_B1)
     low_BT, high_BT = (s_BT < 1 - eps_BT) & (adv_B1 < 0), (s_BT > 1 + eps_BT) & (adv_B1 > 0)
     return obj_BT, s_BT.detach(), low_BT, high_BT, count_BQ, eps_BQ
@@ -294,13 +307,15 @@ def espo_objective(logp_BT, log_w_BT, mask_BT, adv_B1, entropy_BT, bin_BT, *, al
 
 # ----------------------------------------------------------------------------- penalties and corrections
 
-def kl_penalty(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, mask_BT: torch.Tensor, *, estimator: str) -> torch.Tensor:
+def kl_penalty(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, mask_BT: torch.Tensor, *,
+               estimator: str) -> torch.Tensor:
     """Per-token estimate [B, T] of KL(pi_theta || pi_ref), grad through logp; 0 on padding.
 
     k1 = log pi_theta - log pi_ref; k3 = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1, always >= 0
     (GRPO arXiv 2402.03300 eq. 4; Schulman 2020). Raises ValueError on an unknown estimator.
     """
     log_r_BT = (ref_logp_BT.detach() - logp_BT) * mask_BT  # log(pi_ref / pi_theta)
+    # samples come from pi_old, not pi_theta; near pi_theta = pi_old both estimate the KL (reading 10)
     if estimator == "k1":
         return -log_r_BT
     if estimator == "k3":
@@ -318,6 +333,7 @@ def mismatch_weights(old_logp_BT: torch.Tensor, infer_logp_BT: torch.Tensor, mas
     """
     if (tis_cap is None) == (icepop_bounds is None):
         raise ValueError("give exactly one of tis_cap and icepop_bounds")
+    # k = pi_old / pi_infer: how much more likely the trainer finds the engine's sample than the engine did
     log_k_BT = (old_logp_BT.detach() - infer_logp_BT.detach().to(old_logp_BT.dtype)) * mask_BT
     k_BT = log_k_BT.exp()
     n_tok = mask_BT.sum().clamp(min=1)
@@ -436,9 +452,11 @@ def objective(logp_BT, log_w_BT, mask_BT, adv_B1, cfg: LossConfig, old_entropy_B
         obj_BT, ratio_BT, low_BT, high_BT = gspo_objective(logp_BT, log_w_BT, mask_BT, adv_B1, eps_low=eps_low,
                                                            eps_high=eps_high, token_level=loss_type == "gspo-token")
     elif loss_type == "gmpo":
-        obj_BT, ratio_BT, low_BT, high_BT = gmpo_objective(log_w_BT, mask_BT, adv_B1, eps_low=eps_low, eps_high=eps_high)
+        obj_BT, ratio_BT, low_BT, high_BT = gmpo_objective(log_w_BT, mask_BT, adv_B1, eps_low=eps_low,
+                                                           eps_high=eps_high)
     elif loss_type == "cispo":
-        obj_BT, ratio_BT, low_BT, high_BT = cispo_objective(logp_BT, log_w_BT, adv_B1, eps_low=eps_low, eps_high=eps_high)
+        obj_BT, ratio_BT, low_BT, high_BT = cispo_objective(logp_BT, log_w_BT, adv_B1, eps_low=eps_low,
+                                                            eps_high=eps_high)
     else:  # espo
         if old_entropy_BT is None:
             raise ValueError("loss_type='espo' needs old_entropy_BT (pi_old's entropy per token)")
@@ -483,14 +501,14 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
     if adv.dim() == 2 and cfg.loss_type == "gmpo":
         raise ValueError("token advantages [B, T] need a token-level loss; loss_type='gmpo' takes one per sequence")
     adv_B1 = adv[:, None] if adv.dim() == 1 else adv  # [B, 1], or [B, T] token advantages
-    log_w_BT = (logp_BT - old) * mask  # (B, T) log token ratio, 0 on padding
+    log_w_BT = (logp_BT - old) * mask  # (B, T) log token ratio, 0 on padding (so padding never clips)
     obj_BT, ratio_BT, low_BT, high_BT, bin_BT, metrics = objective(logp_BT, log_w_BT, mask, adv_B1, cfg, old_entropy_BT)
     if cfg.tis_cap is not None or cfg.icepop_bounds is not None:
         if infer_logp_BT is None:
             raise ValueError("tis_cap / icepop_bounds need infer_logp_BT (the engine's logprobs)")
         weight_BT, mismatch = mismatch_weights(old, infer_logp_BT, mask, tis_cap=cfg.tis_cap,
                                                icepop_bounds=cfg.icepop_bounds)
-        obj_BT = obj_BT * weight_BT
+        obj_BT = obj_BT * weight_BT  # the policy term only, not the KL term (reading 8)
         metrics.update(mismatch)
     n_tok = mask.sum().clamp(min=1)
     if cfg.kl_coef != 0.0:

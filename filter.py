@@ -52,7 +52,7 @@ Readings chosen:
    predicted completion length (stage 1) or the prompt's mean probe length (stage 2)
    times the rollouts not generated. Stage 3 counts the real tokens of dropped groups.
 
-Legend: P prompts (groups), G rollouts per prompt, T tokens.
+Shapes: P, G, T (letters of the README's legend).
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ JEFFREYS = 0.5  # Beta(1/2, 1/2) prior of stage 2's stop decision
 
 @dataclass
 class PromptRecord:
+    """What stages 1 and 2 remember of a prompt: its last group."""
     pass_rate: float  # mean reward of the prompt's last group (probes included)
     last_step: int  # training step of that group
     n: int = OFFLINE_WEIGHT  # rollouts in that group (offline rates count as one group of OFFLINE_WEIGHT)
@@ -121,8 +122,9 @@ class PromptHistory:
     def skip_probability(self, key, step: int, *, skip_prob: float, half_life: float) -> float:
         """skip_prob * 2^(-(step - last_step) / half_life) if the last pass rate was 0 or 1, else 0."""
         rec = self.records.get(key)
-        if rec is None or 0.0 < rec.pass_rate < 1.0:
+        if rec is None or 0.0 < rec.pass_rate < 1.0:  # unseen, or last seen informative: never skipped
             return 0.0
+        # halves every half_life steps: the policy has moved on, so the prompt may have changed class (reading 1)
         return skip_prob * 2.0 ** (-max(0, step - rec.last_step) / half_life)
 
 
@@ -136,7 +138,7 @@ def pre_rollout_filter(keys: list, history: PromptHistory, step: int, cfg: Filte
     predicted_tokens: expected completion length of each prompt (for the token estimate).
     """
     keep = []
-    for k in keys:
+    for k in keys:  # a prompt drawn twice in a step gets the same decision: its record's draw is kept
         p = history.skip_probability(k, step, skip_prob=cfg.skip_prob, half_life=cfg.skip_half_life)
         if p > 0:
             rec = history.records[k]
@@ -166,9 +168,11 @@ def rest_agree_probability(probe_reward: float, probe_size: int, rest: int, reco
     rate as a soft count over record.n rollouts; None = no history) and the probe_size probes;
     returns E[q^rest] = prod_{i < rest} (a + i) / (a + b + i) under the posterior Beta(a, b).
     """
+    # the last group as soft counts: `same` rollouts had the probes' outcome, `other` the opposite one
     same = 0.0 if record is None else record.n * (record.pass_rate if probe_reward >= 0.5 else 1.0 - record.pass_rate)
     other = 0.0 if record is None else record.n - same
-    a, b = JEFFREYS + same + probe_size, JEFFREYS + other
+    a, b = JEFFREYS + same + probe_size, JEFFREYS + other  # posterior Beta(a, b) of q: prior + history + probes
+    # E[q^rest] = B(a + rest, b) / B(a, b), written as a product: the chance all `rest` draws match
     return math.prod((a + i) / (a + b + i) for i in range(rest))
 
 
@@ -212,9 +216,11 @@ class FilterConfig:
     def __post_init__(self):
         """Raises ValueError on a setting the stages would reject, before any generation is spent."""
         if self.group_size < 2:
-            raise ValueError(f"group_size={self.group_size} must be >= 2 (a group-relative advantage needs two rollouts)")
+            raise ValueError(f"group_size={self.group_size} must be >= 2 (a group-relative advantage needs two "
+                             f"rollouts)")
         if not 0.0 <= self.skip_prob <= 1.0 or self.skip_half_life <= 0:
-            raise ValueError(f"need 0 <= skip_prob <= 1 and skip_half_life > 0; got {self.skip_prob}, {self.skip_half_life}")
+            raise ValueError(f"need 0 <= skip_prob <= 1 and skip_half_life > 0; got {self.skip_prob}, "
+                             f"{self.skip_half_life}")
         if self.probe_size and not 2 <= self.probe_size < self.group_size:
             raise ValueError(f"probe_size={self.probe_size}: use 0 (off) or 2..{self.group_size - 1}")
         if not 0.0 <= self.stop_threshold <= 1.0:
@@ -240,11 +246,12 @@ def oversample_size(groups: list[list[Scored]], drawn: int, target: int, cfg: Fi
     the informative rate seen so far this step (at least MIN_INFORMATIVE_RATE), and one
     round draws at most `target` prompts.
     """
+    # with RL-ZVP every group trains, so every group counts toward the target
     informative = sum(cfg.keep_zero_variance or is_informative(g) for g in groups)
     if informative >= target:
         return 0
-    rate = max(informative / drawn, MIN_INFORMATIVE_RATE)
-    return min(target, math.ceil((target - informative) / rate))
+    rate = max(informative / drawn, MIN_INFORMATIVE_RATE)  # floored: a step with none yet still draws a bounded round
+    return min(target, math.ceil((target - informative) / rate))  # expected draws to fill the gap
 
 
 # ----------------------------------------------------------------------------- stage 3
@@ -264,7 +271,7 @@ def post_rollout_filter(rewards_PG, lengths_PG, correct_PG=None) -> tuple[torch.
     if len(rewards) != len(lengths) or any(r.dim() != 1 or r.shape != n.shape for r, n in zip(rewards, lengths)):
         raise ValueError(f"rewards {[tuple(r.shape) for r in rewards][:4]} and lengths "
                          f"{[tuple(n.shape) for n in lengths][:4]} must be the same groups of 1-D tensors")
-    zero_var = [bool((r == r[0]).all()) for r in rewards]
+    zero_var = [bool((r == r[0]).all()) for r in rewards]  # equal rewards: every advantage is 0, no gradient
     if correct_PG is not None:
         all_correct = [z and bool(c.all()) for z, c in zip(zero_var, correct_PG)]
     else:
@@ -295,4 +302,5 @@ def zvp_token_advantages(entropy_T: torch.Tensor, *, correct: bool, alpha: float
     h = entropy_T.detach().float()
     if h.numel() == 0:
         return h
+    # correct: reward uncertain tokens most (they were luckiest); wrong: push confident tokens down most
     return alpha * h if correct else -alpha * (h.max() - h)

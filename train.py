@@ -43,7 +43,7 @@ from checkpoint import read_checkpoint, resume_path, rng_state, save_checkpoint,
 from config import TrainConfig, parse_args
 from distributed import all_gather_list, build_model, full_policy_tensors, rank_world, reference_copy, setup_distributed
 from espo import LossConfig, ragged_group_advantages
-from filter import (STAGE1_COUNTS, STAGE2_COUNTS, FilterConfig, PromptHistory, Scored, oversample_size,
+from filter import (STAGE1_COUNTS, STAGE2_COUNTS, FilterConfig, PromptHistory, Scored, is_informative, oversample_size,
                     post_rollout_filter, pre_rollout_filter, probe_decisions)
 from metrics import MetricsLog, plot
 from model import policy_tensors
@@ -65,6 +65,7 @@ class Prompts:
     used: int = 0  # items drawn so far: the data position a checkpoint saves
 
     def draw(self, n: int) -> list[Item]:
+        """The next n prompts; past the end the order starts over (a new epoch, in the same order)."""
         out = [self.task[self.order[(self.used + i) % len(self.order)]] for i in range(n)]
         self.used += n
         return out
@@ -123,7 +124,9 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     producer thread."""
     cfg, filt = run.cfg, run.filt
     t0 = time.perf_counter()
-    groups, streams, drawn = [], itertools.count(), 0  # groups: (item, [Scored]) in draw order
+    groups = []  # (item, [Scored]) in draw order: what the stages have kept so far
+    streams = itertools.count()  # numbers the step's generate rounds, so each draws its own random numbers
+    drawn = 0  # prompts drawn this step: over-sampling's informative rate is over these
     stage1, stage2 = Counter({k: 0 for k in STAGE1_COUNTS}), Counter({k: 0 for k in STAGE2_COUNTS})
     items, rounds = run.prompts.draw(cfg.prompts_per_step), 0
     for rnd in range(filt.oversample_rounds + 1):
@@ -134,7 +137,8 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
             items, rounds = run.prompts.draw(more), rnd
         drawn += len(items)
         if filt.skip_prob > 0:  # stage 1, before rollout: skip prompts last seen all-correct or all-wrong
-            keep, counts = pre_rollout_filter([it.question for it in items], run.history, step, filt, rng=run.filter_rng,
+            keep, counts = pre_rollout_filter([it.question for it in items], run.history, step, filt,
+                                              rng=run.filter_rng,
                                               predicted_tokens=[predicted_length(run, it) for it in items])
             items = [it for it, k in zip(items, keep) if k]
             stage1.update(counts)
@@ -150,32 +154,35 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
             stage2.update(counts)
         else:
             new = sample_groups(run, items, cfg.group_size, step, next(streams))
-        for it, g in zip(items, new):  # what stages 1 and 2 read next time
+        for it, g in zip(items, new):  # what stages 1 and 2 read next time (a stopped prompt: its probes' rate)
             run.history.observe(it.question, sum(s.reward for s in g) / len(g), step, n=len(g))
         groups += zip(items, new)
     t_generate = time.perf_counter() - t0
-    for item, g in groups:
+    for item, g in groups:  # every completion teaches the length predictor (generation buckets, stage 1's estimates)
         for s in g:
             run.predictor.observe(item.question, s.num_tokens, task=item.task, prompt_len=len(s.payload.prompt_ids))
 
     correct = [torch.tensor([s.reward for s in g]) for _, g in groups]  # the verifier's 0/1
+    # shaping (penalties, reward model, judge) moves a reward only inside its correctness class, so no
+    # correct response can get a negative advantage (reward.adjust_rewards)
     rewards = [shaped_rewards(c, [s.payload.completion_ids for s in g], run.shaping, scorer=run.scorer,
                               prompt=item.question, reference=item.answer,
                               texts=[completion_text(run.tok, s.payload) for s in g] if run.scorer else None)
                for (item, g), c in zip(groups, correct)]
     lengths = [torch.tensor([s.num_tokens for s in g]) for _, g in groups]
-    keep_P, filtered = post_rollout_filter(rewards, lengths, correct)  # stage 3, after rollout
+    keep_P, filtered = post_rollout_filter(rewards, lengths, correct)  # stage 3, after rollout: all equal, no signal
     zero_var_P = ~keep_P
     if filt.keep_zero_variance:  # RL-ZVP: nothing is dropped; the trainer gives these groups token advantages
         keep_P = torch.ones_like(keep_P)
         filtered.update(zvp_groups=filtered["groups_dropped"], groups_dropped=0, rollouts_dropped=0, tokens_dropped=0)
-    # rollouts are group-major, so the concatenated advantages line up with them
+    # A = (r - mean) / std within each group (GRPO, arXiv 2402.03300); groups differ in size when stage 2
+    # stopped some at their probes. Rollouts are group-major, so the concatenation lines up with them.
     adv = torch.cat(ragged_group_advantages(rewards, scale_by_std=cfg.adv_scale_by_std, std_over=cfg.adv_std_over)
                     or [torch.zeros(0)])  # no group at all when stage 1 skipped every prompt drawn
 
     counts = {**{f"stage1_{k}": v for k, v in stage1.items()}, **{f"stage2_{k}": v for k, v in stage2.items()},
               "oversample_rounds": rounds, "prompts_drawn": drawn,
-              "groups_informative": sum(len({s.reward for s in g}) > 1 for _, g in groups)}
+              "groups_informative": sum(is_informative(g) for _, g in groups)}
     m = rollout_metrics(step, groups, correct, lengths, {**filtered, **counts}, t_generate)
     return m, kept_batch(run, groups, keep_P, zero_var_P, adv)
 
@@ -184,6 +191,7 @@ def update_policy(run: Run, batch: TrainBatch, step: int) -> dict:
     """The second half of an RL step: the policy update (trainer.py), then weight sync to the engine."""
     t0 = time.perf_counter()
     m = train_on_rollouts(run.model, run.opt, batch, step, run.cfg, run.loss, run.ref_model)
+    # version = optimizer steps taken: the next step's rollouts record which weights produced them
     run.engine.update_weights(full_policy_tensors(run.model), version=step + 1)
     m["t_train"] = time.perf_counter() - t0
     m["trained_sequences"] = len(batch.seqs)
@@ -216,7 +224,8 @@ def generate(run: Run, items: list[Item], n: int, step: int, stream: int) -> lis
     mine = balance([len(b) * max(predicted[i] for i in b) for b in buckets], world)[rank]
     rollouts = []
     for b in sorted(mine):
-        bucket = buckets[b]
+        bucket = buckets[b]  # indices into items: they become the rollouts' group ids
+        # batch b's seed depends only on (step, b, stream): whichever rank generates it samples the same rollouts
         batch = run.engine.generate([prompts[i] for i in bucket], run.sampling, n=n, group_ids=bucket,
                                     seed=(cfg.seed + step) * 1000 + b + stream * STREAM_SEED_STRIDE)
         if run.pool is not None:  # rollouts of a prompt come out in order, so (stream, group, j) names each one
@@ -239,6 +248,7 @@ def score(run: Run, rollouts: list[Rollout], items: list[Item], n: int, stream: 
     scored = [Scored(w, len(r.completion_ids), r, why) for w, r, why in zip(rewards, rollouts, reasons)]
     if rank_world()[1] > 1:
         scored = sorted(all_gather_list(scored), key=lambda s: s.payload.group_id)  # a group is generated on one rank
+    # sorted by group id, n per group and the sort stable: group i is the i-th slice of n, in sample order
     return [scored[i * n:(i + 1) * n] for i in range(len(items))]
 
 
@@ -256,11 +266,12 @@ def completion_text(tok: tiktoken.Encoding, r: Rollout) -> str:
 def kept_batch(run: Run, groups, keep_P: torch.Tensor, zero_var_P: torch.Tensor, adv: torch.Tensor):
     """The rollouts of the kept groups as a TrainBatch (None if none is kept); zero-variance groups kept
     for RL-ZVP are marked with their correctness (the trainer makes their token advantages)."""
-    rollouts = [(p, s) for p, (_, g) in enumerate(groups) for s in g]
+    rollouts = [(p, s) for p, (_, g) in enumerate(groups) for s in g]  # (group index, scored rollout), group-major
     kept = [i for i, (p, _) in enumerate(rollouts) if keep_P[p]]
     if not kept:
         return None
     r = [rollouts[i][1].payload for i in kept]
+    # a zero-variance group is all correct or all wrong: one rollout's reward says which (RL-ZVP's sign)
     zvp = {j: rollouts[i][1].reward > 0 for j, i in enumerate(kept) if zero_var_P[rollouts[i][0]]}
     return TrainBatch(seqs=[x.prompt_ids + x.completion_ids for x in r], starts=[len(x.prompt_ids) for x in r],
                       routes=[x.routes for x in r], adv_B=adv[kept], infer_logp=[x.logprobs for x in r], zvp=zvp,
@@ -271,7 +282,8 @@ def rollout_metrics(step: int, groups, correct, lengths, filtered: dict, t_gener
     """The first half's metrics: reward, lengths, what each filter stage saved, scoring failures, weight versions."""
     scored = [s for _, g in groups for s in g]
     if not scored:  # stage 1 skipped every prompt drawn: only its counts to report
-        return {"stage": "rl", "step": step, "t_generate": t_generate, **{f"filter/{k}": v for k, v in filtered.items()},
+        return {"stage": "rl", "step": step, "t_generate": t_generate,
+                **{f"filter/{k}": v for k, v in filtered.items()},
                 "filter/rollouts_generated": 0, "filter/tokens_generated": 0}
     length = torch.cat(lengths)
     versions = [s.payload.weight_version for s in scored]
@@ -292,8 +304,9 @@ def rl_loop(run: Run, start: int):
     cfg = run.cfg
     bar = tqdm(range(start, cfg.rl_steps), desc="rl", dynamic_ncols=True, initial=start, total=cfg.rl_steps,
                disable=rank_world()[0] != 0)
-    # async: before a checkpoint step the producer waits for the newest weights (a checkpoint holds nothing generated ahead)
-    steps = rl_loop_async(run, start, sync_after=lambda s: ckpt_due(cfg, cfg.sft_steps + s + 1)) if cfg.max_staleness else None
+    steps = None
+    if cfg.max_staleness:  # before a checkpoint the producer waits for the newest weights: nothing generated ahead
+        steps = rl_loop_async(run, start, sync_after=lambda s: ckpt_due(cfg, cfg.sft_steps + s + 1))
     for step in bar:
         m = next(steps) if steps is not None else rl_step(run, step)
         m["time"] = time.perf_counter() - run.t_start
@@ -329,10 +342,12 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
     Raises whatever the producer raised, or TimeoutError if no batch arrives in ROLLOUT_TIMEOUT_S.
     """
     cfg = run.cfg
-    producer = dataclasses.replace(run, engine=copy.deepcopy(run.engine))  # shares prompts, history, predictor
+    # the producer's view of the run: its own engine; prompts, history, predictor and RNG are shared (only
+    # the producer touches them during RL, and the trainer reads them for checkpoints while it waits)
+    producer = dataclasses.replace(run, engine=copy.deepcopy(run.engine))
     threads = torch.get_num_threads()
     rollout_threads, trainer_threads = cfg.rollout_threads, cfg.trainer_threads
-    if torch.device(cfg.device).type == "cpu":
+    if torch.device(cfg.device).type == "cpu":  # split the cores; on a GPU each thread launches kernels
         rollout_threads = rollout_threads or max(1, threads // 2)
         trainer_threads = trainer_threads or max(1, threads - rollout_threads)
     if trainer_threads:
@@ -350,6 +365,7 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
         producer.engine.update_weights(weights.items(), version=version)
 
     sync_after = sync_after or (lambda step: False)
+    # sync_before(s): the producer may start step s only once the weights of step s - 1 are published
     pipe = Pipeline(produce, apply, steps=cfg.rl_steps, max_staleness=cfg.max_staleness, start_step=start,
                     start_version=run.engine.weight_version, timeout=ROLLOUT_TIMEOUT_S,
                     sync_before=lambda step: sync_after(step - 1))
@@ -396,6 +412,7 @@ def sft_optimizer(model, cfg: TrainConfig):
 
 
 def rl_optimizer(model, cfg: TrainConfig):
+    """The RL AdamW (betas as the SFT's; its learning rate is set every step by trainer.lr_at)."""
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
 
@@ -409,7 +426,8 @@ def evaluate(run: Run, *, samples: int, temperature: float) -> torch.Tensor:
     run draws from the same random stream.
     """
     cfg, items = run.cfg, run.eval_items
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p,
+                            top_k=cfg.top_k)
     scores = []
     rows = max(1, cfg.eval_batch_rows // samples)
     rank, world = rank_world()
@@ -420,8 +438,8 @@ def evaluate(run: Run, *, samples: int, temperature: float) -> torch.Tensor:
         outs = run.engine.generate([encode_prompt(run.tok, it.question) for it in chunk], params, n=samples,
                                    seed=cfg.seed + i)
         scores.append((i, [run.held_out.score(completion_text(run.tok, r), chunk[r.group_id]) for r in outs]))
-    scores = [x for _, part in sorted(all_gather_list(scores)) for x in part]
-    return torch.tensor(scores).view(len(items), samples).mean(dim=1)
+    scores = [x for _, part in sorted(all_gather_list(scores)) for x in part]  # chunks back in item order
+    return torch.tensor(scores).view(len(items), samples).mean(dim=1)  # (items, samples) -> mean per item
 
 
 def run_eval(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -450,7 +468,7 @@ def ckpt_due(cfg: TrainConfig, position: int) -> bool:
 
 def checkpoint(run: Run, opt, phase: str, step: int):
     """Write a checkpoint after `step` of `phase` ("sft" or "rl") if one is due."""
-    position = step + 1 if phase == "sft" else run.cfg.sft_steps + step + 1
+    position = step + 1 if phase == "sft" else run.cfg.sft_steps + step + 1  # optimizer steps so far, both phases
     if not ckpt_due(run.cfg, position):
         return
     state = {"phase": phase, "step": step, "position": position, "used": run.prompts.used, "rng": rng_state(),
@@ -463,6 +481,7 @@ def checkpoint(run: Run, opt, phase: str, step: int):
 def start_run(cfg: TrainConfig, dims, resumed: dict | None) -> Run:
     """Tokenizer, prompts, policy, engine, metrics log and filter state of a fresh (or resumed) run."""
     rank, world = rank_world()
+    # the tiny demo's own tokenizer: BPE learned from its prompts and answers (tokenizer.py)
     task = TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size)
     if cfg.init_from:  # start from an earlier run's weights and tokenizer (e.g. its SFT warm-up)
         tok = load_tokenizer(os.path.join(cfg.init_from, "tokenizer.tiktoken"), cfg.model.vocab_size)
@@ -473,10 +492,12 @@ def start_run(cfg: TrainConfig, dims, resumed: dict | None) -> Run:
         save_tokenizer(tok, os.path.join(cfg.out_dir, "tokenizer.tiktoken"))
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             f.write(json.dumps(dataclasses.asdict(cfg), default=str, indent=1))
+    # held-out prompts from a far seed, minus any the training pool also holds (reasoning-gym repeats questions)
     held_out = TaskMix(cfg.tasks, seed=cfg.eval_seed, size=4 * cfg.eval_size)
     eval_items = held_out.exclude({it.question for it in task.items})[:cfg.eval_size]
     if len(eval_items) < cfg.eval_size:
-        raise ValueError(f"only {len(eval_items)} held-out prompts are unseen in training; need eval_size={cfg.eval_size}")
+        raise ValueError(f"only {len(eval_items)} held-out prompts are unseen in training; "
+                         f"need eval_size={cfg.eval_size}")
     init_state = None
     if cfg.init_from:
         from safetensors.torch import load_file
@@ -484,6 +505,7 @@ def start_run(cfg: TrainConfig, dims, resumed: dict | None) -> Run:
     model = build_model(cfg, dims, init_state)  # before the engine: both draw their init from torch's RNG
     engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD),
                           device=cfg.device, compile=cfg.compile)
+    # the data order from its own generator: it does not depend on what else drew from torch's RNG
     order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     return Run(cfg=cfg, engine=engine, tok=tok, prompts=Prompts(task, order), model=model, held_out=held_out,
                eval_items=eval_items, log=MetricsLog(cfg, keep=resumed["num_records"] if resumed else None),
@@ -497,7 +519,7 @@ def run(cfg: TrainConfig, dims=None) -> dict:
     if rank == 0:
         print(json.dumps(dataclasses.asdict(cfg), default=str))  # the resolved config
     os.makedirs(cfg.out_dir, exist_ok=True)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the policy's init; sampling and data order have their own seeded streams
     ckpt = resume_path(cfg)
     resumed = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False) if ckpt else None
     if ckpt:
@@ -511,12 +533,12 @@ def run(cfg: TrainConfig, dims=None) -> dict:
               f"prompts, {len(r.eval_items)} held-out prompts" + (f"; {world} ranks (ep={cfg.ep})" if world > 1 else "")
               + (f"; resuming from {ckpt} ({resumed['step'] + 1} {resumed['phase']} steps done)" if ckpt else ""))
 
-    if resumed is None or resumed["phase"] == "sft":
+    if resumed is None or resumed["phase"] == "sft":  # a fresh run, or one resumed inside its SFT warm-up
         opt, start = sft_optimizer(r.model, cfg), 0
         if resumed is not None:
             read_checkpoint(ckpt, r.model, opt)
             start, r.prompts.used = resumed["step"] + 1, resumed["used"]
-            set_rng_state(resumed["rng"])
+            set_rng_state(resumed["rng"])  # last: nothing may draw between restoring it and the next step
         sft(r, opt, start)
         del opt
         r.engine.update_weights(full_policy_tensors(r.model), version=0)
@@ -525,7 +547,7 @@ def run(cfg: TrainConfig, dims=None) -> dict:
         # the KL penalty's reference: a frozen copy of the policy as RL starts, kept only when used
         r.ref_model = reference_copy(r.model, cfg, dims) if cfg.kl_coef != 0 else None
         rl_start = 0
-    else:
+    else:  # resumed inside RL: optimizer, reference, data position, filter and predictor as checkpointed
         r.opt = rl_optimizer(r.model, cfg)
         read_checkpoint(ckpt, r.model, r.opt)
         if resumed["ref_model"] is not None:
@@ -536,7 +558,7 @@ def run(cfg: TrainConfig, dims=None) -> dict:
         r.filter_rng.setstate(resumed["filter_rng"])
         set_rng_state(resumed["rng"])
         r.engine.update_weights(full_policy_tensors(r.model), version=rl_start)
-    if cfg.pass_rate_file and resumed is None:
+    if cfg.pass_rate_file and resumed is None:  # a resumed run's history already holds them
         n = r.history.load_offline(cfg.pass_rate_file)
         if rank == 0:
             print(f"stage 1: {n} offline pass rates from {cfg.pass_rate_file}")
@@ -561,8 +583,8 @@ def summarize(run: Run) -> dict:
         (a0, s0), (a1, s1) = mean_se(after_sft[k]), mean_se(after_rl[k])
         gain, paired_se = mean_se(after_rl[k] - after_sft[k])  # same prompts before and after: a paired difference
         if rank == 0:
-            print(f"{name:<38}{a0:.3f} +- {s0:.3f}   {a1:.3f} +- {s1:.3f}   {gain:+.3f} = {gain / max(paired_se, 1e-9):.1f} "
-                  f"paired SE ({gain / max(math.hypot(s0, s1), 1e-9):.1f} unpaired)")
+            print(f"{name:<38}{a0:.3f} +- {s0:.3f}   {a1:.3f} +- {s1:.3f}   {gain:+.3f} = "
+                  f"{gain / max(paired_se, 1e-9):.1f} paired SE ({gain / max(math.hypot(s0, s1), 1e-9):.1f} unpaired)")
         summary[["sampled", "greedy"][k]] = {"sft_acc": a0, "sft_se": s0, "rl_acc": a1, "rl_se": s1,
                                              "gain": gain, "gain_paired_se": paired_se}
     if rank == 0:
@@ -586,13 +608,16 @@ def check_config(cfg: TrainConfig):
         raise ValueError(f"max_staleness={cfg.max_staleness} runs in one process for now "
                          f"(WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}): use max_staleness=0 with several ranks")
     if cfg.sft_batch_size < int(os.environ.get("WORLD_SIZE", "1")):
-        raise ValueError(f"sft_batch_size={cfg.sft_batch_size} must be >= the world size {os.environ.get('WORLD_SIZE')}")
+        raise ValueError(f"sft_batch_size={cfg.sft_batch_size} must be >= the world size "
+                         f"{os.environ.get('WORLD_SIZE')}")
     if cfg.eval_seed - cfg.train_seed <= cfg.train_size:
         raise ValueError(f"eval_seed={cfg.eval_seed} overlaps the training items: it must exceed "
                          f"train_seed + train_size = {cfg.train_seed + cfg.train_size}")
-    if cfg.ckpt_every < 0 or cfg.ckpt_keep < 1 or cfg.dist_timeout_s <= 0 or cfg.logger not in ("none", "tensorboard", "wandb"):
-        raise ValueError(f"need ckpt_every >= 0, ckpt_keep >= 1, dist_timeout_s > 0 and logger in 'none', 'tensorboard', "
-                         f"'wandb'; got {cfg.ckpt_every}, {cfg.ckpt_keep}, {cfg.dist_timeout_s}, {cfg.logger!r}")
+    if (cfg.ckpt_every < 0 or cfg.ckpt_keep < 1 or cfg.dist_timeout_s <= 0
+            or cfg.logger not in ("none", "tensorboard", "wandb")):
+        raise ValueError(f"need ckpt_every >= 0, ckpt_keep >= 1, dist_timeout_s > 0 and logger in 'none', "
+                         f"'tensorboard', 'wandb'; got {cfg.ckpt_every}, {cfg.ckpt_keep}, {cfg.dist_timeout_s}, "
+                         f"{cfg.logger!r}")
 
 
 def main(cfg: TrainConfig) -> dict:
@@ -606,8 +631,8 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.dry_run:
         print(json.dumps(dataclasses.asdict(cfg), default=str))
         from plan import print_plan
-        rows = print_plan(cfg.model, gpus_per_node=cfg.gpus_per_node, ep=cfg.ep, microbatch_tokens=cfg.microbatch_tokens,
-                          activation_checkpoint=cfg.activation_checkpoint)
+        rows = print_plan(cfg.model, gpus_per_node=cfg.gpus_per_node, ep=cfg.ep,
+                          microbatch_tokens=cfg.microbatch_tokens, activation_checkpoint=cfg.activation_checkpoint)
         return {"plan": rows}
     check_config(cfg)
     dims = setup_distributed(cfg)

@@ -100,12 +100,14 @@ def sft_step(model, opt, seqs: list[list[int]], starts: list[int], pad_id: int, 
     rank, world = rank_world()
     if world > 1:
         num_tokens = sum(len(s) - p for s, p in zip(seqs, starts))  # the whole batch's loss tokens
-        seqs, starts = seqs[rank::world], starts[rank::world]
+        seqs, starts = seqs[rank::world], starts[rank::world]  # this rank's rows
     inputs, targets, mask, _ = sequence_batch(seqs, starts, pad_id)
     logits, _ = model(inputs.to(cfg.device))
     nll = -token_logprobs(logits, targets.to(cfg.device))
     mask = mask.to(cfg.device)
     if world > 1:
+        # each rank's share of the mean over the whole batch; FSDP's reduce-scatter averages the
+        # gradients over ranks, so times world makes their sum the 1-process gradient
         loss = (nll * mask).sum() / num_tokens
         (loss * world).backward()
         value = all_reduce_float(loss.item())
@@ -128,7 +130,7 @@ class TrainBatch:
     infer_logp: list[torch.Tensor] | None = None  # [len(completion)] the engine's log pi_infer of each completion token
     zvp: dict[int, bool] = field(default_factory=dict)  # i -> all correct, for the kept zero-variance groups (RL-ZVP)
     pad_id: int = 0
-    old_logp: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] log pi_old, set by set_old
+    old_logp: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] log pi_old (set_old)
     old_ent: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] entropy of pi_old (nats)
     adv_tokens: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] token advantages
 
@@ -148,9 +150,9 @@ class TrainBatch:
         """Advantages of sequences idx: [b] per sequence, or [b, T] per token when any of them has token advantages."""
         if not any(i in self.adv_tokens for i in idx):
             return self.adv_B[idx]
-        adv_bT = self.adv_B[idx][:, None].repeat(1, T)
+        adv_bT = self.adv_B[idx][:, None].repeat(1, T)  # (b, T): a sequence's advantage on each of its tokens
         for j, i in enumerate(idx):
-            if i in self.adv_tokens:
+            if i in self.adv_tokens:  # RL-ZVP rows: their own per-token values, 0 on padding
                 a = self.adv_tokens[i]
                 adv_bT[j] = 0.0
                 adv_bT[j, :len(a)] = a
@@ -168,12 +170,13 @@ class TrainBatch:
         """The engine's logprobs of sequences idx, [B, T], where the loss mask is 1; 0 elsewhere."""
         rows = [torch.zeros(len(self.seqs[i]) - 1) for i in idx]
         for row, i in zip(rows, idx):
-            row[self.starts[i] - 1:] = self.infer_logp[i]
+            row[self.starts[i] - 1:] = self.infer_logp[i]  # target position t predicts token t + 1: starts at start - 1
         return pad_rows(rows, T)
 
 
 def minibatches(num_seqs: int, cfg: TrainConfig, step: int) -> list[list[int]]:
     """The step's random split of sequence indices into num_minibatches mini-batches (one optimizer step each)."""
+    # seeded by the step alone, so every rank (and a resumed run) draws the same split
     perm = torch.randperm(num_seqs, generator=torch.Generator().manual_seed(cfg.seed + step)).tolist()
     n_mb = min(cfg.num_minibatches, len(perm))
     return [perm[mb::n_mb] for mb in range(n_mb)]
@@ -183,7 +186,7 @@ def micro_batches(batch: TrainBatch, seqs: list[int], cfg: TrainConfig) -> list[
     """seqs packed into micro-batches of at most cfg.microbatch_tokens padded tokens; with several
     ranks padded with empty ones to the most any rank has (every rank runs as many forwards)."""
     packed = pack_microbatches([len(batch.seqs[i]) for i in seqs], cfg.microbatch_tokens)
-    micro = [[seqs[j] for j in idx] for idx in packed]
+    micro = [[seqs[j] for j in idx] for idx in packed]  # positions in seqs -> sequence indices
     return padded_microbatches(micro) if rank_world()[1] > 1 else micro
 
 
@@ -196,13 +199,14 @@ def old_logprobs(model, batch: TrainBatch, seqs: list[int], cfg: TrainConfig):
             idle_forward(model, cfg, backward=False)
             continue
         inputs, targets, _, routes = batch.micro(idx, cfg)
-        logits, _ = model(inputs, routed_experts=routes)
+        logits, _ = model(inputs, routed_experts=routes)  # the engine's routes replayed: the routing it sampled under
+        # at the rollout temperature, as the engine sampled: pi_old is the same distribution pi_infer approximates
         batch.set_old(idx, token_logprobs(logits, targets, cfg.temperature), token_entropy(logits, cfg.temperature),
                       cfg.zvp_alpha)
 
 
-def minibatch_backward(model, batch: TrainBatch, members: list[int], first: bool, cfg: TrainConfig, loss_cfg: LossConfig,
-                       ref_model=None) -> tuple[float, list[dict]]:
+def minibatch_backward(model, batch: TrainBatch, members: list[int], first: bool, cfg: TrainConfig,
+                       loss_cfg: LossConfig, ref_model=None) -> tuple[float, list[dict]]:
     """Accumulate the gradient of one mini-batch's loss (this rank's share of `members`); returns the
     loss (summed over ranks) and each micro-batch's loss metrics. first: the step's first mini-batch,
     whose pi_old comes from this forward."""
@@ -225,14 +229,15 @@ def minibatch_backward(model, batch: TrainBatch, members: list[int], first: bool
         if first:  # pi_old = pi_theta until the first optimizer step (detached: no graph is kept)
             batch.set_old(idx, logp, token_entropy(logits.detach(), cfg.temperature), cfg.zvp_alpha)
         ref_logp = None
-        if ref_model is not None:
+        if ref_model is not None:  # the KL penalty's reference, under the same replayed routes
             with torch.no_grad():
                 ref_logp = token_logprobs(ref_model(inputs, routed_experts=routes)[0], targets, cfg.temperature)
+        old_logp_BT = pad_rows([batch.old_logp[i] for i in idx], T)
         loss, lm = policy_loss(
-            logp, pad_rows([batch.old_logp[i] for i in idx], T), batch.advantages(idx, T).to(cfg.device), mask, loss_cfg,
+            logp, old_logp_BT, batch.advantages(idx, T).to(cfg.device), mask, loss_cfg,
             old_entropy_BT=pad_rows([batch.old_ent[i] for i in idx], T), ref_logp_BT=ref_logp,
             infer_logp_BT=batch.engine_logp(idx, T).to(cfg.device) if needs_infer else None, normalizer=normalizer)
-        (loss * world if world > 1 else loss).backward()
+        (loss * world if world > 1 else loss).backward()  # times world: FSDP averages gradients over ranks
         total += loss.item()
         metrics.append(lm)
     return all_reduce_float(total), metrics
@@ -248,7 +253,9 @@ def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig
     """
     rank, world = rank_world()
     split = minibatches(len(batch.seqs), cfg, step)
-    later = sorted(i for members in split[1:] for i in members[rank::world])  # mini-batch 0's pi_old comes with its loss
+    # pi_old must be taken before the first optimizer step moves the weights. Mini-batch 0's loss forward
+    # runs before it, so its pi_old comes detached from that forward; the others need a no-grad pass now.
+    later = sorted(i for members in split[1:] for i in members[rank::world])
     old_logprobs(model, batch, later, cfg)
     m, losses, lmetrics = {}, [], []
     lr = lr_at(step, cfg.lr, cfg.lr_warmup_steps, cfg.rl_steps, cosine=False)
@@ -257,7 +264,7 @@ def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig
         m["grad_norm"] = optimizer_step(model, opt, cfg, lr)
         losses.append(loss)
         lmetrics += metrics
-    lmetrics = all_gather_list(lmetrics)
+    lmetrics = all_gather_list(lmetrics)  # every rank's micro-batches, so the means are the 1-process ones
     m["loss"] = sum(losses) / len(losses)
     m.update({f"loss/{k}": sum(x[k] for x in lmetrics) / len(lmetrics) for k in lmetrics[0]})
     m.update(mismatch(batch))
