@@ -137,9 +137,9 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
             items, rounds = run.prompts.draw(more), rnd
         drawn += len(items)
         if filt.skip_prob > 0:  # stage 1, before rollout: skip prompts last seen all-correct or all-wrong
+            predicted = [predicted_length(run, it, len(encode_prompt(run.tok, it.question))) for it in items]
             keep, counts = pre_rollout_filter([it.question for it in items], run.history, step, filt,
-                                              rng=run.filter_rng,
-                                              predicted_tokens=[predicted_length(run, it) for it in items])
+                                              rng=run.filter_rng, predicted_tokens=predicted)
             items = [it for it, k in zip(items, keep) if k]
             stage1.update(counts)
         if not items:
@@ -165,10 +165,12 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     correct = [torch.tensor([s.reward for s in g]) for _, g in groups]  # the verifier's 0/1
     # shaping (penalties, reward model, judge) moves a reward only inside its correctness class, so no
     # correct response can get a negative advantage (reward.adjust_rewards)
-    rewards = [shaped_rewards(c, [s.payload.completion_ids for s in g], run.shaping, scorer=run.scorer,
-                              prompt=item.question, reference=item.answer,
-                              texts=[completion_text(run.tok, s.payload) for s in g] if run.scorer else None)
-               for (item, g), c in zip(groups, correct)]
+    rewards = correct
+    if run.shaping.shapes:
+        rewards = [shaped_rewards(c, [s.payload.completion_ids for s in g], run.shaping, scorer=run.scorer,
+                                  prompt=item.question, reference=item.answer,
+                                  texts=[completion_text(run.tok, s.payload) for s in g] if run.scorer else None)
+                   for (item, g), c in zip(groups, correct)]
     lengths = [torch.tensor([s.num_tokens for s in g]) for _, g in groups]
     keep_P, filtered = post_rollout_filter(rewards, lengths, correct)  # stage 3, after rollout: all equal, no signal
     zero_var_P = ~keep_P
@@ -217,7 +219,7 @@ def generate(run: Run, items: list[Item], n: int, step: int, stream: int) -> lis
     """
     cfg = run.cfg
     prompts = [encode_prompt(run.tok, it.question) for it in items]
-    predicted = [len(p) + predicted_length(run, it) for p, it in zip(prompts, items)]
+    predicted = [len(p) + predicted_length(run, it, len(p)) for p, it in zip(prompts, items)]  # prompt + completion
     buckets = length_buckets(predicted, max(1, cfg.gen_batch_rows // n))
     rank, world = rank_world()
     # each rank gets about the same work: batches assigned longest first (a batch decodes until its longest row ends)
@@ -252,9 +254,9 @@ def score(run: Run, rollouts: list[Rollout], items: list[Item], n: int, stream: 
     return [scored[i * n:(i + 1) * n] for i in range(len(items))]
 
 
-def predicted_length(run: Run, item: Item) -> float:
+def predicted_length(run: Run, item: Item, prompt_len: int) -> float:
     """Predicted completion tokens of a prompt: its own history, else its task's at this prompt length."""
-    return run.predictor.predict(item.question, task=item.task, prompt_len=len(encode_prompt(run.tok, item.question)))
+    return run.predictor.predict(item.question, task=item.task, prompt_len=prompt_len)
 
 
 def completion_text(tok: tiktoken.Encoding, r: Rollout) -> str:
