@@ -1,9 +1,20 @@
 """Configuration: TrainConfig (every field with its default and a docstring) and how a run's is built.
 
-A config file (configs/*.py) is plain assignments of TrainConfig fields, deltas from the
-defaults only, with `model = dict(...)` for ModelConfig fields; `key=value` on the command
-line overrides either (`model.dim=128`), parsed to the field's type. An unknown key is a
-ValueError that names the close matches.
+This file owns every setting of a run and where it comes from: the defaults below, then a
+config file (configs/*.py: plain assignments of TrainConfig fields, deltas from the defaults
+only, with `model = dict(...)` for ModelConfig fields), then `key=value` on the command line,
+which overrides either (`lr=1e-4`, `model.dim=128`). load_config and parse_args build the
+TrainConfig; its builder methods hand each concern its own small config (the loss, the
+filter, the sampler, the rewards).
+
+Notable choices:
+1. A config file is Python run by runpy, not exec'd into this module's globals: only its
+   plain assignments are kept, so it can compute values and import what it needs.
+2. A command-line value is parsed to the type of the field's default; lists, dicts and
+   ModelConfig are set in a config file only.
+3. An unknown key, in a file or on the command line, is a ValueError that names the close matches.
+4. TrainConfig is flat and stores an "off" setting as a plain sentinel (0, -1 or ""); the
+   builder methods alone turn sentinels into None, and the configs they build check the values.
 """
 
 from __future__ import annotations
@@ -29,11 +40,12 @@ DEFAULT_TASKS = [
 @dataclass
 class TrainConfig:
     out_dir: str = "out/run"
-    """Where metrics, checkpoint and plot are written."""
+    """Folder of the run's outputs: metrics.jsonl, ckpt/, tokenizer.tiktoken, model.safetensors, config.json and
+    plot.png."""
     seed: int = 1337
-    """Seeds init, data order and sampling."""
+    """Seed of the model init, the training-prompt order and rollout sampling."""
     device: str = "cpu"
-    """torch device for trainer and engine."""
+    """torch device of the trainer and the engine ('cpu', 'cuda'); under torchrun with CUDA, each rank's own GPU."""
     init_from: str = ""
     """Output folder of an earlier run to start from (its model.safetensors and tokenizer); "" = random init."""
     init_hf: str = ""
@@ -44,18 +56,20 @@ class TrainConfig:
     gpus_per_node: int = 8
     """GPUs per node (the dry-run plan's unit)."""
     ep: int = 1
-    """Expert-parallel degree: each MoE layer's experts are split over this many GPUs."""
+    """Expert-parallel degree: each MoE layer's experts are split over this many ranks (1 = not split); it must
+    divide the number of ranks and the number of experts."""
     activation_checkpoint: bool = False
     """Recompute each block's activations in backward instead of keeping them."""
     compile: bool = False
-    """torch.compile the trainer's blocks and the engine's decode step (pays where per-op launch cost dominates: GPUs)."""
+    """torch.compile the trainer's blocks and the engine's decode step; it pays where per-op launch cost
+    dominates (GPUs)."""
     dist_timeout_s: float = 600.0
-    """Seconds a collective may wait for the other ranks before the job fails (a dead rank must not hang it)."""
+    """Seconds a collective may wait for the other ranks before the job fails (> 0; a dead rank must not hang it)."""
     # checkpoints and logging
     ckpt_every: int = 100
     """Optimizer steps (SFT and RL counted together) between checkpoints under out_dir/ckpt (0 = none)."""
     ckpt_keep: int = 2
-    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    """Complete checkpoints kept (>= 1); older ones are deleted once a newer one is complete."""
     resume: str = ""
     """"" = start afresh; "auto" = the newest complete checkpoint in out_dir/ckpt if any; or a checkpoint folder."""
     logger: str = "none"
@@ -68,18 +82,19 @@ class TrainConfig:
     train_seed: int = 1
     """reasoning-gym seed of the training pool."""
     train_size: int = 8_000
-    """Training prompts generated; eval seed must exceed train_seed by more than this."""
+    """Training prompts generated; eval_seed must exceed train_seed + train_size (checked at start)."""
     eval_seed: int = 1_000_000
     """reasoning-gym seed of held-out prompts (items also seen in training are dropped)."""
     eval_size: int = 1000
-    """Held-out prompts per eval."""
+    """Held-out prompts per eval; the run stops with a ValueError if fewer are unseen in training."""
     bpe_merges: int = 64
-    """BPE merges learned from the training prompts and demonstrations (0 = byte-level)."""
+    """BPE merges learned from the training prompts and demonstrations (0 = byte-level); at most
+    model.vocab_size - 259 (256 bytes and 3 specials)."""
     # SFT warm-up
     sft_steps: int = 200
     """Optimizer steps of the cold-start SFT warm-up (0 = none)."""
     sft_batch_size: int = 64
-    """Demonstrations per SFT step."""
+    """Demonstrations per SFT step (at least the number of ranks)."""
     sft_lr: float = 3e-3
     """Peak SFT learning rate (linear warm-up, cosine decay to 10%)."""
     # RL
@@ -88,29 +103,29 @@ class TrainConfig:
     prompts_per_step: int = 64
     """Prompts sampled per RL step."""
     group_size: int = 8
-    """Rollouts G per prompt."""
+    """Rollouts G per prompt: the size of a group."""
     max_new_tokens: int = 24
     """Generation limit per rollout, in tokens."""
     temperature: float = 1.0
-    """Rollout sampling temperature (the trainer's logprobs use the same)."""
+    """Rollout sampling temperature, > 0 (the trainer's logprobs divide the logits by the same)."""
     top_p: float = 1.0
-    """Rollout nucleus sampling mass."""
+    """Rollout nucleus sampling mass, in (0, 1] (1 = off)."""
     top_k: int = 0
     """Rollout top-k sampling: only the k most likely tokens can be drawn (0 = off)."""
     gen_batch_rows: int = 256
-    """Rows (prompts x G) per engine.generate call."""
+    """Rows (prompts x G) per engine.generate call; a call holds at least one prompt whatever this is."""
     lr: float = 5e-5
     """RL AdamW learning rate (constant after a short warm-up)."""
     lr_warmup_steps: int = 5
-    """Linear warm-up steps of both stages' schedules."""
+    """Optimizer steps of linear warm-up at the start of both the SFT and the RL schedule."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
-    """Max global grad norm."""
+    """Max global gradient norm (L2, over all parameters and ranks) before each optimizer step; > 0, no off value."""
     num_minibatches: int = 2
     """Optimizer steps per rollout batch (PPO-style; >1 makes ratios leave 1 and clipping matter)."""
     microbatch_tokens: int = 8192
-    """Padded-token budget of one forward/backward."""
+    """Padded-token budget of one micro-batch (one forward/backward): rows x the longest row's tokens."""
     loss_type: str = "espo"
     """'espo', 'grpo' (DAPO token clip), 'drgrpo', 'gspo', 'gspo-token', 'gmpo' or 'cispo' (espo.py)."""
     aggregation: str = ""
@@ -118,13 +133,14 @@ class TrainConfig:
     adv_scale_by_std: bool = True
     """Divide advantages by the reward std (GRPO); false for Dr.GRPO."""
     adv_std_over: str = "group"
-    """Std of each prompt's group ('group') or of the whole batch ('batch')."""
+    """With adv_scale_by_std: the std of each group's rewards ('group') or of the whole batch's ('batch')."""
     espo_alpha: float = 0.02
     """ESPO clip scale: eps_tau = alpha * mean entropy / log|V| (arXiv 2512.00499)."""
     espo_top_frac: float = 0.2
     """Fraction of highest-entropy tokens in ESPO's first entropy bin."""
     espo_num_bins: int = 2
-    """ESPO entropy bins per sequence (the paper's "entropy groups"): the top fraction, then the rest split evenly."""
+    """ESPO entropy bins per sequence (the paper's "entropy groups"): the top fraction, then the rest split
+    evenly."""
     clip_eps_low: float = -1.0
     """Lower clip epsilon of the non-ESPO losses; < 0 = the loss's paper value (espo.PAPER_CLIP_EPS, DAPO's 0.2)."""
     clip_eps_high: float = -1.0
@@ -155,7 +171,7 @@ class TrainConfig:
     """Stage 2: agreeing probes stop a prompt when the other G - k would agree too with at least this chance, a
     posterior given the prompt's last group (filter.rest_agree_probability); 0 = always stop when they agree."""
     enlarged_group_size: int = 0
-    """Stage 2: rollouts for prompts whose probes differ, >= group_size (0 = group_size)."""
+    """Stage 2: rollouts of a prompt whose probes differ, >= group_size (0 = group_size)."""
     zero_variance: str = "drop"
     """Stage 3: 'drop' zero-variance groups, or 'rl-zvp' to train on them with entropy-shaped token advantages."""
     zvp_alpha: float = 0.1
@@ -182,29 +198,37 @@ class TrainConfig:
     """Per-rollout scoring limit; a timeout or an exception gives reward 0, counted in the metrics."""
     # async rollouts (scheduler.Pipeline)
     max_staleness: int = 0
-    """Rollouts may come from weights up to this many RL steps old, generated while the trainer trains (0 = synchronous on-policy)."""
+    """Rollouts may come from weights up to this many RL steps old, generated while the trainer trains
+    (0 = synchronous on-policy; > 0 needs a single process)."""
     rollout_threads: int = 0
-    """With max_staleness > 0: torch CPU threads of the rollout producer thread (0 = half of torch's on CPU, else default)."""
+    """With max_staleness > 0: torch CPU threads of the rollout producer thread (0 = half of torch's on CPU,
+    else torch's default)."""
     trainer_threads: int = 0
     """With max_staleness > 0: torch CPU threads of the trainer thread during RL (0 = the rest of torch's on CPU)."""
     eval_every: int = 50
-    """RL steps between evals."""
+    """RL steps between evals (> 0; the last RL step always evaluates)."""
     eval_samples: int = 4
     """Completions per held-out prompt for the sampled accuracy (mean@k at the rollout temperature)."""
     eval_batch_rows: int = 512
-    """Rows per eval generate call."""
+    """Rows (prompts x completions each) per eval generate call."""
 
-    # Each concern's own settings, built once from these fields; a field's "off" value (0, -1, "")
-    # becomes None here, so the functions that take them never translate sentinels.
+    # Each concern's own settings, built once from these fields. Why sentinels are translated here and
+    # nowhere else: a field must hold a plain value that `key=value` can set and _parse can type from
+    # its default, so "off" is spelled 0, -1 or ""; the concerns' configs take None for off instead.
+    # Translating in these four methods gives each sentinel one meaning, in one place, and leaves the
+    # functions downstream testing `is None` only. Their constructors check the values, and
+    # train.check_config builds all four before any work, so a bad setting fails at once.
     def loss_config(self) -> LossConfig:
         """The policy loss's settings (espo.LossConfig). Raises ValueError on a bad loss setting."""
         return LossConfig(
-            loss_type=self.loss_type, aggregation=self.aggregation or None,
+            loss_type=self.loss_type, aggregation=self.aggregation or None,  # "" = the paper's aggregation
+            # < 0 = the loss's paper value: 0 is a valid epsilon, so it cannot be the sentinel here
             clip_eps_low=self.clip_eps_low if self.clip_eps_low >= 0 else None,
             clip_eps_high=self.clip_eps_high if self.clip_eps_high >= 0 else None,
             espo_alpha=self.espo_alpha, espo_top_frac=self.espo_top_frac, espo_num_bins=self.espo_num_bins,
             vocab_size=self.model.vocab_size, max_tokens=self.max_new_tokens, kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator, tis_cap=self.tis_cap if self.tis_cap > 0 else None,
+            # both bounds or none: icepop_high > 0 switches IcePop on, and icepop_low may well be 0
             icepop_bounds=(self.icepop_low, self.icepop_high) if self.icepop_high > 0 else None)
 
     def filter_config(self) -> FilterConfig:
@@ -212,6 +236,7 @@ class TrainConfig:
         return FilterConfig(group_size=self.group_size, skip_prob=self.skip_prob, skip_half_life=self.skip_half_life,
                             probe_size=self.probe_size, stop_threshold=self.probe_stop_threshold,
                             enlarged_group_size=self.enlarged_group_size, oversample_rounds=self.oversample_rounds,
+                            # any spelling but 'rl-zvp' reads as 'drop' here; train.check_config refuses them
                             keep_zero_variance=self.zero_variance == "rl-zvp", zvp_alpha=self.zvp_alpha)
 
     def sampling_params(self) -> SamplingParams:
@@ -229,21 +254,28 @@ class TrainConfig:
 
 def _parse(value: str, like, key: str):
     """Parse a command-line string into the type of the field's default."""
+    # Why the default's type: every value on the command line is a string, and the annotations are
+    # strings too (`from __future__ import annotations`), so the default is the one typed value at
+    # hand. A field is thus typed once, where it is declared, and a mistyped value names its key.
+    # bool first: it is a subclass of int, and bool("false") would be True.
     if isinstance(like, bool):
         if value.lower() in ("1", "true", "yes"):
             return True
         if value.lower() in ("0", "false", "no"):
             return False
         raise ValueError(f"{key}={value!r}: expected a bool (true/false)")
+    # int("1e3") fails: an int field takes an integer spelling only, never a silently truncated float.
     if isinstance(like, (int, float, str)):
         try:
             return type(like)(value)
         except ValueError:
             raise ValueError(f"{key}={value!r}: expected {type(like).__name__}") from None
+    # A list, dict or dataclass has no single obvious string form: set it in a config file.
     raise ValueError(f"{key} is a {type(like).__name__}: set it in a config file, not on the command line")
 
 
 def _unknown(key: str, valid) -> ValueError:
+    # Returned, not raised, so each caller's `raise` shows where the unknown key was found.
     close = difflib.get_close_matches(key, list(valid), n=3)
     return ValueError(f"unknown config key {key!r}" + (f"; did you mean {', '.join(close)}?" if close else ""))
 
@@ -255,18 +287,24 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
     """
     values = {}
     if path:
+        # The file's namespace after running it, less what is not a setting: private and dunder names
+        # (`__name__`, helpers), functions and classes, and imported modules.
         ns = runpy.run_path(path)
         values = {k: v for k, v in ns.items() if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"}
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     model_fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    # The file's `model` holds deltas from ModelConfig's defaults, merged with model.* overrides below.
     model_kw = dict(values.pop("model", {}))
+    # Every key of the file is checked before any override, so a typo in the file is named even
+    # when the command line is empty.
     for k in values:
         if k not in fields:
             raise _unknown(k, fields)
     for k in model_kw:
         if k not in model_fields:
             raise _unknown(f"model.{k}", (f"model.{m}" for m in model_fields))
-    defaults, model_defaults = TrainConfig(), ModelConfig()
+    defaults, model_defaults = TrainConfig(), ModelConfig()  # the typed values _parse reads types from
+    # Overrides come after the file, in command-line order, so the last word is the command line's.
     for item in overrides:
         key, eq, value = item.partition("=")
         if not eq:
@@ -276,7 +314,7 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
             if name not in model_fields:
                 raise _unknown(key, (f"model.{m}" for m in model_fields))
             model_kw[name] = _parse(value, getattr(model_defaults, name), key)
-        elif key in fields and key != "model":
+        elif key in fields and key != "model":  # the whole model cannot be a string: only model.<field>
             values[key] = _parse(value, getattr(defaults, key), key)
         else:
             raise _unknown(key, fields)
@@ -285,5 +323,6 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
 
 def parse_args(argv: list[str]) -> TrainConfig:
     """`[config.py] [key=value ...]` -> TrainConfig. Raises ValueError on a bad key or value."""
+    # The config file is optional: a first argument without "=" is its path, the rest are overrides.
     path = argv[0] if argv and "=" not in argv[0] else None
     return load_config(path, argv[1:] if path else argv)

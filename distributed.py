@@ -1,11 +1,21 @@
-"""Several ranks under torchrun: process group, torchtitan meshes, the sharded policy, collectives.
+"""Several ranks under torchrun: the process group, torchtitan meshes, the sharded policy, collectives.
 
 `torchrun --nproc_per_node=N train.py ... ep=E` runs train.main on N ranks: FSDP2 over all
 of them and the experts sharded over E (model.parallelize, torchtitan's ParallelDims and
-all-to-all token dispatch). The policy starts from exactly the weights one process would
-build; every rank runs the same number of forwards (FSDP and the expert all-to-all are
-collectives); a rank that dies makes the others' next collective fail after
-cfg.dist_timeout_s. With one process every helper here is a no-op or a plain call.
+all-to-all token dispatch). This file owns what differs when there are several ranks:
+joining the job (setup_distributed), building the sharded policy and its frozen KL
+reference (build_model, reference_copy), gathering full tensors for the engine and the
+checkpoints, and the few collectives the trainer calls. With one process every helper
+here is a no-op or a plain call, so no other file has to ask how many ranks there are.
+
+Notable choices:
+1. The policy starts from exactly the weights one process would build, in fp32 on every
+   rank, so the multi-rank losses equal the 1-process run's to float rounding.
+2. Every rank runs the same number of forwards and backwards: FSDP's all-gathers and the
+   expert all-to-all are collectives, so a rank with less data runs idle ones
+   (padded_microbatches, idle_forward) rather than leave the others waiting.
+3. A rank that dies makes the others' next collective fail after cfg.dist_timeout_s,
+   instead of hanging the job forever.
 """
 
 from __future__ import annotations
@@ -24,16 +34,22 @@ if TYPE_CHECKING:
 def build_parallel_dims(world_size: int, *, dp_shard: int = -1, ep: int = 1):
     """torchtitan ParallelDims with its meshes built for (dp_shard x ep) data + expert parallel.
 
-    The process group must already be initialised. On a machine without CUDA the meshes
-    are CPU (gloo) meshes: torchtitan assumes CUDA unless told, and its DTensor-only
+    The default process group must already be initialised. On a machine without CUDA the
+    meshes are CPU (gloo) meshes: torchtitan assumes CUDA unless told, and its DTensor-only
     ("partial_dtensor") SPMD backend is the one that runs there.
     """
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend torchtitan uses for size-1 mesh dims
+    # Imported for its side effect: it registers the "fake" backend torchtitan gives size-1 mesh dims.
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.distributed.utils import set_spmd_backend
     if not torch.cuda.is_available():
+        # torchtitan builds its meshes on the device_type it detected at import, "cuda" when it
+        # finds no accelerator at all; a CPU mesh is what makes its process groups gloo ones.
         titan_dims.device_type = "cpu"
+    # torchtitan reads the SPMD backend in two places: its runtime helpers (the token
+    # dispatcher) read this global, ParallelDims its own field below; both must agree.
     set_spmd_backend("partial_dtensor")
+    # dp_replicate, cp, tp and pp stay 1: this project shards data and experts only.
     dims = titan_dims.ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=ep,
                                    world_size=world_size, spmd_backend="partial_dtensor")
     dims.build_mesh()
@@ -43,6 +59,8 @@ def build_parallel_dims(world_size: int, *, dp_shard: int = -1, ep: int = 1):
 def rank_world() -> tuple[int, int]:
     """(rank, world size) of the default process group, or (0, 1) when not distributed."""
     import torch.distributed as dist
+    # is_available is False on torch builds without distributed support; is_initialized is
+    # False in a plain `python train.py` run, which must work without torchrun.
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -59,14 +77,19 @@ def setup_distributed(cfg: TrainConfig):
     import datetime
 
     import torch.distributed as dist
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun; absent in a plain python run
     if world == 1:
         return None
     if world % cfg.ep:
         raise ValueError(f"ep={cfg.ep} must divide the world size {world}")
     if torch.cuda.is_available():
+        # One GPU per rank, chosen by the rank's index on its node; made current before the
+        # process group starts, so that nccl's communicators (and "cuda" tensors) use it, not
+        # cuda:0 on every rank.
         cfg.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(cfg.device)
+    # nccl runs collectives on GPU tensors only and gloo on CPU tensors, so the backend follows
+    # where the weights live. The timeout turns a hung or dead peer into an error on the others.
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                             timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
     return build_parallel_dims(world, dp_shard=world, ep=cfg.ep)
@@ -94,27 +117,39 @@ def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> 
             model.load_state_dict(init_state)
         return checkpoint_and_compile(model, activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile)
     if cfg.init_hf:
+        # Every weight comes from the checkpoint, so no rank needs an initialised full model:
+        # build the shapes on meta, shard them, allocate only this rank's slices, then read them.
         with torch.device("meta"):
             model = Transformer(cfg.model)
         parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint,
                     compile=cfg.compile)
-        model.to_empty(device=cfg.device)
+        model.to_empty(device=cfg.device)  # allocated, not initialised: load_hf fills every parameter
         with torch.no_grad():
-            for b in model.buffers():  # the only buffer is the router's expert bias, 0 at init (load_hf sets it if stored)
+            # The only buffer is the router's expert bias: 0 at init, as in a fresh model (to_empty left it
+            # uninitialised memory); load_hf overwrites it where the checkpoint stores one (GLM-4.5's).
+            for b in model.buffers():
                 b.zero_()
         load_hf(cfg.init_hf, model)
         return model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    # Why every rank builds the whole model before keeping its slice: the init draws from torch's
+    # RNG parameter by parameter, so only the full model, built in the same order under the same
+    # seed, draws exactly what a 1-process run draws. A sharded init would draw other numbers and
+    # break the bitwise parity with the 1-process run. It costs one full fp32 copy per rank on CPU,
+    # freed on return; init_hf (above) avoids it for models too big for that.
     full = Transformer(cfg.model)
     if init_state is not None:
         full.load_state_dict(init_state)
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    # param_dtype=None, reduce_dtype=None: fp32 parameters and gradient reductions, as on one process.
     parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint,
                 compile=cfg.compile)
     model.to_empty(device=cfg.device)
+    # full_state_dict=True: the source holds whole tensors; each rank copies out only its own shard.
     set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
     with torch.no_grad():  # non-persistent buffers are not in a state dict
+        # Both models were built from the same class and config, so their buffers come in the same order.
         for (name, b), (_, src) in zip(model.named_buffers(), full.named_buffers()):
             b.copy_(src)
     return model
@@ -128,6 +163,8 @@ def reference_copy(model, cfg: TrainConfig, dims=None) -> Transformer:
     from model import parallelize
     if dims is None:
         return copy.deepcopy(model).requires_grad_(False)
+    # Rather than deep-copy FSDP's wrappers, hooks and meshes: a second model parallelized the same
+    # way has every tensor placed as the policy's is, so each local shard copies into its twin.
     with torch.device("meta"):
         ref = Transformer(cfg.model)
     parallelize(ref, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint)
@@ -135,14 +172,16 @@ def reference_copy(model, cfg: TrainConfig, dims=None) -> Transformer:
     with torch.no_grad():
         for (name, r), (src_name, p) in zip([*ref.named_parameters(), *ref.named_buffers()],
                                             [*model.named_parameters(), *model.named_buffers()]):
-            assert name == src_name, (name, src_name)
-            r.copy_(p)
+            assert name == src_name, (name, src_name)  # a copy into the wrong twin would pass silently otherwise
+            r.copy_(p)  # DTensor to DTensor with equal placements: a local copy, no communication
     return ref.requires_grad_(False)
 
 
 def full_policy_tensors(model):
     """(name, full tensor) of every parameter and persistent buffer (model.policy_tensors), DTensor
     shards gathered: a collective, every rank must call it."""
+    # A generator: one full tensor at a time, so a caller that streams them (the engine's weight
+    # sync) never holds the whole gathered model at once.
     for name, t in policy_tensors(model):
         yield name, full_tensor(t)
 
@@ -154,8 +193,9 @@ def all_gather_list(items: list) -> list:
         return items
     import torch.distributed as dist
     out = [None] * world
+    # all_gather_object pickles, so the lists may hold any objects and differ in length by rank.
     dist.all_gather_object(out, items)
-    return [x for part in out for x in part]
+    return [x for part in out for x in part]  # rank order, so every rank gets the same list
 
 
 def all_reduce_float(x: float, op: str = "sum") -> float:
@@ -163,7 +203,10 @@ def all_reduce_float(x: float, op: str = "sum") -> float:
     if rank_world()[1] == 1:
         return x
     import torch.distributed as dist
-    t = torch.tensor([x], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")  # nccl: GPU only
+    # float64 holds a Python float exactly, so only the sum itself rounds. nccl reduces only CUDA
+    # tensors (gloo CPU ones), so with nccl the value goes to this rank's GPU, the current device
+    # that setup_distributed set.
+    t = torch.tensor([x], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t.item()
 
@@ -172,11 +215,17 @@ def padded_microbatches(micro: list[list[int]]) -> list[list[int]]:
     """This rank's micro-batches, padded with empty ones to the most any rank has:
     FSDP and the EP all-to-all are collectives, so every rank runs the same number of forwards."""
     most = int(all_reduce_float(float(len(micro)), "max"))
+    # An empty micro-batch is the trainer's cue to run idle_forward in its place.
     return micro + [[] for _ in range(most - len(micro))]
 
 
 def idle_forward(model, cfg: TrainConfig, backward: bool):
     """A one-token forward (and zero-loss backward) that joins the ranks' collectives without data."""
+    # Why run it at all: the other ranks' forward all-gathers each block's FSDP shards and sends
+    # tokens through the expert all-to-all, and their backward reduce-scatters the gradients. Each
+    # of those waits for every rank, so a rank without data must issue the same calls in the same
+    # order, or the others block until dist_timeout_s. One token is the smallest input that does.
     logits, _ = model(torch.zeros(1, 1, dtype=torch.long, device=cfg.device))
     if backward:
+        # A loss of exactly 0 gives zero gradients: the reductions run, and the sum is unchanged.
         (logits.sum() * 0.0).backward()

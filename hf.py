@@ -1,12 +1,26 @@
 """HF checkpoints: model.Transformer in and out of the hub's safetensors layout.
 
 `load_hf(path)` reads config.json (ModelConfig.from_hf) and the safetensors files, one or
-sharded with model.safetensors.index.json, lazily with `safe_open`: each of our tensors is
-read from its HF tensors (q/k/v and gate/up concatenated into our fused wqkv and w13, the
-per-expert matrices stacked), and a parallelized model reads only its local shard
-(`Transformer.local_offsets`), never the full tensor. `save_hf(model, path)` writes the
-reverse (HF names, split and transposed back) plus config.json, loadable by transformers
-and SGLang. Raises ValueError on a missing tensor or a shape that does not match.
+sharded with model.safetensors.index.json, lazily with `safe_open`, and a parallelized model
+reads only its local shard (`Transformer.local_offsets`), never the full tensor.
+`save_hf(model, path)` writes the reverse (HF names, split and transposed back) plus
+config.json, loadable by transformers and SGLang; `hf_tensors` is the same conversion as a
+stream, which SGLang's weight sync also sends. The name map `_HF_RENAMES` covers Qwen3-MoE
+(arXiv 2505.09388) and GLM-4.5 (arXiv 2508.06471); the FP8 variant is DeepSeek-V3's
+blockwise format (arXiv 2412.19437). Raises ValueError on a missing tensor or a shape that
+does not match.
+Shapes: E, D, I, H, J, d (letters of the README's legend).
+
+How our tensors map to HF's:
+1. Fused weights concatenate HF's: q|k|v along the rows of our wqkv (weight and bias), gate|up
+   along the rows of a dense or shared w13, and gate|up along the last dim of the stacked
+   experts' w13 [E, D, 2I].
+2. Stacked experts are one tensor per projection ([E, D, 2I], [E, I, D], each expert's matrix
+   [in, out]); HF has one key per expert and projection, [out, in]: transposed both ways.
+3. GLM-4.5's expert bias is HF's `mlp.gate.e_score_correction_bias`; the softmax router has
+   none in a checkpoint and loads as zero.
+4. Checkpoint tensors the model has no place for (e.g. GLM-4.5's multi-token-prediction
+   layers) are skipped, counted and named in one line.
 """
 
 from __future__ import annotations
@@ -20,25 +34,31 @@ import torch
 from model import ModelConfig, Transformer, full_tensor, policy_tensors
 
 
+# re.fullmatch against our whole name: no pattern matches a name another one does, so the order is free
 _HF_RENAMES = [  # (our name pattern, HF names concatenated along our dim `cat`); {e} = one key per expert
     (r"embed\.weight", ["model.embed_tokens.weight"]),
     (r"norm\.weight", ["model.norm.weight"]),
     (r"lm_head\.weight", ["lm_head.weight"]),
     (r"layers\.(\d+)\.attn_norm\.weight", [r"model.layers.\1.input_layernorm.weight"]),
     (r"layers\.(\d+)\.ffn_norm\.weight", [r"model.layers.\1.post_attention_layernorm.weight"]),
+    # rows q (H*d) | k (J*d) | v (J*d); \2 keeps weight or bias (GLM-4.5's q/k/v bias)
     (r"layers\.(\d+)\.attn\.wqkv\.(weight|bias)", [r"model.layers.\1.self_attn.q_proj.\2",
                                                     r"model.layers.\1.self_attn.k_proj.\2",
                                                     r"model.layers.\1.self_attn.v_proj.\2"]),
     (r"layers\.(\d+)\.attn\.wo\.weight", [r"model.layers.\1.self_attn.o_proj.weight"]),
-    (r"layers\.(\d+)\.attn\.([qk])_norm\.weight", [r"model.layers.\1.self_attn.\2_norm.weight"]),
+    (r"layers\.(\d+)\.attn\.([qk])_norm\.weight", [r"model.layers.\1.self_attn.\2_norm.weight"]),  # Qwen3
+    # the router, and GLM-4.5's selection bias, which HF keeps on the gate module
     (r"layers\.(\d+)\.mlp\.gate\.weight", [r"model.layers.\1.mlp.gate.weight"]),
     (r"layers\.(\d+)\.mlp\.expert_bias", [r"model.layers.\1.mlp.gate.e_score_correction_bias"]),
+    # GLM-4.5's shared experts: HF's one MLP of n_shared_experts * I width, as ours
     (r"layers\.(\d+)\.mlp\.shared\.w13\.weight",
      [r"model.layers.\1.mlp.shared_experts.gate_proj.weight", r"model.layers.\1.mlp.shared_experts.up_proj.weight"]),
     (r"layers\.(\d+)\.mlp\.shared\.w2\.weight", [r"model.layers.\1.mlp.shared_experts.down_proj.weight"]),
+    # stacked routed experts: w13 (E, D, 2I) <- gate|up (I, D) per expert; w2 (E, I, D) <- down (D, I)
     (r"layers\.(\d+)\.mlp\.experts\.w13",
      [r"model.layers.\1.mlp.experts.{e}.gate_proj.weight", r"model.layers.\1.mlp.experts.{e}.up_proj.weight"]),
     (r"layers\.(\d+)\.mlp\.experts\.w2", [r"model.layers.\1.mlp.experts.{e}.down_proj.weight"]),
+    # the dense FFN of GLM-4.5's first blocks
     (r"layers\.(\d+)\.mlp\.w13\.weight", [r"model.layers.\1.mlp.gate_proj.weight", r"model.layers.\1.mlp.up_proj.weight"]),
     (r"layers\.(\d+)\.mlp\.w2\.weight", [r"model.layers.\1.mlp.down_proj.weight"]),
 ]
@@ -50,11 +70,12 @@ def hf_names(name: str) -> list[str]:
     Fused weights concatenate HF's: q|k|v and gate|up along rows of a Linear weight (and
     bias), gate|up along the last dim of stacked experts [E, D, 2I], whose per-expert
     matrices are the transposes of HF's [out, in] ones.
+    Raises KeyError for a name no pattern covers.
     """
     for pattern, repl in _HF_RENAMES:
         m = re.fullmatch(pattern, name)
         if m:
-            return [m.expand(r) for r in repl]
+            return [m.expand(r) for r in repl]  # \1 the layer index, \2 what the pattern captured after it
     raise KeyError(f"no HF name for parameter {name!r}")
 
 
@@ -66,12 +87,14 @@ def hf_tensors(named_tensors, cfg: ModelConfig):
         keys = hf_names(name)
         if "{e}" in keys[0]:  # stacked experts [E, in, out]: each fused part transposed back to [out, in]
             for e in range(t.shape[0]):
+                # w13: (D, 2I) -> gate, up (D, I) each; w2: its one part (I, D)
                 for k, part in zip(keys, t[e].chunk(len(keys), dim=1)):
-                    yield k.format(e=e), part.T.contiguous()
+                    yield k.format(e=e), part.T.contiguous()  # [out, in]; contiguous: safetensors stores row-major
         else:  # fused q|k|v (unequal parts) or gate|up rows
+            # q is H*d rows, k and v J*d each; gate|up are equal halves; an unfused tensor is one part
             sizes = ([cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2 if ".wqkv." in name
                      else [t.shape[0] // len(keys)] * len(keys))
-            yield from zip(keys, t.split(sizes, dim=0))
+            yield from zip(keys, t.split(sizes, dim=0))  # row views of t, no copy
 
 
 def load_hf(path: str, model: Transformer | None = None) -> Transformer:
@@ -85,17 +108,18 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
     """
     from safetensors import safe_open
     if model is None:
+        # built on meta, then given uninitialised CPU storage: no random init of weights that are read next
         with torch.device("meta"):
             model = Transformer(ModelConfig.from_hf(os.path.join(path, "config.json")))
         model.to_empty(device="cpu")
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
+    if os.path.exists(index):  # sharded: the index names each tensor's file
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
     else:
         with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}
-    handles = {}
+    handles = {}  # file -> open safe_open handle, each file opened once for the whole load
 
     def tensor(key):
         if key not in weight_map:
@@ -103,18 +127,21 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
         file = weight_map[key]
         if file not in handles:
             handles[file] = safe_open(os.path.join(path, file), "pt")
-        return handles[file].get_slice(key)
+        return handles[file].get_slice(key)  # lazy: bytes are read only when the slice is indexed
 
     def read_concat(keys, sl, transpose):
         """Slice `sl` of the parts concatenated along our dim 0, or, transposed, of their
         transposes along dim 1; only the rows of each part that fall in the slice are read."""
+        # part `key` covers [start, start + n) of our concatenated dim; n is its HF dim 0 (rows, [out, in])
         cat_dim, out, start = (1 if transpose else 0), [], 0
         for key in keys:
             part = tensor(key)
             n = part.get_shape()[0]
+            # the slice's range in the concatenated dim, intersected with this part's
             lo, hi = max(sl[cat_dim].start, start), min(sl[cat_dim].stop, start + n)
             if lo < hi:
-                rows = slice(lo - start, hi - start)
+                rows = slice(lo - start, hi - start)  # the same range in the part's own rows
+                # transposed: HF rows are our columns, so take (rows, our row slice) and transpose
                 out.append(part[rows, sl[0]].T if transpose else part[(rows, *sl[1:])])
             start += n
         return torch.cat(out, dim=cat_dim)
@@ -122,22 +149,26 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
     offsets = getattr(model, "local_offsets", {})  # set by parallelize for sharded tensors
     with torch.no_grad():
         for name, t in policy_tensors(model):
-            local = t.to_local() if hasattr(t, "to_local") else t
-            start = offsets.get(name, (0,) * local.dim())
-            sl = tuple(slice(o, o + n) for o, n in zip(start, local.shape))
+            local = t.to_local() if hasattr(t, "to_local") else t  # this rank's shard of a DTensor
+            start = offsets.get(name, (0,) * local.dim())  # an unsharded tensor starts at offset 0 in every dim
+            sl = tuple(slice(o, o + n) for o, n in zip(start, local.shape))  # this rank's slice, per dim
             keys = hf_names(name)
             if "{e}" in keys[0]:  # stacked experts: HF stores each expert's [out, in] matrices
+                # sl[0] picks this rank's experts (EP); each expert's (D, 2I) or (I, D) block is read transposed
                 parts = [read_concat([k.format(e=e) for k in keys], sl[1:], transpose=True)
                          for e in range(sl[0].start, sl[0].stop)]
-                src = torch.stack(parts) if parts else local.new_empty(local.shape)
+                src = torch.stack(parts) if parts else local.new_empty(local.shape)  # no local experts: empty
             else:
                 src = read_concat(keys, sl, transpose=False)
             if tuple(src.shape) != tuple(local.shape):
                 raise ValueError(f"load_hf: {keys} give shape {tuple(src.shape)}, the model wants {tuple(local.shape)}")
-            local.copy_(src)
+            local.copy_(src)  # in place: the model keeps its Parameter (and DTensor) objects
+        # the softmax router's expert_bias is not persistent, so no checkpoint fills it, and to_empty left it
+        # uninitialised
         for name, b in model.named_buffers():  # buffers no checkpoint holds start at zero
             if name.rsplit(".", 1)[-1] == "expert_bias" and model.cfg.router != "sigmoid":
                 b.zero_()
+    # every HF key the whole model reads (all experts, not only this rank's); the rest is reported unused
     known = {k.format(e=e) for n, _ in policy_tensors(model) for k in hf_names(n) for e in range(model.cfg.num_experts)}
     skipped = set(weight_map) - known
     if skipped:
@@ -147,6 +178,7 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
 
 def umask_mode(path: str):
     """Give a file the mode an ordinary open() would (0666 less the umask): safetensors writes 0600."""
+    # os.umask only reads the mask by setting it: set 0, restore at once
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)
@@ -163,11 +195,16 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
     """
     from safetensors.torch import save_file
 
+    # rollout.py owns the FP8 format and the size buckets, which its weight sync uses too
     from rollout import FP8, WEIGHT_BLOCK, quantize_fp8, weight_buckets
+    # a generator: full_tensor (a collective) gathers one parameter at a time, in the same order on every rank
     tensors = hf_tensors(((n, full_tensor(t).cpu()) for n, t in policy_tensors(model)), model.cfg)
     if fp8:
+        # the e4m3 weights and their fp32 inverse scales pass; everything else (norms, embeddings, the router
+        # and its expert bias included) is written in bf16
         tensors = ((n, t if t.dtype == FP8 or n.endswith("_scale_inv") else t.to(torch.bfloat16))
                    for n, t in quantize_fp8(tensors, hf=True))
+    # list(): all the gathers run here, on every rank, and each rank then holds the whole converted model on its CPU
     shards = list(weight_buckets(((n, t.contiguous()) for n, t in tensors), max_shard_bytes))
     if not write:
         return
@@ -175,17 +212,21 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
     config = model.cfg.to_hf()
     config["torch_dtype"] = "bfloat16" if fp8 else str(next(model.parameters()).dtype).removeprefix("torch.")
     if fp8:
+        # the keys transformers and SGLang read for blockwise FP8 with activations quantised at run time
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": list(WEIGHT_BLOCK)}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     weight_map = {}
     for i, shard in enumerate(shards):
+        # the hub's names: one file plain, several numbered from 1
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        # format "pt": the metadata transformers' own save_pretrained writes
         save_file(dict(shard), os.path.join(path, file), metadata={"format": "pt"})
-        umask_mode(os.path.join(path, file))
+        umask_mode(os.path.join(path, file))  # 0600 -> the mode config.json got from open()
         weight_map.update({n: file for n, _ in shard})
     if len(shards) > 1:
+        # total_size: bytes of all tensors, as the hub's index records it
         total = sum(t.numel() * t.element_size() for shard in shards for _, t in shard)
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)

@@ -1,41 +1,50 @@
-"""A native mixture-of-experts decoder (Qwen3-MoE and GLM-4.5 families) with replayable routing.
+"""The policy network: a native mixture-of-experts decoder (Qwen3-MoE, GLM-4.5) with replayable routing.
 
-One `Transformer` serves training (full causal forward) and cached decoding (a static
-KV cache addressed by position, gpt-fast style). Each block is pre-norm attention plus a
-dense SwiGLU FFN (the first `first_k_dense_replace` blocks) or a mixture of experts:
+One `Transformer` serves training (a full causal forward) and cached decoding (a static KV
+cache addressed by position, gpt-fast style; rollout.py's engine drives decoding over these
+modules). This file owns `ModelConfig` (and its HF config.json, in and out), the blocks, the
+two routers and the experts, router replay, per-token logprobs and entropy, and `parallelize`
+(expert parallel + FSDP2 via torchtitan), the only code here that touches torch.distributed,
+imported inside it. hf.py moves the weights in and out of HF checkpoints.
+Shapes: B, T, S, D, H, J, d, r, V, N, E, K, I, L, R, M (letters of the README's legend).
 
-- RMSNorm; rotary position embeddings (RoPE, arXiv 2104.09864) on all of each head
-  (Qwen3) or its first half (GLM-4.5's partial rotary); grouped-query attention (GQA,
-  arXiv 2305.13245) through `kernels.causal_attention` in training (SDPA, or on CPU a
-  kernel that stops each query block at its causal frontier) and SDPA with a mask when decoding,
-  with optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (GLM-4.5).
-- Routers. softmax (Qwen3-MoE): p = softmax(s), top-k of p, weights p_i over the chosen
-  set, renormalised to sum 1 when norm_topk_prob: g_i = I_i exp(s_i) / sum_j I_j exp(s_j).
-  sigmoid (GLM-4.5, DeepSeek-V3 arXiv 2412.19437 eq. 15-16): p = sigmoid(s); the
-  choice uses p + b (b the aux-loss-free expert bias, never in the weights), limited to
-  the topk_group best of n_group expert partitions (HF's "groups"); weights p_i, renormalised when
-  norm_topk_prob, times routed_scaling_factor. Experts are SwiGLU, run over the
-  (token, expert) pairs sorted by expert (`run_experts`) by `kernels.swiglu_experts`
-  (two grouped GEMMs, or on CPU one fused pass per expert); an optional shared expert
-  sees every token.
-- Router replay (R3, arXiv 2510.11370): `forward` can return the expert ids each MoE
-  layer chose for every token and can take such ids back: replayed ids replace the
-  router's own choice, the weights are recomputed from the live scores at those ids
-  (so the router still gets a gradient). A replayed row of -1 (padding) routes freely.
+Papers: RMSNorm (arXiv 1910.07467), RoPE (arXiv 2104.09864), GQA (arXiv 2305.13245), SwiGLU
+(arXiv 2002.05202); the Qwen3-MoE softmax router (arXiv 2505.09388); the GLM-4.5 sigmoid
+router (arXiv 2508.06471) as DeepSeek-V3 defines it (arXiv 2412.19437 eq. 12-16), with the
+auxiliary-loss-free expert bias (arXiv 2408.15664); router replay, R3 (arXiv 2510.11370).
 
-HF checkpoints load and save in the hub's on-disk layout with hf.py's `load_hf` and
-`save_hf`. `parallelize` applies expert parallel and FSDP2; it is the only code here
-that touches torch.distributed, imported inside it.
+What it computes:
+1. Blocks: pre-norm attention, then a dense SwiGLU FFN (the first `first_k_dense_replace`
+   blocks, GLM-4.5) or a mixture of experts. RoPE on all of each head (Qwen3) or its first r
+   dims (GLM-4.5's partial rotary); GQA through `kernels.causal_attention` in training (SDPA,
+   or on CPU a kernel that stops each query block at its causal frontier) and SDPA with a
+   mask when decoding; optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (GLM-4.5).
+2. Softmax router (Qwen3-MoE): p = softmax(s), top-k of p, weights p_i over the chosen set,
+   renormalised to sum 1 when norm_topk_prob: g_i = exp(s_i) / sum_{j in top-k} exp(s_j), i in top-k.
+3. Sigmoid router (GLM-4.5; DeepSeek-V3 eq. 15-16): p = sigmoid(s); the choice uses p + b
+   (b the expert bias, never in the weights), limited to the topk_group best of n_group
+   expert partitions (DeepSeek-V3's node-limited routing); weights p_i, renormalised when
+   norm_topk_prob (eq. 13), times routed_scaling_factor (HF's, not in the paper's equations).
+4. Experts: SwiGLU, run over the (token, expert) pairs sorted by expert (`run_experts`) by
+   `kernels.swiglu_experts` (two grouped GEMMs, or on CPU one fused pass per expert); an
+   optional shared expert sees every token (eq. 12).
+5. Router replay (R3): `forward` can return the expert ids each MoE layer chose for every
+   token and can take such ids back: replayed ids replace the router's own choice, and the
+   weights are recomputed from the live scores at those ids (so the router still gets a
+   gradient). A replayed row of -1 (padding) routes freely.
 
-Notable choices: the router always runs in fp32 (routing is where precision flips
-discrete decisions; HF Qwen3 computes its router logits in the model dtype); RMSNorm
-and RoPE follow the HF arithmetic (fp32 inside, fp32 frequency table) so fp32 logits
-match HF to float rounding.
-
-Shape legend: B batch, T tokens in this call, S cache length, D model dim, H query heads,
-J kv heads, d head dim, r rotary dims, E routed experts, K experts per token, I expert
-hidden dim, L MoE layers, V vocabulary, N flattened tokens (B*T), R routed (token, expert)
-pairs (N*K), M expert partitions (group-limited routing).
+Notable choices and departures:
+1. The router always computes in fp32 (input and weight upcast): routing is where precision
+   flips discrete decisions (HF Qwen3 computes its router logits in the model dtype). Under
+   `parallelize` with a bf16 param_dtype the weight arrives already rounded to bf16.
+2. RMSNorm and RoPE follow HF's arithmetic (fp32 inside, an fp32 frequency table, cos and
+   sin cast to the activation dtype), so fp32 logits match HF's to float rounding.
+3. The gate weights stay fp32 through `run_experts`' weighted sum of the expert outputs (HF
+   Qwen3 casts them to the model dtype first; so does torchtitan's combine under EP).
+4. The expert bias is loaded and frozen: nothing in this repository applies DeepSeek-V3's
+   load-based update of b (arXiv 2408.15664); RL keeps the pre-trained bias.
+5. Init: normal(0, init_std) matrices, the residual-branch outputs scaled by 1/sqrt(2 n_layers)
+   (GPT-2), so the residual stream's variance does not grow with depth.
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ class ModelConfig:
     dim: int = 256
     """Residual stream width D."""
     n_layers: int = 4
-    """Decoder blocks."""
+    """Decoder blocks, dense and MoE."""
     n_heads: int = 8
     """Query heads H."""
     n_kv_heads: int = 2
@@ -85,7 +94,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     """Multiplies the routed weights (sigmoid router)."""
     n_group: int = 1
-    """Expert partitions M of group-limited routing (sigmoid router; HF's key, DeepSeek-V3's "groups")."""
+    """Expert partitions M of partition-limited routing (sigmoid router; HF's key; DeepSeek-V3's nodes)."""
     topk_group: int = 1
     """Expert partitions a token may route into (sigmoid router; HF's key)."""
     qk_norm: bool = False
@@ -112,14 +121,17 @@ class ModelConfig:
                      "num_experts", "top_k", "moe_inter_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive")
+        # GQA: each kv head serves H / J query heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        # RoPE rotates dim i with dim i + r/2, so r must be even
         if self.rotary_dim % 2 or self.rotary_dim == 0:
             raise ValueError(f"head_dim * partial_rotary_factor = {self.rotary_dim} must be even and positive")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
         if self.router not in ("softmax", "sigmoid"):
             raise ValueError(f"router={self.router!r}; valid: 'softmax', 'sigmoid'")
+        # a partition is E / M consecutive experts, so M must divide E
         if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} and "
                              f"1 <= topk_group={self.topk_group} <= n_group")
@@ -127,15 +139,18 @@ class ModelConfig:
             raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, n_layers={self.n_layers}]")
         if self.first_k_dense_replace and self.dense_inter_dim <= 0:
             raise ValueError("dense_inter_dim must be positive when first_k_dense_replace > 0")
+        # HF_FAMILIES is defined below the class; looked up when an instance is built
         if self.hf_model_type not in HF_FAMILIES:
             raise ValueError(f"hf_model_type={self.hf_model_type!r}; valid: {sorted(HF_FAMILIES)}")
 
     @property
     def num_moe_layers(self) -> int:
+        """L: the blocks after the dense ones."""
         return self.n_layers - self.first_k_dense_replace
 
     @property
     def rotary_dim(self) -> int:
+        """r: the leading dims of each head that RoPE rotates."""
         return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
@@ -151,7 +166,9 @@ class ModelConfig:
         kind = c.get("model_type")
         if kind not in HF_FAMILIES:
             raise ValueError(f"model_type={kind!r} is not supported; valid: {sorted(HF_FAMILIES)}")
+        # newer configs nest rope_theta and partial_rotary_factor in rope_parameters; older ones keep them top-level
         rope = c.get("rope_parameters") or {}
+        # keys both families share; head_dim falls back to hidden_size / heads where a config omits it
         common = dict(
             vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
             n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
@@ -162,11 +179,14 @@ class ModelConfig:
             norm_eps=c["rms_norm_eps"], max_seq_len=c.get("max_position_embeddings", 4096),
             tie_embeddings=c.get("tie_word_embeddings", False), hf_model_type=kind)
         if kind == "qwen3_moe":
+            # HF Qwen3-MoE may interleave dense layers; here dense blocks can only come first
             if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
                 raise ValueError("qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not supported")
             if c.get("use_sliding_window"):
                 raise ValueError("qwen3_moe with use_sliding_window is not supported")
+            # Qwen3-MoE always has q/k norm and the softmax router
             return cls(**common, num_experts=c.get("num_experts", c.get("num_local_experts")), qk_norm=True, router="softmax")
+        # glm4_moe: the sigmoid router with expert bias, shared experts, dense first blocks, partial rotary
         return cls(**common, num_experts=c["n_routed_experts"], num_shared_experts=c.get("n_shared_experts", 0),
                    first_k_dense_replace=c.get("first_k_dense_replace", 0), router="sigmoid",
                    routed_scaling_factor=c.get("routed_scaling_factor", 1.0), n_group=c.get("n_group", 1),
@@ -174,7 +194,12 @@ class ModelConfig:
                    partial_rotary_factor=rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
 
     def to_hf(self) -> dict:
-        """The HF config.json of this model (inverse of from_hf)."""
+        """The HF config.json of this model (inverse of from_hf).
+
+        Raises ValueError when the model has a feature its hf_model_type cannot express.
+        """
+        # HF requires intermediate_size even without dense blocks: the expert width stands in.
+        # torch_dtype is a placeholder that save_hf overwrites with the dtype it writes.
         c = dict(model_type=self.hf_model_type, architectures=[HF_FAMILIES[self.hf_model_type]],
                  vocab_size=self.vocab_size, hidden_size=self.dim, num_hidden_layers=self.n_layers,
                  num_attention_heads=self.n_heads, num_key_value_heads=self.n_kv_heads, head_dim=self.head_dim,
@@ -188,10 +213,12 @@ class ModelConfig:
         if self.hf_model_type == "qwen3_moe":
             if self.router != "softmax" or self.first_k_dense_replace or self.num_shared_experts or not self.qk_norm:
                 raise ValueError("qwen3_moe needs router='softmax', qk_norm, no dense layers and no shared experts")
+            # every layer MoE: no interleaved dense layers
             c.update(num_experts=self.num_experts, decoder_sparse_step=1, mlp_only_layers=[])
         else:
             if self.router != "sigmoid":
                 raise ValueError("glm4_moe needs router='sigmoid'")
+            # num_nextn_predict_layers=0: GLM-4.5's multi-token-prediction layer is not part of this model
             c.update(n_routed_experts=self.num_experts, n_shared_experts=self.num_shared_experts,
                      first_k_dense_replace=self.first_k_dense_replace, routed_scaling_factor=self.routed_scaling_factor,
                      n_group=self.n_group, topk_group=self.topk_group, use_qk_norm=self.qk_norm, num_nextn_predict_layers=0)
@@ -199,10 +226,12 @@ class ModelConfig:
 
 
 HF_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+"""HF model_type -> its architectures entry in config.json."""
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), normalised in fp32 and cast back before the weight (HF order)."""
+    """y = w * x / sqrt(mean(x^2) + eps) (arXiv 1910.07467), normalised in fp32 and cast back before the weight
+    (HF order)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -210,14 +239,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        # the cast back comes before the weight, as in HF: in bf16 the product then rounds as HF's does
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope(pos_BT: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [B, T, r] fp32 (arXiv 2104.09864 eq. 34; frequencies in fp32 as HF computes them)."""
     r = cfg.rotary_dim
+    # theta_i = base^(-2i / r), i = 0 .. r/2 - 1; fp32 even for bf16 models, where pos * theta_i would
+    # lose the fractional radians that distinguish neighbouring positions
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float, device=pos_BT.device) / r))
     freqs = pos_BT[..., None].float() * inv_freq  # (B, T, r/2)
+    # each frequency twice: HF's rotate_half layout pairs dim i with dim i + r/2
     emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, r)
     return emb.cos(), emb.sin()
 
@@ -225,10 +258,13 @@ def rope(pos_BT: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Te
 def apply_rope(x_BHTd: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor) -> torch.Tensor:
     """Rotate the first r dims of each head by halves (HF "rotate_half" layout); the rest pass."""
     r = cos_BTr.shape[-1]
-    rot, rest = x_BHTd[..., :r], x_BHTd[..., r:]
-    x1, x2 = rot.chunk(2, dim=-1)
+    rot, rest = x_BHTd[..., :r], x_BHTd[..., r:]  # (B, H, T, r), (B, H, T, d - r)
+    x1, x2 = rot.chunk(2, dim=-1)  # (B, H, T, r/2) each: the two coordinates of each rotated pair
+    # cos and sin in x's dtype, as HF casts them: bf16 products then round as HF's do
     cos, sin = cos_BTr[:, None].to(x_BHTd.dtype), sin_BTr[:, None].to(x_BHTd.dtype)  # (B, 1, T, r)
+    # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): a 2-D rotation by pos * theta_i per pair
     rotated = rot * cos + torch.cat([-x2, x1], dim=-1) * sin
+    # partial rotary (GLM-4.5): the last d - r dims carry no position
     return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
 
 
@@ -236,6 +272,7 @@ class KVCache:
     """Static per-layer key/value cache [B, J, S, d], addressed by absolute column."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, *, dtype, device):
+        # (n_layers, B, J, S, d): every block, dense ones too, in one allocation made once
         shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -245,15 +282,19 @@ class KVCache:
         end = start + k_BJTd.shape[2]
         self.k[layer, :, :, start:end] = k_BJTd
         self.v[layer, :, :, start:end] = v_BJTd
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        # columns from end on are unwritten: returning only [:end] keeps them out of attention
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, J, end, d) each
 
 
 class Attention(nn.Module):
+    """Causal GQA self-attention with RoPE, optional q/k norm and q/k/v bias, training or cached."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         H, J, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wqkv = nn.Linear(cfg.dim, (H + 2 * J) * d, bias=cfg.attention_bias)  # q, k, v fused: one GEMM
+        # rows [q (H*d) | k (J*d) | v (J*d)]: one GEMM for all three; hf.py splits them back in this order
+        self.wqkv = nn.Linear(cfg.dim, (H + 2 * J) * d, bias=cfg.attention_bias)
         self.wo = nn.Linear(H * d, cfg.dim, bias=False)
         self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
@@ -265,6 +306,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads], dim=2)  # (B, T, H|J|J, d)
         v = v.transpose(1, 2)  # (B, J, T, d)
         if self.q_norm is not None:
+            # Qwen3's q/k norm: RMSNorm over each head's d dims, before RoPE as HF applies it
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)  # (B, H|J, T, d)
         if cache is not None:
@@ -272,9 +314,12 @@ class Attention(nn.Module):
         if cache is None and mask_B1TS is None:  # training: plain causal over this call's tokens
             y = causal_attention(q, k, v)  # (B, H, T, d)
         else:  # cached decoding, or an explicit mask
+            # mask_B1TS is bool, True = attend. SDPA's is_causal mask is aligned to the top left, which is
+            # this call's causal mask only when S == T (cache_start == 0); later calls must pass a mask.
+            # enable_gqa: each kv head serves H / J query heads without the kv heads being repeated in memory.
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS, is_causal=mask_B1TS is None,
                                                enable_gqa=cfg.n_heads != cfg.n_kv_heads)  # (B, H, T, d)
-        return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))
+        return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))  # (B, T, H*d) -> (B, T, D)
 
 
 class FeedForward(nn.Module):
@@ -282,11 +327,11 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)  # [gate; up] rows
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)  # [gate; up] rows, the order kernels.swiglu splits
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return self.w2(swiglu(self.w13(x)))
+        return self.w2(swiglu(self.w13(x)))  # (..., 2 hidden) -> (..., hidden) -> (..., dim)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -295,27 +340,36 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale):
         ctx.scale = scale
+        # a view, not x itself: the output carries this Function's grad_fn and x keeps its own
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g * ctx.scale, None
+        return g * ctx.scale, None  # no gradient for the float scale
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stacked for grouped GEMMs: w13 [E, D, 2I] (gate | up), w2 [E, I, D]."""
+    """E SwiGLU experts stacked for grouped GEMMs: w13 [E, D, 2I] (gate | up), w2 [E, I, D].
+
+    Each expert's matrices are [in, out], so rows x its matrix need no transpose; HF stores
+    [out, in] per expert, and hf.py transposes on the way in and out.
+    """
 
     def __init__(self, num_experts: int, dim: int, hidden: int):
         super().__init__()
-        self.w13 = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden))  # gate and up projections, fused
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # down projection
+        self.w13 = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden))  # (E, D, 2I): gate and up, fused
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # (E, I, D): down projection
 
     grad_scale = 1.0  # set by parallelize: expert gradients under EP are divided by ep
 
     def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
-        """Rows grouped by local expert (counts_e rows each) -> expert outputs, same order."""
+        """Rows sorted by local expert (counts_e[i] rows for this rank's i-th expert) -> expert outputs,
+        same order."""
+        # under EP the weights are DTensors sharded on the expert dim: this rank's experts as plain tensors
         w13, w2 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w13, self.w2))
         if self.grad_scale != 1.0:
+            # EP-only experts are outside FSDP, whose reduce would divide; the scale makes their gradient the
+            # same data-parallel mean as the dense weights'
             w13, w2 = _ScaleGrad.apply(w13, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
         return swiglu_experts(x_RD, w13, w2, counts_e)  # (R, D)
 
@@ -329,10 +383,16 @@ def run_experts(experts: nn.Module, x_ND: torch.Tensor, ids_NK: torch.Tensor, we
     scatter-added in either direction; no host sync (shapes never depend on the routes).
     """
     N, K = ids_NK.shape
-    pair_R = ids_NK.flatten()
-    counts_E = pair_R.new_zeros(experts.w13.shape[0]).scatter_add_(0, pair_R, torch.ones_like(pair_R))  # bincount syncs on CUDA
-    order_R = pair_R.argsort(stable=True)  # (N*K,) pair ids n*K + k, grouped by expert
+    pair_R = ids_NK.flatten()  # (R,) the expert of pair p = n*K + k
+    # (E,) rows per expert; scatter_add_, not bincount, which syncs with the host on CUDA
+    counts_E = pair_R.new_zeros(experts.w13.shape[0]).scatter_add_(0, pair_R, torch.ones_like(pair_R))
+    # (R,) pair ids p = n*K + k in expert order; stable, so within an expert the pairs keep token order
+    # and the result does not depend on the sort's tie-breaking
+    order_R = pair_R.argsort(stable=True)
+    # (R,) the inverse permutation: inverse_R[p] = the sorted row of pair p (each index written once)
     inverse_R = torch.empty_like(order_R).scatter_(0, order_R, torch.arange(N * K, device=order_R.device))
+    # sorted row r holds token order_R[r] // K; the gather's backward reads through inverse_R and sums
+    # each token's K copies, a gather again instead of a scatter-add
     out_RD = experts(gather_rows(x_ND, order_R // K, inverse_R, K), counts_E)  # (N*K, D) by expert
     return combine(out_RD, inverse_R, order_R, weights_NK).to(x_ND.dtype)  # (N, D), weighted in fp32
 
@@ -343,76 +403,98 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)  # router
-        # aux-loss-free selection bias (sigmoid router); loaded, never trained by gradient
+        self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)  # router, (E, D); applied in fp32 by route
+        # aux-loss-free selection bias (sigmoid router); loaded, never trained by gradient. Persistent only for
+        # the sigmoid router: Qwen3 checkpoints have no such tensor
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=cfg.router == "sigmoid")
         self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.moe_inter_dim)
+        # n shared experts as one SwiGLU n times as wide: the sum of their outputs, with one pair of GEMMs
         self.shared = FeedForward(cfg.dim, cfg.num_shared_experts * cfg.moe_inter_dim) if cfg.num_shared_experts else None
         self.dispatcher = None  # expert-parallel token dispatch, set by parallelize()
 
     def route(self, x_ND: torch.Tensor, replay_NK: torch.Tensor | None):
         """Expert ids [N, K] int64 and gate weights [N, K] fp32 (R3: replayed ids, live scores)."""
         cfg = self.cfg
+        # fp32 arithmetic: a bf16 logit can flip a near-tie in the top-k (notable choice 1)
         logits_NE = F.linear(x_ND.float(), self.gate.weight.float())
         if cfg.router == "softmax":
-            scores_NE = logits_NE.softmax(dim=-1)
-            choice_NE = scores_NE
+            scores_NE = logits_NE.softmax(dim=-1)  # Qwen3-MoE: probabilities over all E experts
+            choice_NE = scores_NE  # the choice and the weights read the same scores
         else:
-            scores_NE = logits_NE.sigmoid()
+            scores_NE = logits_NE.sigmoid()  # DeepSeek-V3 eq. 15: s = sigmoid(u^T e)
+            # eq. 16: the bias b moves only which experts are chosen; the weights below read s without it
             choice_NE = scores_NE + self.expert_bias.float()
-            if cfg.n_group > 1:  # group-limited routing: only the topk_group partitions whose best two experts score highest
+            # partition-limited routing (DeepSeek-V3's node-limited): only the topk_group partitions whose best
+            # two experts score highest. Two as HF hard-codes it: DeepSeek-V3's top_k / topk_group = 8 / 4
+            if cfg.n_group > 1:
                 N, E = choice_NE.shape
                 M = cfg.n_group  # expert partitions of E / M consecutive experts each
+                # (N, M, E/M) -> (N, M): the sum of each partition's two best scores
                 part_NM = choice_NE.view(N, M, E // M).topk(2, dim=-1).values.sum(-1)
+                # (N, M): 1.0 on the topk_group chosen partitions
                 keep_NM = torch.zeros_like(part_NM).scatter_(1, part_NM.topk(cfg.topk_group, dim=-1).indices, 1.0)
-                keep_NE = keep_NM[:, :, None].expand(N, M, E // M).reshape(N, E)
+                keep_NE = keep_NM[:, :, None].expand(N, M, E // M).reshape(N, E)  # (N, M, E/M) -> (N, E)
+                # -inf: an expert outside the chosen partitions never wins the top-k below
                 choice_NE = choice_NE.masked_fill(keep_NE == 0, float("-inf"))
+        # (N, K) the router's own choice; needed under replay too, for the padding rows
         own_NK = choice_NE.topk(cfg.top_k, dim=-1).indices
         if replay_NK is None:
             ids_NK = own_NK
         else:
             pad_N1 = (replay_NK < 0).all(dim=-1, keepdim=True)  # padding rows route as the router would
-            ids_NK = torch.where(pad_N1, own_NK, replay_NK.long())
+            ids_NK = torch.where(pad_N1, own_NK, replay_NK.long())  # (N, K)
+        # (N, K) live scores at the chosen (or replayed) ids: the gradient reaches the router through them
         weights_NK = scores_NE.gather(-1, ids_NK)
         if cfg.norm_topk_prob:
-            # the sigmoid router's epsilon is HF GLM-4.5's; softmax scores always sum above zero
+            # weights over the chosen set sum to 1 (DeepSeek-V3 eq. 13; Qwen3's norm_topk_prob).
+            # The sigmoid router's epsilon is HF GLM-4.5's; softmax scores always sum above zero
             weights_NK = weights_NK / (weights_NK.sum(-1, keepdim=True) + (1e-20 if cfg.router == "sigmoid" else 0.0))
         return ids_NK, weights_NK * cfg.routed_scaling_factor
 
     def forward(self, x_BTD: torch.Tensor, replay_BTK: torch.Tensor | None):
         B, T, D = x_BTD.shape
         K, E = self.cfg.top_k, self.cfg.num_experts
-        x_ND = x_BTD.reshape(B * T, D)
+        x_ND = x_BTD.reshape(B * T, D)  # (N, D)
+        # replay (B, T, K) -> (N, K)
         ids_NK, weights_NK = self.route(x_ND, None if replay_BTK is None else replay_BTK.reshape(B * T, K))
         if self.dispatcher is not None:  # expert parallel: all-to-all to the ranks that own the experts
+            # (E,) routed rows per expert; bincount's host sync adds nothing here: the dispatcher reads its
+            # all-to-all split sizes on the host
             counts_E = torch.bincount(ids_NK.flatten(), minlength=E)
+            # x_RD: the rows this rank's experts receive from every rank (not N*K of them), sorted by local expert
             x_RD, counts_e, meta = self.dispatcher.dispatch(x_ND, weights_NK, ids_NK, counts_E)
-            y_ND = self.dispatcher.combine(self.experts(x_RD, counts_e), meta, x_ND)
+            # torchtitan's combine: back to the tokens' ranks, weighted (cast back to the expert dtype before the
+            # sum, unlike run_experts' fp32 sum) and scatter-added over k
+            y_ND = self.dispatcher.combine(self.experts(x_RD, counts_e), meta, x_ND)  # (N, D)
         else:
-            y_ND = run_experts(self.experts, x_ND, ids_NK, weights_NK)
+            y_ND = run_experts(self.experts, x_ND, ids_NK, weights_NK)  # (N, D)
         if self.shared is not None:
-            y_ND = y_ND + self.shared(x_ND)
-        return y_ND.view(B, T, D), ids_NK.view(B, T, K)
+            y_ND = y_ND + self.shared(x_ND)  # every token, unweighted (DeepSeek-V3 eq. 12)
+        return y_ND.view(B, T, D), ids_NK.view(B, T, K)  # (B, T, D), (B, T, K)
 
 
 class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)), the FFN dense or MoE."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.is_moe = layer >= cfg.first_k_dense_replace
+        self.is_moe = layer >= cfg.first_k_dense_replace  # dense blocks come first (GLM-4.5)
         self.mlp = MoE(cfg) if self.is_moe else FeedForward(cfg.dim, cfg.dense_inter_dim)
 
     def forward(self, x_BTD, cos, sin, cache, cache_start, mask, replay_BTK):
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, cache, cache_start, mask)
         if not self.is_moe:
-            return x_BTD + self.mlp(self.ffn_norm(x_BTD)), None
+            return x_BTD + self.mlp(self.ffn_norm(x_BTD)), None  # a dense block routes nothing
         y_BTD, ids_BTK = self.mlp(self.ffn_norm(x_BTD), replay_BTK)
         return x_BTD + y_BTD, ids_BTK
 
 
 class Transformer(nn.Module):
+    """Embedding, `n_layers` blocks, a final RMSNorm and lm_head; see `forward`."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -421,7 +503,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+            self.lm_head.weight = self.embed.weight  # one Parameter: one storage, one gradient
+        # a meta-device model (parallelize, load_hf) has no storage yet; whoever materialises it fills it
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
@@ -430,12 +513,14 @@ class Transformer(nn.Module):
         """Normal(0, init_std) matrices, residual-branch outputs scaled by 1/sqrt(2 n_layers)
         (GPT-2, Radford et al. 2019); norms 1; biases and the expert bias 0."""
         std = self.cfg.init_std
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+        for name, p in self.named_parameters():  # a tied weight once, under its embedding name
+            if name.endswith("norm.weight"):  # 1-D like the biases, so tested first
                 p.fill_(1.0)
             elif p.dim() == 1:
                 p.zero_()
             else:
+                # wo and w2 end a residual branch, two per block: GPT-2 scales them by 1/sqrt(2 n_layers) so
+                # the stream's variance does not grow with depth. "w2" alone is the stacked experts' Parameter
                 out_proj = name.endswith(("wo.weight", "w2", "w2.weight"))
                 p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers) if out_proj else std, generator=generator)
         for name, b in self.named_buffers():
@@ -453,18 +538,20 @@ class Transformer(nn.Module):
         if routed_experts is not None:
             check_routes(routed_experts, (B, T, self.cfg.num_moe_layers, self.cfg.top_k), self.cfg.num_experts)
         if pos_BT is None:
-            pos_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
-        cos, sin = rope(pos_BT, self.cfg)
-        x = self.embed(tokens_BT)
-        routes, moe_i = [], 0
+            # 0 .. T-1 in every row, whatever cache_start is: a cached call past column 0 passes its positions
+            pos_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)  # (B, T)
+        cos, sin = rope(pos_BT, self.cfg)  # (B, T, r) each, computed once for every layer
+        x = self.embed(tokens_BT)  # (B, T, D)
+        routes, moe_i = [], 0  # moe_i indexes MoE layers only, as L does: dense blocks do not advance it
         for layer in self.layers:
             replay = None
             if layer.is_moe and routed_experts is not None:
-                replay = routed_experts[:, :, moe_i]
+                replay = routed_experts[:, :, moe_i]  # (B, T, K)
             x, ids_BTK = layer(x, cos, sin, cache, cache_start, mask_B1TS, replay)
             if layer.is_moe:
                 routes.append(ids_BTK)
                 moe_i += 1
+        # L tensors of (B, T, K) -> (B, T, L, K); None as well when no block is MoE
         return self.norm(x), (torch.stack(routes, dim=2) if return_routes and routes else None)
 
     def forward(self, tokens_BT: torch.Tensor, **kwargs):
@@ -475,11 +562,13 @@ class Transformer(nn.Module):
         layers only; rows of -1 route freely.
         cache / cache_start / mask_B1TS: cached decoding; keys and values of this call are
         written at cache columns [cache_start, cache_start+T); mask_B1TS (bool, True = attend)
-        covers all S = cache_start+T columns. Without a mask attention is causal.
+        covers all S = cache_start+T columns. Without a mask attention is causal, which is
+        right only when cache_start = 0 (SDPA aligns its causal mask to the top left).
         Raises ValueError on a wrong replay shape, an expert id outside [-1, E), a row that
         mixes -1 with ids, or a row that repeats an expert.
         """
         h, routes = self.hidden(tokens_BT, **kwargs)
+        # lm_head in the parameters' dtype; the logits in fp32 for the log-softmax downstream
         return self.lm_head(h).float(), routes
 
 
@@ -487,12 +576,14 @@ def check_routes(routed_experts: torch.Tensor, want: tuple, num_experts: int):
     """Validate replayed expert ids; raises ValueError naming what is wrong."""
     if tuple(routed_experts.shape) != want:
         raise ValueError(f"routed_experts has shape {tuple(routed_experts.shape)}, expected {want} (B, T, L, K)")
-    lo, hi = int(routed_experts.min()), int(routed_experts.max())
+    lo, hi = int(routed_experts.min()), int(routed_experts.max())  # host syncs, only when replaying
     if lo < -1 or hi >= num_experts:
         raise ValueError(f"routed_experts ids span [{lo}, {hi}]; valid ids are -1 (padding) and [0, {num_experts})")
+    # a padding row is all -1: a partly padded row would mix replayed ids with the router's own
     pad = routed_experts < 0
     if bool((pad.any(-1) & ~pad.all(-1)).any()):
         raise ValueError("routed_experts has a row mixing -1 and expert ids; a padding row must be all -1")
+    # sorted along K, a repeated expert shows as two equal neighbours (-1 pairs of padding rows aside)
     ids = routed_experts.sort(dim=-1).values
     if bool(((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any()):
         raise ValueError("routed_experts repeats an expert within a token's top-k; ids in a row must be distinct")
@@ -500,14 +591,16 @@ def check_routes(routed_experts: torch.Tensor, want: tuple, num_experts: int):
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log pi(target) [B, T] fp32 under softmax(logits / temperature)."""
-    logp = (logits_BTV.float() / temperature).log_softmax(dim=-1)
-    return logp.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+    # fp32 before the temperature and the log-softmax: in bf16 they would round away the small logprob
+    # differences that the policy ratios measure
+    logp = (logits_BTV.float() / temperature).log_softmax(dim=-1)  # (B, T, V)
+    return logp.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)  # (B, T, 1) -> (B, T)
 
 
 def token_entropy(logits_BTV: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Full-vocabulary entropy -sum_v p log p [B, T] fp32, in nats."""
-    logp = (logits_BTV.float() / temperature).log_softmax(dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    logp = (logits_BTV.float() / temperature).log_softmax(dim=-1)  # (B, T, V)
+    return -(logp.exp() * logp).sum(dim=-1)  # (B, T)
 
 
 # ----------------------------------------------------------------------------- parallelism
@@ -516,11 +609,12 @@ def checkpoint_and_compile(model: Transformer, *, activation_checkpoint: bool, c
     """Per block, in place: activation checkpointing (its activations recomputed in backward), then
     torch.compile. `parallelize`'s steps 2 and 3; a one-process run takes just these."""
     if activation_checkpoint:
-        # torch's wrapper lives under torch.distributed but is plain autograd: no process group needed
+        # torch's wrapper lives under torch.distributed but is plain autograd: it needs no distributed setup
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         for i, block in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(block)
     if compile:
+        # after the wrapper (torchtitan's order): the compiled block is the checkpointed one
         for block in model.layers:
             block.compile()
     return model
@@ -540,12 +634,15 @@ def parallelize(model: Transformer, dims, *, param_dtype: torch.dtype | None = t
     so they are divided by ep to stay the data-parallel mean the dense gradients are.
     Afterwards `model.local_offsets` maps each sharded parameter to the global offset of
     this rank's slice (what `load_hf` reads).
+    Raises ValueError when ep does not divide num_experts.
     """
+    # torch.distributed is imported here only, so the model itself imports and runs without it
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     moe_blocks = [b for b in model.layers if b.is_moe]
+    # 1. expert parallel
     if dims.ep > 1:
         from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
         ep_mesh = dims.get_mesh("ep")
@@ -553,28 +650,34 @@ def parallelize(model: Transformer, dims, *, param_dtype: torch.dtype | None = t
             raise ValueError(f"num_experts={model.cfg.num_experts} must be divisible by ep={dims.ep}")
         for block in moe_blocks:
             experts = block.mlp.experts
+            # Shard(0): each rank holds E / ep consecutive experts of w13 and w2
             for name, p in list(experts.named_parameters()):
                 experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
             dispatcher = AllToAllTokenDispatcher(AllToAllTokenDispatcher.Config(
                 num_experts=model.cfg.num_experts, top_k=model.cfg.top_k))
             dispatcher.wire_meshes(ep_mesh=ep_mesh)
             block.mlp.dispatcher = dispatcher
+    # 2. activation checkpointing, 3. torch.compile
     checkpoint_and_compile(model, activation_checkpoint=activation_checkpoint, compile=compile)
+    # 4. FSDP2. efsdp: the data-parallel ranks left to shard each expert over once ep has split the experts
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     fsdp_mesh, efsdp = dims.get_mesh("fsdp"), dims.dp_shard * dims.cp * dims.tp // dims.ep
     ignored = set()  # EP-only experts (efsdp == 1): kept out of FSDP, gradients divided by ep in forward
     for block in model.layers:
-        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        inner = getattr(block, "_checkpoint_wrapped_module", block)  # past the checkpoint wrapper
         if inner.is_moe and dims.ep > 1:
             experts = inner.mlp.experts
             if efsdp > 1:
                 fully_shard(experts, mesh=dims.get_mesh("efsdp"), mp_policy=mp)
+                # the experts' tokens came from efsdp * ep ranks, while FSDP would divide by efsdp alone
                 experts.set_gradient_divide_factor(efsdp * dims.ep)
             else:
                 experts.grad_scale = 1.0 / dims.ep
                 ignored.update(experts.parameters())
+        # per block, then the root: each block's parameters are gathered just before it runs
         fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored or None)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored or None)
+    # name -> global offset of this rank's slice in each dim, so load_hf reads only that slice
     model.local_offsets = {
         unwrapped(name): compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1]
         for name, p in model.named_parameters() if isinstance(p, DTensor)}
@@ -594,6 +697,8 @@ def policy_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     expert_bias), detached, under the unwrapped model's names: what an engine, a checkpoint or an
     HF export needs. Sharded parameters come as their local DTensors (see `full_tensor`)."""
     persistent = set(model.state_dict(keep_vars=True))  # state_dict already drops the wrapper from names
+    # named_parameters lists a tied weight once; the state_dict filter drops the softmax router's
+    # non-persistent expert_bias
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if unwrapped(name) in persistent:
             yield unwrapped(name), t.detach()

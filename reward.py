@@ -1,39 +1,51 @@
 """Rewards: verifiers, penalties, reward-model adjustment without advantage inversion, overlapped scoring.
 
+Owns every reward an RL step sees: the binary verifiers (reasoning-gym's `TaskMix`,
+`MathTask` on math-verify for GSM8K and MATH-500, the sandboxed HumanEval-format
+`CodeTask`), DAPO's overlong penalty and a repetition penalty, reward-model and pairwise
+judge shaping (`shaped_rewards`, through `adjust_rewards`, which keeps every correct
+response's reward above every wrong one's), and `RewardPool`, which scores rollouts while
+generation goes on. Papers: DAPO (arXiv 2503.14476), its soft overlong punishment (eq. 13);
+HumanEval's task format (arXiv 2107.03374); the group-relative advantage of GRPO (arXiv
+2402.03300), whose sign the shaping must never turn against correctness.
+
+Shapes: P, G (letters of the README's legend).
+
 Verifiers (binary: 1.0 correct, 0.0 not):
-- reasoning-gym (`TaskMix`): a mix of procedurally generated datasets, each with its own
-  `score_answer`, applied to the text inside the last `<answer>...</answer>`. Its partial
-  credit (a substring of the gold answer scores len(gold)/len(answer)) is not a reward:
-  only a score of 1.0 is. Seeds: item i of seed s equals item i-1 of seed s+1, so train
-  and eval seeds must lie further apart than the train size; `exclude` drops eval items
-  whose question also appears in training.
-- math (`MathTask`, `math_reward`): GSM8K and MATH-500 rows, graded by math-verify. The
-  answer is the last `<answer>` span, else the last `\\boxed{}`, else the rest of the line
-  after the last `####`. Gold is parsed inside `$...$` and the answer inside `\\boxed{}`
-  (math-verify cuts undelimited LaTeX to a number); if that does not match, the answer is
-  parsed once more as plain text ("18 eggs" -> 18).
-- code (`CodeTask`, `code_reward`): a HumanEval-format task (prompt, test defining
-  `check(candidate)`, entry point); the completion and its tests run in `sandbox.run`.
+1. reasoning-gym (`TaskMix`): a mix of procedurally generated datasets, each with its own
+   `score_answer`, applied to the text inside the last `<answer>...</answer>`. Its partial
+   credit (an answer that contains the gold answer scores len(gold)/len(answer)) is not a
+   reward: only a score of 1.0 is. Seeds: item i of seed s equals item i-1 of seed s+1, so
+   train and eval seeds must lie further apart than the train size; `exclude` drops eval
+   items whose question also appears in training.
+2. math (`MathTask`, `math_reward`): GSM8K and MATH-500 rows, graded by math-verify. The
+   answer is the last `<answer>` span, else the last `\\boxed{}`, else the rest of the line
+   after the last `####`. Gold is parsed inside `$...$` and the answer inside `\\boxed{}`
+   (math-verify cuts undelimited LaTeX to a number); if that does not match, the answer is
+   parsed once more as plain text ("18 eggs" -> 18).
+3. code (`CodeTask`, `code_reward`): a HumanEval-format task (prompt, test defining
+   `check(candidate)`, entry point); the completion and its tests run in `sandbox.run`.
 
-Penalties, in [-1, 0]: DAPO's soft overlong punishment (arXiv 2503.14476 eq. 13) and a
-repetition penalty (the fraction of repeated n-grams).
-
-Adjustment (`adjust_rewards`): a shaping score s in [-1, 1] (a reward-model or judge score,
-penalties) is added inside the correctness class, r_i = c_i + m * min(p, 1 - p) * s_i with
-c_i in {0, 1}, p the group's fraction correct and m < 1/2. Since |s_i - mean(s)| <= 2,
-every correct response keeps r_i > mean(r) and every wrong one r_i < mean(r): the
-group-relative advantage never changes sign against correctness (no advantage inversion),
-and any correct response's reward stays above any wrong one's. A group with p in {0, 1}
-gets no shaping, so it stays zero-variance (the filter decides its fate). Pairwise judge
-outcomes map to s with a dead band (`judge_score`), so a tie adds exactly zero.
-Departure from DAPO: its overlong penalty is added to a +-1 reward, where an overlong
-correct answer can fall below a wrong one; here penalties enter as shaping instead.
+Penalties and shaping:
+1. Penalties, in [-1, 0]: DAPO's soft overlong punishment (eq. 13) and a repetition
+   penalty (the fraction of repeated n-grams).
+2. Adjustment (`adjust_rewards`): a shaping score s in [-1, 1] (a reward-model or judge
+   score, penalties) is added inside the correctness class,
+   r_i = c_i + m * min(p, 1 - p) * s_i, with c_i in {0, 1}, p the group's fraction
+   correct and m < 1/2. Since |s_i - mean(s)| <= 2, in a group with 0 < p < 1 every
+   correct response keeps r_i > mean(r) and every wrong one r_i < mean(r): the
+   group-relative advantage never changes sign against correctness (no advantage
+   inversion), and any correct response's reward stays above any wrong one's.
+3. A group with p in {0, 1} gets no shaping, so it stays zero-variance (the filter decides
+   its fate).
+4. Pairwise judge outcomes map to s with a dead band (`judge_score`), so a tie adds
+   exactly zero.
+5. Departure from DAPO: its overlong penalty is added to a +-1 reward, where an overlong
+   correct answer can fall below a wrong one; here penalties enter as shaping instead.
 
 Overlapped scoring (`RewardPool`): workers score rollouts while the caller keeps
 generating; each item has a timeout; an exception, a non-finite value or a timeout gives
 reward 0 with the reason counted, and every submitted key gets a reward.
-
-Legend: P prompts (groups), G rollouts per prompt.
 """
 
 from __future__ import annotations
@@ -56,8 +68,10 @@ import torch
 
 import sandbox
 
+# non-greedy and across lines; callers take the last match, so a model that drafts an answer and then corrects
+# itself is graded on its final one
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
+CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)  # a fence tagged python, py or untagged
 CORRECT_SCORE = 1.0  # reasoning-gym's score for an exact answer; anything less is partial credit
 MATH_TIMEOUT_S = 5  # math-verify's own parse and verify limits, where it may use signal.alarm (main thread)
 JUDGE_OUTCOMES = {"better": 1.0, "tie": 0.5, "worse": 0.0}  # P(completion beats the reference)
@@ -96,18 +110,20 @@ class TaskMix(ItemList):
     def __init__(self, specs: list[tuple[str, dict]], *, seed: int, size: int):
         if not specs:
             raise ValueError("TaskMix needs at least one (name, kwargs) spec")
-        per_task = -(-size // len(specs))
+        per_task = -(-size // len(specs))  # ceil: each dataset holds at least its round-robin share
         self.datasets = []
         for name, kwargs in specs:
             try:
                 self.datasets.append(reasoning_gym.create_dataset(name, seed=seed, size=per_task, **kwargs))
-            except KeyError as e:
+            except KeyError as e:  # reasoning-gym's error for an unknown name; a config error is a ValueError here
                 raise ValueError(f"unknown reasoning-gym dataset {name!r}") from e
         self.items = []
+        # round robin, so any prefix of the items (a smaller size, the first steps' prompts) holds every
+        # dataset in equal share
         for i in range(size):
             t, j = i % len(specs), i // len(specs)
             entry = self.datasets[t][j]
-            self.items.append(Item(entry["question"], str(entry["answer"]), t, j))
+            self.items.append(Item(entry["question"], str(entry["answer"]), t, j))  # a dataset's gold may be a number
 
     def score(self, completion: str, item: Item) -> float:
         """Binary reward: 1.0 iff the scorer gives the last <answer> span full marks."""
@@ -115,7 +131,10 @@ class TaskMix(ItemList):
         if not found:
             return 0.0
         ds = self.datasets[item.task]
+        # the dataset's own scorer, given the whole entry: it may read the entry's metadata and accept more
+        # than one form of the answer
         score = ds.score_answer(found[-1].strip(), ds[item.index])
+        # not the score itself: partial credit would pay a verbose answer that merely contains the gold one
         return 1.0 if score >= CORRECT_SCORE else 0.0
 
 
@@ -131,7 +150,8 @@ def _last_boxed(text: str) -> str | None:
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    depth, i = 0, start + len("\\boxed")
+    depth, i = 0, start + len("\\boxed")  # i: the opening brace
+    # count braces rather than match a regex up to "}": answers such as \frac{1}{2} nest them
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
@@ -141,11 +161,12 @@ def _last_boxed(text: str) -> str | None:
 
 def extract_answer(text: str) -> str | None:
     """The final answer of a completion: last <answer> span, else last \\boxed{}, else after the last '####'."""
+    # the tag the prompt asks for first, then MATH's \boxed{} convention, then GSM8K's "#### n" line
     if found := ANSWER_RE.findall(text):
         return found[-1].strip()
     if (boxed := _last_boxed(text)) is not None:
         return boxed.strip()
-    if "####" in text:
+    if "####" in text:  # only the rest of that line: an explanation may follow the number
         return text.rsplit("####", 1)[1].strip().split("\n", 1)[0].strip()
     return None
 
@@ -157,12 +178,16 @@ def math_equal(answer: str, gold: str) -> bool:
     turned off there, so callers bound the time themselves (`RewardPool` does).
     """
     from math_verify import parse, verify  # imports sympy: paid on first use, not on import of this file
+    # math-verify's timeouts use signal.alarm, which only the main thread may set; None turns them off
     timeout = MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    # delimited, so a LaTeX gold such as \frac{1}{2} is read whole (undelimited LaTeX is cut to a number)
     gold_parsed = parse(f"${gold}$", parsing_timeout=timeout)
-    if not gold_parsed:
+    if not gold_parsed:  # a gold answer math-verify cannot read: no completion can match it
         return False
+    # boxed first, read as LaTeX; then plain text, where math-verify finds the number in "18 eggs"
     for form in (f"\\boxed{{{answer}}}", answer):
         parsed = parse(form, parsing_timeout=timeout)
+        # gold first: math-verify's verify is not symmetric (the first argument is the reference)
         if parsed and verify(gold_parsed, parsed, timeout_seconds=timeout):
             return True
     return False
@@ -187,9 +212,9 @@ class MathTask(ItemList):
                 if size is not None and i >= size:
                     break
                 row = json.loads(line)
-                if "problem" in row:
+                if "problem" in row:  # MATH-500: the answer is already the final LaTeX expression
                     self.items.append(Item(row["problem"], row["answer"], 0, i))
-                elif "question" in row and "####" in row.get("answer", ""):
+                elif "question" in row and "####" in row.get("answer", ""):  # GSM8K: a worked solution, then #### n
                     gold = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")  # "1,600" -> "1600"
                     self.items.append(Item(row["question"], gold, 0, i))
                 else:
@@ -220,13 +245,17 @@ def code_program(completion: str, task: CodeTask) -> str:
     """
     blocks = CODE_BLOCK_RE.findall(completion)
     code = blocks[-1] if blocks else (ANSWER_RE.findall(completion) or [completion])[-1]
+    # HumanEval's completions are function bodies that continue the prompt, which ends inside the function;
+    # chat models tend to write the whole function again instead. Both layouts must run.
     defines = re.search(rf"^def {re.escape(task.entry_point)}\s*\(", code, re.MULTILINE)
     head = f"{task.prompt}\n{code}" if defines else task.prompt + code
+    # HumanEval's test only defines check(candidate); nothing is tested until it is called
     return f"{head}\n\n{task.test}\n\ncheck({task.entry_point})\n"
 
 
 def code_reward(completion: str, task: CodeTask, *, limits: sandbox.SandboxLimits = sandbox.SandboxLimits()) -> float:
     """1.0 if the completion passes the task's tests inside the sandbox, else 0.0 (a timeout included)."""
+    # passed: the program ran to its end, so every assert in check() held (sandbox.py's nonce)
     return 1.0 if sandbox.run(code_program(completion, task), limits).passed else 0.0
 
 
@@ -240,10 +269,12 @@ def overlong_penalty(length: int, *, max_len: int, buffer: int) -> float:
     """
     if not 0 < buffer <= max_len:
         raise ValueError(f"need 0 < buffer <= max_len; got buffer={buffer}, max_len={max_len}")
+    # eq. 13 with L_max = max_len and L_cache = buffer: a penalty that grows over the last `buffer` tokens, so
+    # a response is steered away from the limit before truncation cuts it off, not only punished at it
     if length <= max_len - buffer:
         return 0.0
     if length <= max_len:
-        return (max_len - buffer - length) / buffer
+        return (max_len - buffer - length) / buffer  # ((L_max - L_cache) - |y|) / L_cache
     return -1.0
 
 
@@ -254,6 +285,8 @@ def repetition_penalty(token_ids: Sequence[int], *, n: int = 4) -> float:
     """
     if n < 1:
         raise ValueError(f"n={n} must be >= 1")
+    # over token ids, as generated (nothing to decode); a degenerate loop scores near -1, and a completion
+    # shorter than n has no n-grams and no penalty
     grams = [tuple(token_ids[i:i + n]) for i in range(len(token_ids) - n + 1)]
     return -(len(grams) - len(set(grams))) / len(grams) if grams else 0.0
 
@@ -278,8 +311,9 @@ class StubRewardModel:
     def score(self, prompts: list[str], completions: list[str]) -> list[float]:
         out = []
         for p, c in zip(prompts, completions):
+            # blake2b, not hash(): Python salts str hashes per process, and the stub must agree across runs and ranks
             h = int.from_bytes(hashlib.blake2b(f"{p}\0{c}".encode(), digest_size=8).digest(), "little")
-            out.append(2.0 * h / 2**64 - 1.0)
+            out.append(2.0 * h / 2**64 - 1.0)  # 64-bit integer -> [-1, 1)
         return out
 
 
@@ -298,6 +332,8 @@ def judge_score(p_better: torch.Tensor, *, dead_band: float) -> torch.Tensor:
     """
     if not 0 <= dead_band < 0.5:
         raise ValueError(f"dead_band={dead_band} must lie in [0, 0.5)")
+    # centred on a tie (p = 1/2); a dead band rather than the raw difference, so a judge that is unsure adds
+    # nothing instead of noise; the final clamp covers a judge whose probabilities stray outside [0, 1]
     d = p_better.double() - 0.5
     return (d.sign() * (d.abs() - dead_band).clamp(min=0) / (0.5 - dead_band)).clamp(-1, 1)
 
@@ -309,6 +345,8 @@ def rm_score(scores_PG: torch.Tensor, *, scale: float, dead_band: float = 0.0) -
     """
     if scale <= 0 or not 0 <= dead_band < 1:
         raise ValueError(f"need scale > 0 and 0 <= dead_band < 1; got {scale}, {dead_band}")
+    # centred per group: a reward model's offset says nothing about which of G responses is better; tanh
+    # bounds an unbounded score to [-1, 1], the range adjust_rewards' guarantee assumes
     u = torch.tanh((scores_PG.double() - scores_PG.double().mean(-1, keepdim=True)) / scale)
     return u.sign() * (u.abs() - dead_band).clamp(min=0) / (1 - dead_band)
 
@@ -317,9 +355,10 @@ def adjust_rewards(correct_PG: torch.Tensor, shaping_PG: torch.Tensor, *, margin
     """Final rewards [P, G] (or [G]) fp32: c + margin * min(p, 1 - p) * clamp(s, -1, 1), p = mean_g c.
 
     correct_PG: 1 for correct, 0 for wrong. shaping_PG: reward-model, judge or penalty
-    score. With margin < 1/2 no correct response gets a non-positive group-relative
-    advantage and no wrong one a non-negative one (see the module docstring); all-zero
-    shaping returns the correctness unchanged. Raises ValueError on a margin outside
+    score. With margin < 1/2, in a group with both correct and wrong responses, no correct
+    response gets a non-positive group-relative advantage and no wrong one a non-negative
+    one (see the module docstring; a group with all or none correct is left as it is);
+    all-zero shaping returns the correctness unchanged. Raises ValueError on a margin outside
     [0, 0.5), shapes that differ, or correctness other than 0/1.
     """
     if not 0 <= margin < 0.5:
@@ -329,7 +368,13 @@ def adjust_rewards(correct_PG: torch.Tensor, shaping_PG: torch.Tensor, *, margin
     c = correct_PG.double()
     if not ((c == 0) | (c == 1)).all():
         raise ValueError("correct must hold only 0 and 1")
-    p = c.mean(-1, keepdim=True)
+    p = c.mean(-1, keepdim=True)  # [P, 1]: the group's fraction correct
+    # r_i = c_i + m min(p, 1 - p) s_i, |s_i| <= 1 (the clamp), so |s_i - mean(s)| <= 2. For a correct response
+    # r_i - mean(r) = (1 - p) + m min(p, 1 - p) (s_i - mean(s)) > (1 - p) - min(p, 1 - p) >= 0 when m < 1/2, and
+    # for a wrong one r_i - mean(r) = -p + m min(p, 1 - p) (s_i - mean(s)) < -p + min(p, 1 - p) <= 0: the
+    # advantage's sign is the correctness's, also after division by the group's std. And |shaping| < 1/4,
+    # so every correct reward is > 3/4 and every wrong one < 1/4. At p in {0, 1} the factor is 0: the group
+    # stays zero-variance, for the filter to decide on, instead of being made informative by shaping alone.
     return (c + margin * torch.minimum(p, 1 - p) * shaping_PG.double().clamp(-1, 1)).float()
 
 
@@ -387,17 +432,19 @@ def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg
     response's advantage turns negative. texts (the decoded completions) and prompt are
     needed only with a scorer. Without any shaping, the correctness is returned as it is.
     """
-    if not cfg.shapes:
+    if not cfg.shapes:  # the common case: no float64 detour, the verifier's rewards as they are
         return correct_G
     G = len(completion_ids)
+    # the terms add up and may leave [-1, 1]; adjust_rewards clamps the sum, which is what its guarantee needs
     s_G = torch.zeros(G, dtype=torch.float64)
     if cfg.overlong_buffer:
         s_G += torch.tensor([overlong_penalty(len(x), max_len=cfg.max_new_tokens, buffer=cfg.overlong_buffer)
                              for x in completion_ids])
     if cfg.repetition_weight:
         s_G += cfg.repetition_weight * torch.tensor([repetition_penalty(x) for x in completion_ids])
-    if hasattr(scorer, "compare"):  # a PairwiseJudge
+    if hasattr(scorer, "compare"):  # a PairwiseJudge (the protocols are not runtime-checkable: duck typing)
         p_better = torch.tensor(scorer.compare([prompt] * G, texts, [reference] * G), dtype=torch.float64)
+        # against the gold answer as the reference: better than gold pushes up, worse pushes down, a tie adds 0
         s_G += cfg.rm_weight * judge_score(p_better, dead_band=cfg.judge_dead_band)
     elif scorer is not None:
         scores = torch.tensor(scorer.score([prompt] * G, texts), dtype=torch.float64)
@@ -412,15 +459,16 @@ def _call(fn: Callable[..., float], args: tuple) -> tuple[float, str]:
         value = float(fn(*args))
     except Exception as e:  # a verifier's failure is reward 0, never a crash
         return 0.0, f"error: {type(e).__name__}"
+    # a NaN or inf would reach its group's mean and std and make every advantage of that group NaN
     return (value, "ok") if math.isfinite(value) else (0.0, "error: non-finite reward")
 
 
 def _process_worker(conn, fn):
-    conn.send("ready")
+    conn.send("ready")  # sent once spawn has imported fn's module: the runner starts the item's clock after it
     while True:
         try:
             args = conn.recv()
-        except EOFError:
+        except EOFError:  # the runner's end of the pipe is gone: no more items will come
             return
         conn.send(_call(fn, args))
 
@@ -445,6 +493,14 @@ class RewardPool:
     GIL over mid-step (bench/reward_overlap.py measures the overlap); they get it anyway
     whenever a torch op releases it.
     `counts` tallies the reasons: "ok", "timeout", "error: <exception type>".
+
+    Threads and locks: `_todo` (a queue.Queue, locked by itself) carries items and stop
+    sentinels to the runners. `_cond` guards `_done`, `counts`, `_running` and `_runners`;
+    the runners, the watchdog, `gather` and `close` take it. In thread mode an item's result
+    is recorded by whoever removes its runner's entry from `_running`: the runner when fn
+    returns, or the watchdog when the item overran; so every key gets exactly one reward.
+    In process mode each runner thread owns one worker process and its pipe, unshared, and
+    keeps the timeout itself (a process can be killed), so there is no watchdog.
     """
 
     def __init__(self, fn: Callable[..., float], *, workers: int, timeout_s: float, processes: bool = False):
@@ -452,20 +508,24 @@ class RewardPool:
             raise ValueError(f"need workers >= 1 and timeout_s > 0; got {workers}, {timeout_s}")
         self.fn, self.timeout_s, self.processes = fn, timeout_s, processes
         self.counts: Counter = Counter()
-        self._todo: queue.Queue = queue.Queue()
-        self._done: dict = {}
-        self._cond = threading.Condition()
+        self._todo: queue.Queue = queue.Queue()  # (key, args) items, then one None per runner at close
+        self._done: dict = {}  # key -> (reward, reason), until gathered
+        self._cond = threading.Condition()  # the one lock of the shared state; gather waits on it for results
         self._running: dict = {}  # thread-mode runner -> (key, start time) of the item it is scoring
-        self._closed = threading.Event()
-        self._runners = [self._start_runner() for _ in range(workers)]
+        self._closed = threading.Event()  # stops the watchdog, once every runner has ended
+        self._runners = [self._start_runner() for _ in range(workers)]  # the live runners; the watchdog swaps them
         self._watchdog, self._switch_interval = None, None
         if not processes:
             self._watchdog = threading.Thread(target=self._watch, daemon=True)
             self._watchdog.start()
+            # process-wide: restored by close(). A thread that waits for the GIL asks its holder to drop it after
+            # the interval; a longer one lets the generating thread finish more of a step before a worker that
+            # only records a score takes the GIL (it also gets it whenever a torch op releases it)
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(max(self._switch_interval, GIL_SWITCH_INTERVAL_S))
 
     def _start_runner(self) -> threading.Thread:
+        # daemon: an abandoned runner stuck in fn must not keep the interpreter from exiting
         t = threading.Thread(target=self._runner, daemon=True)
         t.start()
         return t
@@ -477,23 +537,26 @@ class RewardPool:
     def gather(self, keys: list) -> tuple[list[float], list[str]]:
         """Rewards and reasons for `keys`, in order, once all are scored; forgets them afterwards."""
         with self._cond:
+            # woken by every _finish; no timeout needed: every submitted key gets a result, a timed-out one too
             self._cond.wait_for(lambda: all(k in self._done for k in keys))
             out = [self._done.pop(k) for k in keys]
         return [r for r, _ in out], [why for _, why in out]
 
     def close(self):
         """Score what is queued, then stop the workers (a stuck one is timed out, not waited for)."""
-        with self._cond:
+        with self._cond:  # the watchdog may be swapping runners
             n = len(self._runners)
-        for _ in range(n):
+        for _ in range(n):  # queued behind the items, so every queued item is still scored
             self._todo.put(None)  # a runner replaced by the watchdog passes its stop on to its successor
+        # join in short slices, re-reading the list: while a runner is stuck the watchdog must stay up to time
+        # it out, and the runner it starts in its place has to be waited for too
         while True:
             with self._cond:
                 live = [t for t in self._runners if t.is_alive()]
             if not live:
                 break
             live[0].join(0.05)
-        self._closed.set()
+        self._closed.set()  # only now: a stuck item during close is still timed out by the watchdog
         if self._watchdog is not None:
             self._watchdog.join()
         if self._switch_interval is not None:
@@ -510,7 +573,7 @@ class RewardPool:
         with self._cond:
             self._done[key] = result
             self.counts[result[1]] += 1
-            self._cond.notify_all()
+            self._cond.notify_all()  # gather() may wait for a different set of keys: wake every waiter
 
     def _runner(self):
         me, worker = threading.current_thread(), None  # worker: (process, connection) in process mode
@@ -523,29 +586,33 @@ class RewardPool:
                     result = (0.0, f"error: {type(e).__name__}")
                 self._finish(key, result)
                 continue
-            with self._cond:
+            with self._cond:  # registered with the watchdog; the item's timeout counts from here
                 self._running[me] = (key, time.monotonic())
-            result = _call(self.fn, args)
+            result = _call(self.fn, args)  # on this thread: no thread per item, whose churn slows generation
             with self._cond:
                 abandoned = self._running.pop(me, None) is None  # the watchdog timed this item out
             if abandoned:
                 return  # a fresh runner took this one's place
             self._finish(key, result)
-        if worker is not None:
+        if worker is not None:  # the stop sentinel: end this runner's worker process with it
             worker[0].kill()
             worker[0].join()
 
     def _watch(self):
         """Thread mode: time out items that overrun, replacing their runners."""
+        # checked often enough that an item overruns its timeout by at most a tenth of it (or 50 ms)
         while not self._closed.wait(min(0.05, self.timeout_s / 10)):
             now = time.monotonic()
             with self._cond:
                 late = [(t, key) for t, (key, start) in self._running.items() if now - start > self.timeout_s]
                 for t, key in late:
+                    # A thread cannot be killed: the stuck runner is abandoned (its entry gone, it discards its
+                    # result and ends once fn returns) and a fresh one keeps `workers` items in flight. The
+                    # abandoned one never takes a stop sentinel; its successor takes the one meant for it.
                     del self._running[t]
                     self._runners.remove(t)
                     self._runners.append(self._start_runner())
-            for _, key in late:
+            for _, key in late:  # the late items' one result each: their runners will discard theirs
                 self._finish(key, (0.0, "timeout"))
 
     def _in_process(self, args: tuple, worker):
@@ -561,12 +628,12 @@ class RewardPool:
                 conn.recv()  # "ready": start-up (imports) does not count against the item's timeout
             proc, conn = worker
             conn.send(args)
-            if conn.poll(self.timeout_s):
+            if conn.poll(self.timeout_s):  # blocks without the GIL; the worker's CPU time is its own process's
                 return conn.recv(), worker
             reason = "timeout"
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the worker exited or crashed (e.g. out of memory) mid-item
             reason = "error: worker died"
-        if worker is not None:
+        if worker is not None:  # a hung worker may be deep in C code: kill, not ask; the next item spawns anew
             worker[0].kill()
             worker[0].join()
         return (0.0, reason), None

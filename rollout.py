@@ -1,50 +1,62 @@
 """Rollout engines: generate completions with their logprobs and routed expert ids.
 
-Two engines behind one interface, `generate(prompts, *, n, ...) -> list[Rollout]` and
-`update_weights(named_tensors, version)`:
+This file owns the rollout side of an RL step: `NativeEngine` (prefill and decode over a
+static KV cache in plain PyTorch, CPU or GPU), the `Rollout` record every engine returns,
+the batch-invariant sampler (`SamplingParams`, `sample`, per-row random streams), blockwise
+FP8 weights, and the bucketed weight sync. `SGLangEngine` (sglang_engine.py) offers the same
+interface over `sglang.Engine` and reuses this file's record, FP8 and weight-sync pieces.
+Both engines: `generate(prompts, params, *, n, seed, group_ids) -> list[Rollout]` and
+`update_weights(named_tensors, version)`.
 
-- `NativeEngine`, plain PyTorch over `model.Transformer`, CPU or GPU (gpt-fast style):
-  each unique prompt is prefilled once through the model's own forward, its KV cache is
-  copied to its n sample rows, then a decode step specialised for one token per row runs
-  over a static cache addressed by column. The decode step calls the model's own modules
-  (norms, fused qkv projection, q/k norms, `apply_rope`, `MoE.route`, `run_experts`,
-  shared and dense FFNs) and specialises only attention for T = 1: two batched matmuls
-  over the cache prefix with a precomputed additive row mask. Per step nothing is
-  allocated beyond activations, no shape depends on data, the host syncs only for the
-  stop check every `STOP_CHECK_EVERY` steps, and no Python loop runs over rows.
-  Temperature / top-k / top-p sampling with one uniform per row per step from a
-  counter-based stream keyed by (seed, group id, sample index), so a rollout never
-  depends on its batch-mates; per-row stop on EOS; optional `torch.compile` of the
-  decode step (it pays where per-op launch cost dominates, on GPU; on a CPU decode step
-  the expert GEMMs dominate).
-- `SGLangEngine` (sglang_engine.py) wraps `sglang.Engine` (imported lazily; GPU only)
-  with `enable_return_routed_experts`, optional blockwise FP8, and weight sync through
-  `update_weights_from_tensor`; it uses this file's Rollout, FP8 and weight-sync pieces.
+Sources: router replay (R3, arXiv 2510.11370), for which every rollout records its routed
+experts; nucleus sampling (arXiv 1904.09751); blockwise FP8 after DeepSeek-V3 (arXiv
+2412.19437, section 3.3); splitmix64 (Steele, Lea and Flood 2014) for the random streams;
+gpt-fast's pure prefill / decode over a static cache. The train-inference gap of the
+logprobs and routes recorded here is measured by `espo.mismatch_metrics`.
 
-For every rollout both record what the trainer needs (`Rollout`): the logprob of each
-sampled token under softmax(logits / temperature) before top-k/top-p truncation (what
-the trainer computes for the same token), the top-k expert ids every MoE layer used for
-every token that went through the model, in SGLang's layout [P + C - 1, L, K] (the last
-sampled token is never fed back), for router replay (R3, arXiv 2510.11370), and the
-weight version that produced it.
+Shapes: U, B, P, S, C, T, N, R, L, K, E, I, D, H, J, d, r, V (letters of the README's legend).
+Two departures: P is a length here (the longest prompt's tokens, so the first sampled token
+lands in cache column P), not a count of prompts; and the layer dim of the KV cache
+(`k_LBJSd`) counts every layer, dense ones included. The argument n is the README's G.
 
-FP8 weights (`NativeEngine(fp8=True)`): blockwise e4m3 with one fp32 scale per 128x128
-block of each attention and expert (routed, shared, dense FFN) matrix, activations
-quantised per token in 1x128 tiles when used (dynamic), DeepSeek-V3's recipe (arXiv
-2412.19437, section 3.3); the router gate, embeddings, lm_head and norms stay in high
-precision. A matmul uses `torch._scaled_mm` where it supports blockwise scales (Hopper
-GPUs, dims multiples of 128), else dequantise-then-matmul in the engine dtype (CPU,
-and the experts everywhere: torch 2.13 has no blockwise grouped FP8 GEMM), which gives
-the same numbers up to accumulation order. Scales are stored as their inverse
-(`<name>_scale_inv`, multiply to dequantise), DeepSeek-V3's checkpoint convention that
-SGLang loads. The trainer quantises before sending (`quantize_fp8`).
+Notable choices:
 
-The train-inference gap of the logprobs and routes recorded here is measured by
-espo.mismatch_metrics.
-
-Legend: U unique prompts, B rows (prompts x samples), P longest prompt, S cache columns,
-C completion tokens, L MoE layers, K experts per token, E experts, R routed (token,
-expert) pairs, D model dim, H query heads, J kv heads, d head dim, r rotary dims, V vocab.
+1. Prefill once per distinct prompt (gpt-fast style). Each unique prompt is prefilled once
+   through the model's own forward, left-padded so that every prompt ends at column P - 1;
+   its KV cache is copied to its n sample rows. Decoding then writes column P + t at step t
+   of a static cache allocated once, S = P + max_new_tokens - 1 columns (the last sampled
+   token is never fed back), addressed by column, not by per-row length.
+2. A decode step specialised for one token per row (`decode_step`). It calls the model's
+   own modules (norms, fused qkv projection, q/k norms, `apply_rope`, `MoE.route`,
+   `run_experts`, shared and dense FFNs) and specialises only attention for T = 1: two
+   batched matmuls over the cache prefix with a precomputed additive row mask. Per step
+   nothing is allocated beyond activations, no shape depends on data, the host syncs only
+   for the stop check every `STOP_CHECK_EVERY` steps, and no Python loop runs over rows.
+   `torch.compile` of the step is optional: it pays where per-op launch cost dominates, on
+   GPU; on a CPU decode step the expert GEMMs dominate.
+3. Batch-invariant sampling. Temperature / top-k / top-p with one uniform per row per
+   step, drawn by inverse CDF, from a counter-based stream keyed by (seed, group id,
+   sample index): a rollout never depends on its batch-mates, their order or the rank
+   that generated it. Each row stops on its own EOS.
+4. What a `Rollout` records, for the trainer: the logprob of each sampled token under
+   softmax(logits / temperature) before top-k/top-p truncation (what the trainer computes
+   for the same token); the top-k expert ids every MoE layer used for every token that
+   went through the model, in SGLang's layout [P + C - 1, L, K] (the last sampled token is
+   never fed back), for router replay; and the weight version that produced it.
+5. FP8 weights (`NativeEngine(fp8=True)`), DeepSeek-V3's recipe: blockwise e4m3 with one
+   fp32 scale per 128x128 block of each attention and expert (routed, shared, dense FFN)
+   matrix, activations quantised per token in 1x128 tiles when used (dynamic); the router
+   gate, embeddings, lm_head and norms stay in high precision. A matmul uses
+   `torch._scaled_mm` where it supports blockwise scales (Hopper GPUs, dims multiples of
+   128), else dequantise-then-matmul in the engine dtype (CPU, and the experts everywhere:
+   torch 2.13 has no blockwise grouped FP8 GEMM), which gives the same numbers up to
+   accumulation order. Scales are stored as their inverse (`<name>_scale_inv`, multiply to
+   dequantise), DeepSeek-V3's checkpoint convention that SGLang loads. The trainer
+   quantises before sending (`quantize_fp8`); a high-precision tensor sent for an FP8
+   weight is quantised on arrival.
+6. Weight sync in buckets of at most `bucket_bytes` (`weight_buckets`), each staged as one
+   flat copy per dtype (`_stage`): staging memory stays bounded and a sync is a few large
+   transfers, not one per tensor.
 """
 
 from __future__ import annotations
@@ -92,11 +104,13 @@ class Rollout:
     """One sampled completion of one prompt, whichever engine produced it."""
     prompt_ids: list[int]
     completion_ids: list[int]  # includes the EOS token when finish_reason == "stop"
-    logprobs: torch.Tensor  # [C] fp32, engine's log pi(completion token)
-    routes: torch.Tensor  # [P + C - 1, L, K] int32 routed expert ids
+    logprobs: torch.Tensor  # [C] fp32, engine's log pi(completion token): pi_infer, before top-k/top-p truncation
+    # [P + C - 1, L, K] int32 routed expert ids, P this prompt's length: every token fed to the model, i.e. all
+    # but the last completion token, whose logits are never computed (SGLang's layout; replayed by the trainer)
+    routes: torch.Tensor
     finish_reason: str  # "stop" (EOS sampled) or "length" (max_new_tokens reached)
     group_id: int  # index of the prompt in the generate() call (or group_ids[i]); rollouts of one prompt share it
-    weight_version: int
+    weight_version: int  # the engine's version when it generated this rollout (staleness = trainer's - this)
 
 
 def sample(logits_BV: torch.Tensor, params: SamplingParams, u_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,25 +127,31 @@ def sample(logits_BV: torch.Tensor, params: SamplingParams, u_B: torch.Tensor) -
     u_B: the rows' uniforms in [0, 1) (float64, from `row_uniforms`).
     """
     temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
-    logits_BV = logits_BV.float()
+    logits_BV = logits_BV.float()  # fp32 whatever the engine dtype, as the trainer's token_logprobs
     if temperature == 0:
-        logp_BV = logits_BV.log_softmax(dim=-1)
+        logp_BV = logits_BV.log_softmax(dim=-1)  # dividing by temperature 0 is undefined: report the untempered logprob
         ids_B = logp_BV.argmax(dim=-1)
-        return ids_B, logp_BV.gather(-1, ids_B[:, None]).squeeze(-1)
+        return ids_B, logp_BV.gather(-1, ids_B[:, None]).squeeze(-1)  # (B, 1) -> (B,)
+    # log pi(v) = z_v / tau - logsumexp(z / tau): the recorded logprob, before any truncation
     logp_BV = (logits_BV / temperature).log_softmax(dim=-1)
     probs_BV = logp_BV.exp()
+    # Truncations zero probabilities and never renormalise: the draw below scales u by what is left.
     if 0 < top_k < probs_BV.shape[-1]:
-        top = probs_BV.topk(top_k, dim=-1)
-        probs_BV = torch.zeros_like(probs_BV).scatter_(-1, top.indices, top.values)
+        top = probs_BV.topk(top_k, dim=-1)  # values and indices (B, k)
+        probs_BV = torch.zeros_like(probs_BV).scatter_(-1, top.indices, top.values)  # (B, V), 0 outside the top k
     if top_p < 1.0:
-        sorted_p, order = probs_BV.sort(dim=-1, descending=True)
+        sorted_p, order = probs_BV.sort(dim=-1, descending=True)  # (B, V); order[b, i] is the vocab id of rank i
         cum = sorted_p.cumsum(-1)
+        # the total mass cum[:, -1:] is what top-k left; the most likely token always stays (0 mass before it)
         drop = cum - sorted_p >= top_p * cum[:, -1:]  # mass before this token already reaches top_p
-        probs_BV = probs_BV.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-    cdf_BV = probs_BV.double().cumsum(dim=-1)
-    u_B1 = u_B.to(torch.float64)[:, None]
-    ids_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True).squeeze(-1)
-    return ids_B, logp_BV.gather(-1, ids_B[:, None]).squeeze(-1)
+        probs_BV = probs_BV.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))  # (B, V): ranks back to vocab order
+    # Inverse CDF: the first id whose cumulative mass exceeds u * total. right=True makes it the first cdf > u * total,
+    # so a zero-mass token (cdf equal to its predecessor's) is never it. float64, not fp32: u < 1 stays < 1 (u near 1
+    # would round to 1.0 in fp32) and u * total rounds below the total, so the id is always < V.
+    cdf_BV = probs_BV.double().cumsum(dim=-1)  # (B, V)
+    u_B1 = u_B.to(torch.float64)[:, None]  # (B, 1)
+    ids_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True).squeeze(-1)  # (B, 1) -> (B,)
+    return ids_B, logp_BV.gather(-1, ids_B[:, None]).squeeze(-1)  # (B,) under the untruncated tempered softmax
 
 
 # ----------------------------------------------------------------------------- per-row random streams
@@ -141,6 +161,9 @@ def sample(logits_BV: torch.Tensor, params: SamplingParams, u_B: torch.Tensor) -
 # what one process would). One stateful torch.Generator per row would do the same at one
 # kernel launch per row per step; the hash is a handful of elementwise int64 ops for all
 # rows at once, on any device.
+# torch has no uint64 arithmetic, so the hash runs on int64: two's-complement products and
+# sums wrap mod 2^64 and keep the same bits as splitmix64's unsigned ones; only >> differs,
+# hence `_srl`.
 
 _MIX1, _MIX2 = -4658895280553007687, -7723592293110705685  # 0xbf58476d1ce4e5b9, 0x94d049bb133111eb as int64
 _GOLDEN = -7046029254386353131  # 0x9e3779b97f4a7c15 as int64: the stream increment
@@ -149,12 +172,13 @@ _MANTISSA = (1 << 53) - 1  # a float64 holds 53 significant bits
 
 def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's >> is arithmetic on negative values)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
+    return (x >> s) & ((1 << (64 - s)) - 1)  # the mask clears the s copies of the sign bit that >> shifted in
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64's finaliser on int64 tensors (wrapping arithmetic): a bijective 64-bit hash
     (Steele, Lea and Flood 2014, "Fast splittable pseudorandom number generators")."""
+    # xor-shift and multiply by an odd constant are each invertible mod 2^64, so the whole hash is a bijection
     x = (x ^ _srl(x, 30)) * _MIX1
     x = (x ^ _srl(x, 27)) * _MIX2
     return x ^ _srl(x, 31)
@@ -162,14 +186,18 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
 
 def row_keys(seed: int, group_ids: list[int], sample_index: list[int], device=None) -> torch.Tensor:
     """int64 [B] stream keys of rows (seed, group id, sample index): equal triples, equal streams."""
-    g = torch.tensor(group_ids, dtype=torch.int64, device=device)
-    j = torch.tensor(sample_index, dtype=torch.int64, device=device)
+    g = torch.tensor(group_ids, dtype=torch.int64, device=device)  # (B,)
+    j = torch.tensor(sample_index, dtype=torch.int64, device=device)  # (B,)
+    # a hash between the xors: (g, j) pairs with equal g ^ j or g + j still get unrelated keys
     return mix64(mix64(mix64(torch.full_like(g, seed)) ^ g) ^ j)
 
 
 def row_uniforms(keys_B: torch.Tensor, step: int) -> torch.Tensor:
     """float64 [B] uniforms in [0, 1), the step-th draw of each row's stream (53 random bits each)."""
+    # splitmix64 seeded with the key: its (step + 1)-th output is mix64(key + (step + 1) * golden), so any draw
+    # is computed directly from (key, step), with no state carried between steps
     offset = ((step + 1) * _GOLDEN + (1 << 63)) % (1 << 64) - (1 << 63)  # wrapped to int64 like the tensor sum
+    # the top 53 bits over 2^53, as Java's SplittableRandom.nextDouble: a multiple of 2^-53 in [0, 1), never 1.0
     return (_srl(mix64(keys_B + offset), 11) & _MANTISSA).double() * 2.0 ** -53
 
 # ----------------------------------------------------------------------------- FP8 weights
@@ -180,34 +208,39 @@ WEIGHT_BLOCK = (128, 128)  # one scale per 128x128 tile of a weight matrix (Deep
 ACT_BLOCK = (1, 128)  # one scale per token per 128 input features (dynamic activations)
 _AMAX_FLOOR = 1e-12  # an all-zero block gets a tiny scale instead of dividing by zero
 
-# Which of our tensors are FP8 (everything else stays in high precision), and the same in HF names
+# Which of our tensors are FP8 (everything else stays in high precision), and the same in HF names.
+# Our fused matrices (wqkv; w13 = gate | up) are quantised fused, HF's separately: the 128x128 blocks, and so the
+# values, agree when each part's size (q, k, v rows; the gate and up widths) is a multiple of 128.
 FP8_TARGETS = re.compile(r"layers\.\d+\.(attn\.(wqkv|wo)\.weight|mlp\.experts\.w(13|2)|mlp\.(shared\.)?w(13|2)\.weight)")
 HF_FP8_TARGETS = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_experts\.)?"
                             r"(gate|up|down)_proj)\.weight")
 
 
 def quantize_fp8_blockwise(w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 values (w's shape) and fp32 inverse scales [..., ceil(R/br), ceil(C/bc)] of the last two dims.
+    """e4m3 values (w's shape) and fp32 inverse scales [..., ceil(rows/br), ceil(cols/bc)] of the last two dims.
 
     Each block is scaled so its largest |value| maps to 448, e4m3's largest finite value;
     dequantise with `dequantize_fp8_blockwise`. Partial edge blocks are padded with zeros.
     """
-    *lead, R, C = w.shape
+    *lead, R, C = w.shape  # rows and columns of the matrix (local names, not the legend's R and C)
     br, bc = block
-    nr, nc = -(-R // br), -(-C // bc)
-    padded = F.pad(w.float(), (0, nc * bc - C, 0, nr * br - R))
+    nr, nc = -(-R // br), -(-C // bc)  # ceil division: a partial edge block gets its own scale
+    padded = F.pad(w.float(), (0, nc * bc - C, 0, nr * br - R))  # zeros right and below never raise a block's amax
     tiles = padded.view(*lead, nr, br, nc, bc)  # (..., nr, br, nc, bc)
+    # (..., nr, 1, nc, 1): block amax / 448, the multiplier that dequantises (stored as DeepSeek-V3's scale_inv)
     scale = tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=_AMAX_FLOOR) / FP8_MAX
-    q = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(*lead, nr * br, nc * bc)[..., :R, :C]
-    return q.contiguous(), scale.view(*lead, nr, nc)
+    # the clamp guards against rounding past 448: the cast to e4m3fn does not saturate (an overflow becomes NaN)
+    q = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(*lead, nr * br, nc * bc)[..., :R, :C]  # padding cut
+    return q.contiguous(), scale.view(*lead, nr, nc)  # the cut is a strided view; scales (..., nr, nc)
 
 
 def dequantize_fp8_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK,
                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `quantize_fp8_blockwise`: q * scale of its block, in `dtype`."""
     R, C = q.shape[-2:]
+    # each block's scale repeated over its rows, then its columns, edge blocks cut to the matrix: (..., R, C)
     s = scale_inv.repeat_interleave(block[0], dim=-2)[..., :R, :].repeat_interleave(block[1], dim=-1)[..., :C]
-    return (q.float() * s).to(dtype)
+    return (q.float() * s).to(dtype)  # e4m3 -> fp32 is exact; the product is taken in fp32, then cast to dtype
 
 
 def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -229,22 +262,25 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
     numbers up to accumulation order.
     """
     global _scaled_mm_broken
-    x_Nin = x.reshape(-1, x.shape[-1])
-    x_q, x_s = quantize_fp8_blockwise(x_Nin, ACT_BLOCK)
+    x_Nin = x.reshape(-1, x.shape[-1])  # (N, in): every leading dim indexes tokens
+    x_q, x_s = quantize_fp8_blockwise(x_Nin, ACT_BLOCK)  # (N, in) e4m3 and (N, ceil(in/128)), from this call's values
     y = None
     out_f, in_f = w_q.shape
+    # the Hopper (sm_90) blockwise path only, with no partial 128-wide blocks; every other case takes the fallback
     if (x.is_cuda and not _scaled_mm_broken and torch.cuda.get_device_capability(x.device) == (9, 0)
             and in_f % 128 == 0 and out_f % 128 == 0):
+        # w_q.t() is W^T [in, out] in column-major memory, the layout _scaled_mm's second operand needs; the
+        # activation scales keep their shape (N, in/128) with column-major strides (the .t().contiguous().t())
         try:  # cuBLAS blockwise (1x128 x 128x128) scaling on Hopper; activation scales outer-dim-major
             y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s.t().contiguous().t(), scale_b=w_scale_inv.t(), out_dtype=dtype)
         except (RuntimeError, NotImplementedError):
-            _scaled_mm_broken = True
+            _scaled_mm_broken = True  # this torch / cuBLAS build refuses them: the fallback for the rest of the run
     if y is None:
         w = w_dequantized if w_dequantized is not None else dequantize_fp8_blockwise(w_q, w_scale_inv, dtype=dtype)
-        y = F.linear(dequantize_fp8_blockwise(x_q, x_s, ACT_BLOCK, dtype), w)
+        y = F.linear(dequantize_fp8_blockwise(x_q, x_s, ACT_BLOCK, dtype), w)  # (N, out) from FP8-rounded inputs
     if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], out_f)
+        y = y + bias  # the bias is never quantised
+    return y.view(*x.shape[:-1], out_f)  # (..., out)
 
 
 class FP8Linear(nn.Module):
@@ -254,10 +290,12 @@ class FP8Linear(nn.Module):
         super().__init__()
         out_f, in_f = linear.weight.shape
         dev = linear.weight.device
-        self.dtype = dtype
+        self.dtype = dtype  # the engine dtype: what the dequantised weight and the output are in
+        # Buffers, not parameters: the engine never trains. Named as in an HF FP8 checkpoint, so a weight's scale
+        # is its name + "_scale_inv", what quantize_fp8 sends; zeros and ones until update_weights loads values.
         self.register_buffer("weight", torch.zeros(out_f, in_f, dtype=FP8, device=dev))
         self.register_buffer("weight_scale_inv", torch.ones(-(-out_f // 128), -(-in_f // 128), device=dev))
-        self.bias = linear.bias
+        self.bias = linear.bias  # kept in high precision
         self.dequantized = None  # the weight dequantised once per weight update (`refresh`)
 
     def refresh(self):
@@ -275,7 +313,8 @@ class FP8GroupedExperts(nn.Module):
         super().__init__()
         self.dtype = dtype
         for name, w in (("w13", experts.w13), ("w2", experts.w2)):
-            E, R, C = w.shape
+            E, R, C = w.shape  # experts, then each matrix's rows and columns ([in, out]: not the legend's R and C)
+            # blocks over the last two dims of each expert's matrix; names as FP8_TARGETS + "_scale_inv"
             self.register_buffer(name, torch.zeros(E, R, C, dtype=FP8, device=w.device))
             self.register_buffer(f"{name}_scale_inv", torch.ones(E, -(-R // 128), -(-C // 128), device=w.device))
         self.dequantized = None
@@ -293,9 +332,10 @@ class FP8GroupedExperts(nn.Module):
         return self.dequantized
 
     def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
-        """Rows grouped by expert (counts_e rows each) -> expert outputs, as GroupedExperts.forward."""
+        """Rows sorted by expert (counts_e rows each) -> expert outputs, as GroupedExperts.forward."""
         w13, w2 = self.weights()
-        offs = counts_e.cumsum(0).to(torch.int32)
+        offs = counts_e.cumsum(0).to(torch.int32)  # (E,) end row of each expert's rows, as grouped_mm takes them
+        # each GEMM's input rounded per token in 1x128 tiles, as an FP8 grouped GEMM would see it
         h = swiglu(grouped_mm(fake_quantize_activations(x_RD), w13, offs))  # (R, I)
         return grouped_mm(fake_quantize_activations(h), w2, offs)  # (R, D)
 
@@ -305,6 +345,7 @@ def to_fp8_modules(model: Transformer, dtype: torch.dtype) -> Transformer:
     for block in model.layers:
         for name in ("wqkv", "wo"):
             setattr(block.attn, name, FP8Linear(getattr(block.attn, name), dtype))
+        # a dense block's FFN, or a MoE block's shared expert if it has one; the router gate stays high precision
         ffns = [block.mlp] if not block.is_moe else ([block.mlp.shared] if block.mlp.shared is not None else [])
         for ffn in ffns:
             ffn.w13, ffn.w2 = FP8Linear(ffn.w13, dtype), FP8Linear(ffn.w2, dtype)
@@ -321,10 +362,10 @@ def quantize_fp8(named_tensors: Named, *, hf: bool = False) -> Iterator[tuple[st
     """
     targets = HF_FP8_TARGETS if hf else FP8_TARGETS
     for name, t in named_tensors:
-        if targets.fullmatch(name) and t.dtype != FP8:
+        if targets.fullmatch(name) and t.dtype != FP8:  # an already-quantised tensor passes as it is
             q, s = quantize_fp8_blockwise(t.detach())
             yield name, q
-            yield name + "_scale_inv", s
+            yield name + "_scale_inv", s  # the name FP8Linear, FP8GroupedExperts and SGLang read the scale under
         else:
             yield name, t
 
@@ -332,11 +373,11 @@ def quantize_fp8(named_tensors: Named, *, hf: bool = False) -> Iterator[tuple[st
 # ----------------------------------------------------------------------------- weight sync
 
 def weight_buckets(named_tensors: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of tensors of at most bucket_bytes each (a larger tensor alone), in order."""
+    """Consecutive runs of tensors of at most bucket_bytes each (a larger tensor alone), in order."""
     bucket, size = [], 0
     for name, t in named_tensors:
         n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:
+        if bucket and size + n > bucket_bytes:  # `bucket and`: never an empty bucket; a larger tensor goes alone
             yield bucket
             bucket, size = [], 0
         bucket.append((name, t))
@@ -350,12 +391,13 @@ def _stage(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list
     if all(t.device == device for _, t in bucket):
         return bucket
     out = {}
-    for dtype in {t.dtype for _, t in bucket}:
+    for dtype in {t.dtype for _, t in bucket}:  # torch.cat takes one dtype: one flat buffer per dtype
         part = [(n, t) for n, t in bucket if t.dtype == dtype]
+        # (sum of numels,) flat; to a GPU engine the slots' copy_ is ordered after it on the same stream
         flat = torch.cat([t.detach().reshape(-1) for _, t in part]).to(device, non_blocking=True)
         for (n, t), piece in zip(part, flat.split([t.numel() for _, t in part])):
-            out[n] = piece.view(t.shape)
-    return [(n, out[n]) for n, _ in bucket]
+            out[n] = piece.view(t.shape)  # split and view: no copy on this side
+    return [(n, out[n]) for n, _ in bucket]  # back in the bucket's order
 
 
 # ----------------------------------------------------------------------------- native engine
@@ -363,7 +405,9 @@ def _stage(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list
 @dataclass
 class DecodeState:
     """What the decode steps of one generate call read and write, allocated once (no shape depends on data)."""
-    k_LBJSd: torch.Tensor  # every row's KV cache; the prompt's columns are copied from its prefill
+    # (n_layers, B, J, S, d): every row's KV cache (L here counts every layer); the prompt's columns are copied
+    # from its prefill, column P + t is written by decode step t
+    k_LBJSd: torch.Tensor
     v_LBJSd: torch.Tensor
     cos_BSr: torch.Tensor  # RoPE at each row's positions (left padding shifts a row's positions)
     sin_BSr: torch.Tensor
@@ -375,19 +419,25 @@ def _attend(attn, h_BD, state: DecodeState, layer: int, col: int):
     """One query token per row against cache columns [0, col] of `layer` (col is written here)."""
     cfg, B = attn.cfg, h_BD.shape[0]
     H, J, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    # with T = 1, [B, 1, H+2J, d] and [B, H+2J, 1, d] are the same memory: this view replaces the forward's transpose
     qkv = attn.wqkv(h_BD).view(B, H + 2 * J, 1, d)  # (B, H+2J, 1, d): heads already in front of T
     q, k, v = qkv.split([H, J, J], dim=1)  # (B, H|J|J, 1, d)
     if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = attn.q_norm(q), attn.k_norm(k)  # per-head RMSNorm of q and k (Qwen3), before RoPE as in the forward
+    # (B, 1, r): one column, but a different position per row (left padding)
     cos_B1r, sin_B1r = state.cos_BSr[:, col:col + 1], state.sin_BSr[:, col:col + 1]
     q, k = apply_rope(q, cos_B1r, sin_B1r), apply_rope(k, cos_B1r, sin_B1r)
-    k_BJSd, v_BJSd = state.k_LBJSd[layer], state.v_LBJSd[layer]
-    k_BJSd[:, :, col] = k[:, :, 0]
+    k_BJSd, v_BJSd = state.k_LBJSd[layer], state.v_LBJSd[layer]  # (B, J, S, d) views of the static cache
+    k_BJSd[:, :, col] = k[:, :, 0]  # (B, J, d) written in place: column col of every row
     v_BJSd[:, :, col] = v[:, :, 0]
-    keys, values = k_BJSd[:, :, :col + 1], v_BJSd[:, :, :col + 1]  # (B, J, n, d) views, no copy
-    # GQA: query heads [j * H/J, (j+1) * H/J) read kv head j
-    scores = torch.matmul(q.view(B, J, H // J, d), keys.transpose(-1, -2)) * d ** -0.5  # (B, J, H/J, n)
+    keys, values = k_BJSd[:, :, :col + 1], v_BJSd[:, :, :col + 1]  # (B, J, col + 1, d) views, no copy
+    # GQA: query heads [j * H/J, (j+1) * H/J) read kv head j (as SDPA's enable_gqa in the prefill), so viewing q
+    # as (B, J, H/J, d) puts each head under its kv head and k, v are never repeated
+    # scores = q k^T / sqrt(d) (arXiv 1706.03762 eq. 1)
+    scores = torch.matmul(q.view(B, J, H // J, d), keys.transpose(-1, -2)) * d ** -0.5  # (B, J, H/J, col + 1)
+    # softmax in fp32 whatever the engine dtype; the (B, 1, 1, col + 1) bias is -inf on the row's left padding
     probs = (scores.float() + state.bias_B11S[..., :col + 1]).softmax(dim=-1).to(values.dtype)
+    # head h = j * H/J + i lands at h in the flattened output, the order wo's input columns expect
     return attn.wo(torch.matmul(probs, values).view(B, H * d))  # (B, J, H/J, d) -> (B, D)
 
 
@@ -404,21 +454,21 @@ def decode_step(model: Transformer, tokens_B: torch.Tensor, state: DecodeState, 
     modules; only attention over the cache and the expert dispatch are specialised.
     """
     x = model.embed(tokens_B)  # (B, D)
-    moe = 0
+    moe = 0  # index among the MoE layers: routes have no entry for dense ones
     for i, block in enumerate(model.layers):
-        x = x + _attend(block.attn, block.attn_norm(x), state, i, col)
+        x = x + _attend(block.attn, block.attn_norm(x), state, i, col)  # pre-norm residual, as Block.forward
         h = block.ffn_norm(x)
         if not block.is_moe:
-            x = x + block.mlp(h)
+            x = x + block.mlp(h)  # one of the first `first_k_dense_replace` layers: a dense FFN, nothing routed
             continue
-        ids_NK, weights_NK = block.mlp.route(h, None)
-        y = _experts_outside_compile(block.mlp.experts, h, ids_NK, weights_NK)
+        ids_NK, weights_NK = block.mlp.route(h, None)  # (B, K) each (one token per row: N = B); None: no replay
+        y = _experts_outside_compile(block.mlp.experts, h, ids_NK, weights_NK)  # (B, D)
         if block.mlp.shared is not None:
-            y = y + block.mlp.shared(h)
+            y = y + block.mlp.shared(h)  # the shared expert sees every token
         x = x + y
-        state.routes_BSLK[:, col, moe] = ids_NK
+        state.routes_BSLK[:, col, moe] = ids_NK  # (B, K) int64 -> int32: the experts this token used here
         moe += 1
-    return model.lm_head(model.norm(x)).float()
+    return model.lm_head(model.norm(x)).float()  # (B, V) fp32 for the sampler
 
 
 class NativeEngine:
@@ -428,18 +478,21 @@ class NativeEngine:
                  fp8: bool = False, compile: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.cfg, self.eos_id, self.pad_id = cfg, eos_id, pad_id
         self.device, self.dtype, self.fp8, self.bucket_bytes = torch.device(device), dtype, fp8, bucket_bytes
+        # no gradients, ever; the initial values are placeholders until the first update_weights
         self.model = Transformer(cfg).to(self.device, dtype).eval().requires_grad_(False)
-        if fp8:
+        if fp8:  # after .to(dtype), which would otherwise cast the e4m3 buffers back to dtype
             to_fp8_modules(self.model, dtype)
         self.weight_version = 0
         named = list(self.model.named_parameters(remove_duplicate=False)) + list(self.model.named_buffers())
         self._slots = dict(named)  # every name a trainer may send, tied names included
-        persistent = set(self.model.state_dict())
+        persistent = set(self.model.state_dict())  # non-persistent buffers (softmax router's expert_bias) need not come
+        # what every sync must bring: each parameter once (tied ones under one name) and each persistent buffer
         self._required = {n for n, _ in list(self.model.named_parameters()) + list(self.model.named_buffers())
                           if n in persistent}
-        self._fp8_weights = {n for n, t in self._slots.items() if t.dtype == FP8}
-        cos, sin = rope(torch.arange(cfg.max_seq_len, device=self.device)[None], cfg)
+        self._fp8_weights = {n for n, t in self._slots.items() if t.dtype == FP8}  # quantise these on arrival
+        cos, sin = rope(torch.arange(cfg.max_seq_len, device=self.device)[None], cfg)  # (1, max_seq_len, r) fp32
         self._cos_Sr, self._sin_Sr = cos[0], sin[0]  # RoPE for every position, computed once
+        # dynamic=True: col, a Python int, changes every step; as a symbolic int it does not recompile per column
         self._decode_step = torch.compile(decode_step, dynamic=True) if compile else decode_step
 
     @torch.no_grad()
@@ -451,6 +504,7 @@ class NativeEngine:
         Raises ValueError on an unknown name, a shape mismatch or a missing tensor.
         """
         seen = set()
+        # a DTensor shard (FSDP, EP) is gathered whole: the engine holds unsharded weights
         named_tensors = ((n, full_tensor(t)) for n, t in named_tensors)
         for bucket in weight_buckets(named_tensors, self.bucket_bytes):
             for name, t in _stage(bucket, self.device):
@@ -460,18 +514,18 @@ class NativeEngine:
                 if slot.shape != t.shape:
                     raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, expected {tuple(slot.shape)}")
                 if name in self._fp8_weights and t.dtype != FP8:
-                    q, s = quantize_fp8_blockwise(t)
+                    q, s = quantize_fp8_blockwise(t)  # the same blocks as quantize_fp8 on the trainer's side
                     self._slots[name + "_scale_inv"].copy_(s)
                     t = q
                     seen.add(name + "_scale_inv")
-                slot.copy_(t)
+                slot.copy_(t)  # in place: the modules (and a compiled decode step) keep holding the same tensors
                 seen.add(name)
         if missing := self._required - seen:
             raise ValueError(f"update_weights: missing {sorted(missing)[:5]} ({len(missing)} in all)")
         for module in self.model.modules():
             if isinstance(module, (FP8Linear, FP8GroupedExperts)):
-                module.refresh()
-        self.weight_version = version
+                module.refresh()  # the cached dequantised weights follow the new values
+        self.weight_version = version  # stamped on every Rollout generated from now on
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, seed: int | None = None,
@@ -498,7 +552,7 @@ class NativeEngine:
                              f"max_seq_len = {self.cfg.max_seq_len}")
         if seed is None:  # an unseeded call still varies from call to call, through torch's global RNG
             seed = int(torch.randint(1 << 62, (1,)))
-        groups = group_ids if group_ids is not None else list(range(len(prompts)))
+        groups = group_ids if group_ids is not None else list(range(len(prompts)))  # each prompt's group id
         if len(groups) != len(prompts):
             raise ValueError(f"group_ids has {len(groups)} entries for {len(prompts)} prompts")
         # row i = sample i % n of prompt i // n; its random stream is keyed by (seed, group, sample)
@@ -506,12 +560,15 @@ class NativeEngine:
         P = max(lens)  # the longest prompt: every row's first sampled token lands in column P
         last_BV, state, pad_B = self._prefill(prompts, n, max_new_tokens)
         ids_BC, logp_BC, steps = self._decode(last_BV, state, keys_B, params, P)
-        ids = ids_BC[:, :steps].tolist()
+        ids = ids_BC[:, :steps].tolist()  # columns past `steps` were never sampled
+        # one device-to-host copy per tensor; the per-row slicing below then runs on the CPU
         logp_BC, routes_BSLK, pads = logp_BC.float().cpu(), state.routes_BSLK.cpu(), pad_B.tolist()
         rollouts = []
         for i, row in enumerate(ids):
             stop = self.eos_id in row
             c = row.index(self.eos_id) + 1 if stop else steps  # an EOS ends the completion and belongs to it
+            # routes: columns [pad, P + c - 1) = the row's prompt and all but its last completion token, i.e. the
+            # tokens fed to the model; clone() so a rollout does not keep the whole batch's tensor alive
             rollouts.append(Rollout(
                 prompt_ids=list(prompts[i // n]), completion_ids=row[:c], logprobs=logp_BC[i, :c].clone(),
                 routes=routes_BSLK[i, pads[i]:P + c - 1].clone(), finish_reason="stop" if stop else "length",
@@ -525,36 +582,43 @@ class NativeEngine:
         cfg, dev = self.cfg, self.device
         unique: dict[tuple, int] = {}
         for p in prompts:
-            unique.setdefault(tuple(p), len(unique))
+            unique.setdefault(tuple(p), len(unique))  # first-seen order; a repeated prompt is prefilled once
         uprompts = list(unique)
-        row_u = torch.tensor([unique[tuple(p)] for p in prompts for _ in range(n)], device=dev)  # (B,) row -> unique prompt
+        row_u = torch.tensor([unique[tuple(p)] for p in prompts for _ in range(n)], device=dev)  # (B,) row -> U index
         U, B, P = len(uprompts), len(row_u), max(len(p) for p in prompts)
         S = P + max_new_tokens - 1  # the last sampled token is never fed back
-        pad_U = torch.tensor([P - len(p) for p in uprompts], device=dev)
+        pad_U = torch.tensor([P - len(p) for p in uprompts], device=dev)  # (U,) left padding, so all end at P - 1
         tokens_UP = torch.full((U, P), self.pad_id, dtype=torch.long, device=dev)
         for u, p in enumerate(uprompts):
-            tokens_UP[u, P - len(p):] = torch.tensor(p, device=dev)
+            tokens_UP[u, P - len(p):] = torch.tensor(p, device=dev)  # right-aligned
         col_P = torch.arange(P, device=dev)
         key_ok_UP = col_P[None] >= pad_U[:, None]  # left padding is never attended to
-        causal_PP = col_P[:, None] >= col_P[None]
+        causal_PP = col_P[:, None] >= col_P[None]  # (P, P): query column >= key column
         # pad queries may see themselves so their softmax rows are not empty
         mask_U1PP = (causal_PP & (key_ok_UP[:, None] | torch.eye(P, dtype=torch.bool, device=dev)))[:, None]
-        prefill = KVCache(cfg, U, P, dtype=self.dtype, device=dev)
+        prefill = KVCache(cfg, U, P, dtype=self.dtype, device=dev)  # (n_layers, U, J, P, d): a row per distinct prompt
+        # positions count from each prompt's first real token (pads at 0, masked anyway): RoPE sees what the
+        # trainer's unpadded forward sees
         h_UPD, routes_UPLK = self.model.hidden(tokens_UP, pos_BT=(col_P[None] - pad_U[:, None]).clamp(min=0),
                                                return_routes=True, cache=prefill, cache_start=0, mask_B1TS=mask_U1PP)
+        # (U, V) -> (B, V): column P - 1 holds every prompt's last token; hidden() has applied the final norm
         last_BV = self.model.lm_head(h_UPD[:, -1]).float()[row_u]
 
+        # (n_layers, B, J, S, d): columns >= P are written by decode step t = col - P before any read
         k_LBJSd = torch.empty(cfg.n_layers, B, cfg.n_kv_heads, S, cfg.head_dim, dtype=self.dtype, device=dev)
         v_LBJSd = torch.empty_like(k_LBJSd)
-        k_LBJSd[:, :, :, :P] = prefill.k[:, row_u]  # each row copies its prompt's prefill
+        k_LBJSd[:, :, :, :P] = prefill.k[:, row_u]  # each row copies its prompt's prefill: (n_layers, B, J, P, d)
         v_LBJSd[:, :, :, :P] = prefill.v[:, row_u]
+        # int32, SGLang's dtype and the Rollout's; columns past a row's last fed token are never read
         routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=torch.int32, device=dev)
-        routes_BSLK[:, :P] = routes_UPLK[row_u]
-        pad_B = pad_U[row_u]
+        routes_BSLK[:, :P] = routes_UPLK[row_u]  # (U, P, L, K) -> (B, P, L, K)
+        pad_B = pad_U[row_u]  # (B,)
         col_S = torch.arange(S, device=dev)
-        pos_BS = (col_S[None] - pad_B[:, None]).clamp(min=0)
+        pos_BS = (col_S[None] - pad_B[:, None]).clamp(min=0)  # (B, S): each row's positions, as in the prefill
+        # (B, 1, 1, S) fp32, broadcast over kv heads and query heads: 0, or -inf on the row's left padding
         bias_B11S = torch.zeros(B, 1, 1, S, device=dev).masked_fill_((col_S[None] < pad_B[:, None])[:, None, None],
                                                                      float("-inf"))
+        # RoPE gathered once per call, (B, S, r) each; a decode step slices its column
         state = DecodeState(k_LBJSd, v_LBJSd, self._cos_Sr[pos_BS], self._sin_Sr[pos_BS], bias_B11S, routes_BSLK)
         return last_BV, state, pad_B
 
@@ -566,13 +630,14 @@ class NativeEngine:
         logp_BC = torch.zeros(B, C, device=dev)
         done_B = torch.zeros(B, dtype=torch.bool, device=dev)
         for t in range(C):
+            # draw t of each row's own stream: the same whichever rows share this batch
             ids_B, logp_B = sample(last_BV, params, row_uniforms(keys_B, t))
             ids_B = ids_B.masked_fill_(done_B, self.pad_id)  # finished rows emit padding
             ids_BC[:, t] = ids_B
             logp_BC[:, t] = logp_B
-            done_B |= ids_B == self.eos_id
+            done_B |= ids_B == self.eos_id  # a finished row still runs (no shape depends on data); generate cuts it
             # the only host sync of a step: every STOP_CHECK_EVERY steps, whether all rows are done
             if t == C - 1 or (t % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1 and bool(done_B.all())):
-                return ids_BC, logp_BC, t + 1
-            last_BV = self._decode_step(self.model, ids_B, state, P + t)
+                return ids_BC, logp_BC, t + 1  # no decode step after the last sample: it is never fed back
+            last_BV = self._decode_step(self.model, ids_B, state, P + t)  # completion token t sits at column P + t
         return ids_BC, logp_BC, C

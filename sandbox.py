@@ -1,14 +1,22 @@
-"""Run untrusted Python (a model's code answer plus its tests) in a sandboxed subprocess.
+"""Run untrusted Python (a model's code answer plus its tests) in a confined subprocess.
 
-`run(program, limits)` writes the program to a fresh temporary directory, starts this file
-as a child interpreter (`python -I sandbox.py DIR LIMITS`), and returns whether the
-program ran to its end within the limits. The child confines itself before it runs the
-program, in this order, each layer applied when the host allows it (the result lists
-the layers applied):
+Owns one run from start to cleanup: `run(program, limits)` writes the program to a fresh
+temporary directory, starts this file as a child interpreter (`python -I sandbox.py DIR
+LIMITS`) that confines itself and then runs the program, kills whatever is left, deletes
+the directory and returns whether the program ran to its end within `SandboxLimits`
+(`SandboxResult`, with the confinement layers the host allowed). `reward.code_reward`,
+the HumanEval-format verifier, is its caller. Like HumanEval's own harness (arXiv
+2107.03374, "Evaluating Large Language Models Trained on Code") it is a guard for
+model-written code, not a boundary for an attacker; no paper prescribes the layers, which
+are Linux's namespaces(7), setrlimit(2), no_new_privs and Landlock.
 
+"Process group" in this file is always the OS's (setsid(2), killpg(2)): the processes of
+one run. It is never a group of rollouts.
+
+Layers, in the order the child applies them, each only where the host allows it:
 1. namespaces: a new network namespace (no interface is up, loopback included, so no
    connection leaves it), a new PID namespace (when its first process exits the kernel
-   kills everything left in it, including processes that left the process group with
+   kills everything left in it, including processes that left the OS process group with
    setsid) and a new mount namespace whose copy of the temp dir is a size-limited tmpfs
    (the disk cannot fill up, and its files vanish with the namespace). A caller that is
    not root first enters a new user namespace, mapping its own uid;
@@ -19,23 +27,32 @@ the layers applied):
    kernel does not enforce RLIMIT_NPROC for root;
 4. Landlock (Linux >= 5.13): files may be created, written or removed only beneath the
    temp dir (and /dev/null written); TCP bind/connect denied (Landlock ABI >= 4); no
-   signals to processes outside the sandbox (ABI >= 6).
+   signals to, and no abstract unix socket connections with, processes outside the
+   sandbox (ABI >= 6). Its network and signal rules repeat layer 1 on purpose: where
+   namespaces are missing they still keep the program off the network and away from the
+   caller's processes. Its file rule is the only bound on where a program that runs
+   under the caller's own uid (a caller that is not root) may write.
 
-The child keeps the wall-clock limit outside the namespaces: it kills the namespace's
-init and reaps it, which returns only once the kernel has killed every process in the
-namespace. The parent, with a later backstop limit of its own, then kills the child's
-whole process group (its leader left unreaped until then, so the group id cannot have
-been reused) and deletes the temp dir. The program counts as passed only if it runs to its end and the
-child then prints a nonce the program never sees as data, so `sys.exit(0)` or
-`os._exit(0)` before the tests run is a failure.
+Ending and judging a run:
+1. The child keeps the wall-clock limit outside the namespaces: it kills the namespace's
+   init and reaps it, which returns only once the kernel has killed every process in the
+   namespace.
+2. The parent, with a later backstop limit of its own, then kills the child's whole OS
+   process group (its leader left unreaped until then, so the process-group id cannot
+   have been reused) and deletes the temp dir.
+3. The program counts as passed only if it runs to its end and the child then prints a
+   nonce the program never sees as data, so `sys.exit(0)` or `os._exit(0)` before the
+   tests run is a failure.
 
-Limits of this design: memory is bounded per process, so the worst case is
-max_processes x memory_mb; a cgroup would bound the sum. Files stay readable (the
-interpreter needs its standard library). Code written against this file's internals
-(reading the nonce from the runner's stack) is not stopped. Without namespaces
-(unprivileged user namespaces disabled) there is no network or PID isolation and
-RLIMIT_NPROC counts all of the user's processes. Like HumanEval's own harness, this
-is a guard for model-written code, not a boundary for an attacker.
+Limits of this design:
+1. Memory is bounded per process, so the worst case is max_processes x memory_mb; a
+   cgroup would bound the sum.
+2. Files stay readable (the interpreter needs its standard library).
+3. Code written against this file's internals (reading the nonce from the runner's
+   stack) is not stopped.
+4. Without namespaces (unprivileged user namespaces disabled) there is no network or PID
+   isolation, a program that calls setsid leaves the OS process group the parent kills,
+   and RLIMIT_NPROC counts all of the user's processes.
 """
 
 from __future__ import annotations
@@ -54,21 +71,26 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+# Kernel constants from <linux/sched.h>, <linux/mount.h> and <linux/prctl.h>, spelled out because the os module
+# has no mount(2) at all, and unshare and its flags only from Python 3.12.
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 0x1000, 0x4000, 1 << 18
 PR_SET_NO_NEW_PRIVS = 38
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446  # same on every arch
-LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
-# Landlock filesystem rights that change the filesystem (uapi/linux/landlock.h), with the ABI that added them
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1  # the first flag asks for the ABI version only
+# Landlock filesystem rights that change the filesystem (uapi/linux/landlock.h), with the ABI that added them;
+# reading and executing are never restricted: the interpreter must import its standard library
 FS_WRITE_RIGHTS = {1: (1 << 1) | (1 << 4) | (1 << 5) | sum(1 << b for b in range(6, 13)), 2: 1 << 13, 3: 1 << 14}
 FS_WRITE_FILE, FS_TRUNCATE = 1 << 1, 1 << 14
-NET_BIND_TCP, NET_CONNECT_TCP = 1, 2
-SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2
+NET_BIND_TCP, NET_CONNECT_TCP = 1, 2  # Landlock ABI >= 4
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2  # Landlock ABI >= 6
 SANDBOX_UID_BASE = 1_000_000_000  # above any real account; + the child's pid makes it unique among live runs
 TIMEOUT_EXIT = 124  # the child's exit code when it hit the wall-clock limit (as coreutils' timeout)
 PARENT_GRACE_S = 5.0  # the parent's own limit is wall_s plus this: a backstop should the child hang
+# in the host's temp dir, not the program's tmpfs (the parent opens the child's stdout), so it outlives the mount
+# namespace; RLIMIT_FSIZE bounds it
 OUTPUT_NAME = "output.txt"
-LAYERS_TAG = "#sandbox-layers "
+LAYERS_TAG = "#sandbox-layers "  # the output's first line names the layers applied, before any program output
 
 
 @dataclass(frozen=True)
@@ -101,25 +123,32 @@ def run(program: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     try:
         with open(os.path.join(tmp, "program.py"), "w") as f:
             f.write(program)
+        # handed over on stdin, which the runner reads before the program starts: in argv or the environment
+        # the program could read it (/proc/self/cmdline, os.environ) and print it without running the tests
         nonce = secrets.token_hex(16)
+        # nothing of the caller's environment (tokens, keys, PYTHONPATH) reaches the program
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
         with open(os.path.join(tmp, OUTPUT_NAME), "wb") as out:
+            # -I: no user site-packages, no PYTHON* variables, and not this file's directory on sys.path, so the
+            # program cannot import the project's modules. start_new_session: the child leads a new OS process
+            # group, so the killpg below reaches everything it started and nothing of the caller's.
             proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), tmp, json.dumps(asdict(limits))],
                                     stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=tmp, env=env,
                                     start_new_session=True)
         try:
             proc.stdin.write(f"{nonce}\n".encode())
             proc.stdin.close()
-        except BrokenPipeError:
+        except BrokenPipeError:  # the child ended before the nonce was read; its exit code says why
             pass
         code = _wait_unreaped(proc.pid, limits.wall_s + PARENT_GRACE_S)  # the child keeps wall_s itself
-        try:  # kill what is left in the group (all of it without a PID namespace)
-            os.killpg(proc.pid, signal.SIGKILL)  # the leader is a zombie at most, so this group id is still ours
+        try:  # kill what is left in the child's OS process group (all of it without a PID namespace)
+            os.killpg(proc.pid, signal.SIGKILL)  # the leader is a zombie at most: its process-group id is still ours
         except ProcessLookupError:
             pass
-        proc.wait()
+        proc.wait()  # reaped only now: the pid and process-group id may be reused from here on
         with open(os.path.join(tmp, OUTPUT_NAME), "rb") as f:
             header = f.readline(1024).decode(errors="replace")
+            # only the last 4 kB: the output may be up to file_mb, and a failure's traceback ends it
             f.seek(max(f.tell(), os.fstat(f.fileno()).st_size - 4096))
             tail = f.read().decode(errors="replace")
         return _verdict(code, header, tail, nonce, tmp)
@@ -130,6 +159,8 @@ def run(program: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
 def _wait_unreaped(pid: int, timeout_s: float) -> int | None:
     """Exit code (128 + n for signal n) once pid exits, without reaping it; None after timeout_s."""
     deadline, pause = time.monotonic() + timeout_s, 0.002
+    # polled with WNOWAIT, not Popen.wait(timeout), which would reap the child and free its pid (and with it
+    # the OS process-group id) for reuse before run() kills that process group
     while True:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         if info is not None and info.si_pid == pid:
@@ -137,25 +168,25 @@ def _wait_unreaped(pid: int, timeout_s: float) -> int | None:
         if time.monotonic() >= deadline:
             return None
         time.sleep(pause)
-        pause = min(pause * 2, 0.02)
+        pause = min(pause * 2, 0.02)  # a quick program is seen at once; a slow one costs few wake-ups
 
 
 def _verdict(code: int | None, header: str, text: str, nonce: str, tmp: str) -> SandboxResult:
     """The run's outcome from its exit code (None: timed out) and its output's first line and tail."""
     layers = header[len(LAYERS_TAG):].strip().split(",") if header.startswith(LAYERS_TAG) else []
     lines = text.rstrip("\n").split("\n")
-    if code is None or code == TIMEOUT_EXIT:
+    if code is None or code == TIMEOUT_EXIT:  # None: the parent's backstop; 124: the child's own wall clock
         reason = "timeout"
     elif code == 0 and lines[-1] == nonce:
         return SandboxResult(True, "passed", layers, "\n".join(lines[:-1])[-4096:], tmp)
-    elif code == 0:
+    elif code == 0:  # exit 0 without the nonce: the program ended the process (os._exit, say) before its end
         reason = "exited early"
-    elif code > 128:
+    elif code > 128:  # killed by a signal: e.g. SIGXCPU at the soft CPU limit, SIGKILL at the hard one
         try:
             reason = f"signal: {signal.Signals(code - 128).name}"
         except ValueError:
             reason = f"signal: {code - 128}"
-    else:
+    else:  # the runner writes the exception last ("AssertionError: ..."): usually the most telling line
         last = next((ln for ln in reversed(lines) if ln.strip()), "")
         reason = f"failed: {last.strip()[:200]}"
     return SandboxResult(False, reason, layers, text[-4096:], tmp)
@@ -173,7 +204,7 @@ def _remove_tree(path: str):
 # ----------------------------------------------------------------------------- child side
 
 def _libc():
-    return ctypes.CDLL(None, use_errno=True)
+    return ctypes.CDLL(None, use_errno=True)  # the interpreter's own libc; use_errno lets _check report why
 
 
 def _check(ret: int, what: str) -> int:
@@ -186,21 +217,25 @@ def _check(ret: int, what: str) -> int:
 def _enter_namespaces(libc, tmp: str, uid: int, limits: SandboxLimits) -> list[str]:
     """New net, PID and mount namespaces (and user namespace when not root); tmpfs over tmp."""
     root = os.geteuid() == 0
+    # root may create these namespaces directly; any other caller may only together with a new user namespace
     flags = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS | (0 if root else CLONE_NEWUSER)
     try:
         _check(libc.unshare(flags), "unshare")
-    except OSError:
+    except OSError:  # e.g. unprivileged user namespaces disabled, or a container's seccomp policy
         return []
     if not root:  # map our own ids, or file creation fails with EOVERFLOW
+        # setgroups must be denied before an unprivileged process may write gid_map (user_namespaces(7))
         gid = os.getgid()
         for name, text in (("setgroups", "deny"), ("uid_map", f"{os.getuid()} {os.getuid()} 1"), ("gid_map", f"{gid} {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
     # keep our mounts out of the host's namespace, then give the program a fresh, bounded tmpfs
     _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+    # owned by the uid the program will run under, readable by no one else; nosuid and nodev: no setuid binary
+    # or device node the program creates there has any effect
     opts = f"size={limits.disk_mb}m,mode=0700,uid={uid},gid={uid}".encode()
     _check(libc.mount(b"tmpfs", tmp.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts), "mount tmpfs")
-    if root:
+    if root:  # the sandbox uid must still import the interpreter's modules, which may lie under /root
         _make_reachable(libc, [p for p in sys.path if p and os.path.exists(p)])
     return ["netns", "pidns", "tmpfs"] + ([] if root else ["userns"])
 
@@ -212,7 +247,7 @@ def _make_reachable(libc, paths: list[str]):
     a tmpfs that holds only bind mounts of the children on the way to the paths, so the
     sandbox uid can import the standard library while the rest of that directory stays hidden.
     """
-    needed: dict[str, set[str]] = {}
+    needed: dict[str, set[str]] = {}  # an ancestor closed to others -> its children on the way to a path
     for path in paths:
         parts = os.path.abspath(path).split(os.sep)[1:]
         for i in range(len(parts)):
@@ -220,11 +255,13 @@ def _make_reachable(libc, paths: list[str]):
             if not os.stat(ancestor).st_mode & stat.S_IXOTH:
                 needed.setdefault(ancestor, set()).add(parts[i])
     for ancestor in sorted(needed, key=len):  # outermost first: inner ones are reached through its bind mounts
+        # opened before the tmpfs covers the ancestor: the names then resolve to the tmpfs, but these fds still
+        # point at the originals, which /proc/self/fd/N bind-mounts back into place
         fds = {name: os.open(os.path.join(ancestor, name), os.O_PATH | os.O_CLOEXEC) for name in needed[ancestor]}
         _check(libc.mount(b"tmpfs", ancestor.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"),
                f"mount tmpfs on {ancestor}")
         for name, fd in fds.items():
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
+            if stat.S_ISDIR(os.fstat(fd).st_mode):  # a bind mount needs a mount point of the same kind
                 os.mkdir(os.path.join(ancestor, name))
             else:
                 open(os.path.join(ancestor, name), "w").close()  # a file is bind-mounted onto a file
@@ -235,30 +272,37 @@ def _make_reachable(libc, paths: list[str]):
 
 def _landlock(libc, tmp: str) -> list[str]:
     """Allow filesystem writes only beneath tmp; deny TCP and outside signals where the ABI has them."""
-    libc.syscall.restype = ctypes.c_long
+    libc.syscall.restype = ctypes.c_long  # syscall(2) returns a long; ctypes would assume an int
+    # a kernel without Landlock, or with it disabled at boot, returns -1 (ENOSYS, EOPNOTSUPP): no layer, not an error
     abi = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
     if abi < 1:
         return []
 
+    # struct landlock_ruleset_attr of the newest ABI; an older kernel accepts the longer struct as long as the
+    # fields it does not know are zero, which the ABI checks below ensure
     class RulesetAttr(ctypes.Structure):
         _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
                     ("scoped", ctypes.c_uint64)]
 
     class PathBeneath(ctypes.Structure):
-        _pack_ = 1
+        _pack_ = 1  # struct landlock_path_beneath_attr is __attribute__((packed)) in the uapi header
         _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
+    # a handled right is denied everywhere except beneath the paths of a rule; a right this ABI does not know
+    # would make the kernel refuse the whole ruleset
     fs = sum(bits for v, bits in FS_WRITE_RIGHTS.items() if v <= abi)
     attr = RulesetAttr(fs, NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0,
                        SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0)
     ruleset = _check(libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
                                   ctypes.c_uint32(0)), "landlock_create_ruleset")
+    # /dev/null: programs and the libraries they call write there; opening it with O_TRUNC needs TRUNCATE (ABI 3)
     for path, access in ((tmp, fs), ("/dev/null", FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0))):
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         rule = PathBeneath(access, fd)
         _check(libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
                             ctypes.byref(rule), ctypes.c_uint32(0)), "landlock_add_rule")
         os.close(fd)
+    # from here on for this process and every process it starts; it cannot be lifted (needs no_new_privs, set earlier)
     _check(libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)), "landlock_restrict_self")
     os.close(ruleset)
     return ["landlock-fs"] + (["landlock-tcp"] if abi >= 4 else []) + (["landlock-signal"] if abi >= 6 else [])
@@ -270,35 +314,43 @@ def _child(tmp: str, limits: SandboxLimits):
     with open(os.path.join(tmp, "program.py")) as f:
         source = f.read()  # read now: the tmpfs mounted over tmp hides the file
     root = os.geteuid() == 0
+    # a uid of its own per run: processes of one uid may signal and ptrace each other, so concurrent runs
+    # sharing a uid could kill or read each other
     uid = SANDBOX_UID_BASE + os.getpid() if root else os.getuid()
     layers = _enter_namespaces(libc, tmp, uid, limits)
-    if root and "tmpfs" not in layers:
+    if root and "tmpfs" not in layers:  # the program writes into the host's temp dir instead, as the sandbox uid
         os.chown(tmp, uid, uid)
     mb = 1 << 20
+    # set here, inherited by init and the program: a loop meets the CPU limit, a memory bomb the address space,
+    # a fork bomb the process count; no core dumps: a crash writes no core file nor feeds the host's core handler
     for res, value in ((resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, limits.memory_mb * mb),
                        (resource.RLIMIT_FSIZE, limits.file_mb * mb), (resource.RLIMIT_NOFILE, limits.open_files),
                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, limits.max_processes)):
         # CPU: the soft limit sends SIGXCPU (a readable reason); the hard one, a second later, SIGKILL
         resource.setrlimit(res, (value, value + 1 if res == resource.RLIMIT_CPU else value))
+    # no setuid binary can give the program privileges back; Landlock also requires it of an unprivileged process
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
     layers.append("rlimits")
     init = os.fork()  # with a PID namespace: its init, which outlives the program and takes everything with it
     if init == 0:
         if "pidns" in layers:  # a /proc of this namespace: the host's processes are not even listed
             _check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
+        # the program is not the namespace's pid 1, which the kernel shields from every signal it has no handler
+        # for (pid_namespaces(7)); init waits for it and passes its status on
         program = os.fork()
         if program == 0:
-            if root:
+            if root:  # in this order: once the uid is dropped, supplementary groups and gid can no longer change
                 os.setgroups([])
                 os.setgid(uid)
                 os.setuid(uid)
                 layers.append("uid")
             try:
                 layers += _landlock(libc, tmp)
-            except OSError:
+            except OSError:  # Landlock is one layer among several; the result lists the layers that held
                 pass
-            os.chdir(tmp)
+            os.chdir(tmp)  # relative paths land in the tmpfs
             _run_program(source, layers)
+        # os._exit, not sys.exit: a forked interpreter must not run the parent's exit handlers or flush its buffers
         os._exit(_status(os.waitpid(program, 0)[1]))
     # The wall-clock limit is kept here, outside the namespace: killing its init and reaping it returns
     # only once the kernel has killed and released every process in it, so nothing outlives this exit.
@@ -314,24 +366,26 @@ def _child(tmp: str, limits: SandboxLimits):
     os._exit(TIMEOUT_EXIT if timed_out else status)
 
 
-def _status(wait_status: int) -> int:
+def _status(wait_status: int) -> int:  # a shell's convention: the exit code, or 128 + n for signal n
     return os.WEXITSTATUS(wait_status) if os.WIFEXITED(wait_status) else 128 + os.WTERMSIG(wait_status)
 
 
 def _run_program(source: str, layers: list[str]):
     sys.stdout.write(LAYERS_TAG + ",".join(layers) + "\n")
-    sys.stdout.flush()
-    nonce = sys.stdin.readline().strip()
+    sys.stdout.flush()  # the header must come before anything the program writes
+    nonce = sys.stdin.readline().strip()  # stdin is at its end afterwards: the program reads nothing of it
     try:
+        # fresh globals named __main__, as `python program.py` would give: the program's
+        # `if __name__ == "__main__":` blocks run, and this file's names are not among its globals
         exec(compile(source, "program.py", "exec"), {"__name__": "__main__"})
     except BaseException as e:  # SystemExit included: exiting before the end is not a pass
         sys.stdout.flush()
         sys.stderr.write(f"\n{type(e).__name__}: {e}"[:1000] + "\n")
         sys.stderr.flush()
         os._exit(1)
-    sys.stdout.write(f"\n{nonce}\n")
+    sys.stdout.write(f"\n{nonce}\n")  # on a line of its own, even after output with no final newline
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(0)  # no interpreter teardown: nothing the program registered (atexit, finalizers) prints after the nonce
 
 
 if __name__ == "__main__":

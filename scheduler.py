@@ -1,23 +1,30 @@
 """Length-aware scheduling and the bounded-staleness rollout/train pipeline.
 
-In a batched engine a generation batch runs until its longest member stops, and every
-row pays for the padding of the longest prompt, so mixing short and long rollouts wastes
-the short rows' compute; across workers, the slowest worker sets the step time. The
-seed paper (arXiv 2512.07710) reports 1.66x cumulative speed-up with length-based load
-balancing among its system measures, and overlaps rollout with training. This file:
+Owns how a step's work is laid out: `LengthPredictor` (a prompt's completion length),
+`length_buckets` (generation batches of similar predicted length), `balance` (those
+batches over ranks, longest processing time first), `pack_microbatches` (training
+sequences into token-budget micro-batches, first fit decreasing) and `Pipeline` (a
+producer thread that generates rollouts at most `max_staleness` weight versions behind
+the trainer). Papers: "Each Prompt Matters" (arXiv 2512.07710), whose system measures
+include length-based load balancing and rollout overlapped with training; LPT from
+Graham, "Bounds on multiprocessing timing anomalies" (SIAM J. Appl. Math. 17(2), 1969).
 
-- `LengthPredictor`: a prompt's completion length from its own history, else the mean
-  for its task and prompt-length bucket, else the mean of all completions, else a prior;
-- `length_buckets`: sort prompts by predicted length and cut the order into generation
-  batches, so each batch holds similar lengths;
-- `balance`: longest-processing-time-first assignment of predicted work to workers
-  (Graham 1969: within 4/3 of the optimal makespan);
-- `pack_microbatches`: first-fit-decreasing packing of training sequences into
-  micro-batches whose padded size (rows x longest row) stays within a token budget;
-- `Pipeline`: a rollout producer thread that runs up to `max_staleness` steps ahead of the
-  trainer. Weights are published with a version (the number of optimizer steps taken);
-  the producer applies the newest published weights between batches and never starts
-  batch s with weights older than s - max_staleness, so 0 is synchronous on-policy RL.
+Notable choices:
+1. Why lengths: in a batched engine a generation batch runs until its longest member
+   stops, and every row pays for the padding of the longest prompt, so mixing short and
+   long rollouts wastes the short rows' compute; across workers, the slowest worker sets
+   the step time. The seed paper reports a 1.66x cumulative speed-up from its system
+   measures, length-based load balancing among them (arXiv 2512.07710).
+2. `LengthPredictor` answers from a prompt's own history, else the mean for its task and
+   prompt-length bucket, else the mean of all completions, else a prior.
+3. `balance` is Graham's LPT: its makespan is within 4/3 - 1/(3 m) of the optimum on m
+   workers. It is deterministic, so every rank computes the same assignment unaided.
+4. `pack_microbatches` bounds a micro-batch's padded size (rows x longest row). On
+   sequences sorted longest first, first fit never reopens a closed micro-batch, so it is
+   written as next fit; a sequence longer than the budget gets a micro-batch of its own.
+5. `Pipeline` publishes weights with a version (the number of optimizer steps taken);
+   the producer applies the newest published weights between batches and never starts
+   batch s with weights older than s - max_staleness, so 0 is synchronous on-policy RL.
 """
 
 from __future__ import annotations
@@ -32,16 +39,25 @@ PROMPT_LEN_BUCKET = 64  # prompts within this many tokens share a fallback lengt
 
 
 class LengthPredictor:
-    """Predicts completion length (tokens) per prompt key from history, with fallbacks."""
+    """Predicts completion length (tokens) per prompt key from history, with fallbacks.
+
+    The fallbacks, in order: the mean for the prompt's (task, prompt-length bucket), the
+    mean of all completions seen, `prior`. state_dict / load_state_dict carry it through
+    checkpoints.
+    """
 
     def __init__(self, prior: float):
         self.prior = prior
+        # every completion length a prompt key got: all its rollouts, in every step it was drawn in
         self.history: dict = defaultdict(list)
-        self.by_group: dict = defaultdict(lambda: [0.0, 0])  # (task, prompt-length bucket) -> [sum, count]
-        self.total, self.count = 0.0, 0
+        # (task, prompt-length bucket) -> [sum, count] of completion lengths. Despite the attribute's name (also
+        # the checkpoint key) these are buckets, not groups: a group is only one prompt's rollouts.
+        self.by_group: dict = defaultdict(lambda: [0.0, 0])
+        self.total, self.count = 0.0, 0  # over every completion: the fallback for an unseen bucket
 
     def observe(self, key, length: int, *, task=None, prompt_len: int = 0):
         self.history[key].append(length)
+        # a new prompt of the same task and similar prompt length is likely to get a similar completion length
         g = self.by_group[task, prompt_len // PROMPT_LEN_BUCKET]
         g[0] += length
         g[1] += 1
@@ -50,14 +66,16 @@ class LengthPredictor:
 
     def predict(self, key, *, task=None, prompt_len: int = 0) -> float:
         seen = self.history.get(key)
-        if seen:
+        if seen:  # the prompt's own past completions: the most specific estimate there is
             return sum(seen) / len(seen)
+        # .get, not [...]: a prediction must not insert an empty bucket into the defaultdict
         g = self.by_group.get((task, prompt_len // PROMPT_LEN_BUCKET))
         if g and g[1]:
             return g[0] / g[1]
         return self.total / self.count if self.count else self.prior
 
     def state_dict(self) -> dict:
+        # plain dicts: a defaultdict's lambda factory cannot be pickled into a checkpoint
         return {"prior": self.prior, "history": dict(self.history), "by_group": dict(self.by_group),
                 "total": self.total, "count": self.count}
 
@@ -68,12 +86,15 @@ class LengthPredictor:
 
 
 def length_buckets(predicted_lengths: list[float], batch_size: int) -> list[list[int]]:
-    """Indices grouped into batches of <= batch_size with similar predicted lengths (longest first).
+    """Indices cut into batches of <= batch_size with similar predicted lengths (longest first).
 
     Raises ValueError if batch_size < 1.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
+    # a batch decodes until its longest row ends: consecutive cuts of the sorted order keep each batch's rows
+    # close to its longest, so little compute goes to rows that have already stopped. The sort is stable
+    # (ties keep index order), so every rank cuts the same batches from the same predictions.
     order = sorted(range(len(predicted_lengths)), key=lambda i: -predicted_lengths[i])
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
@@ -85,9 +106,14 @@ def balance(costs: list[float], num_workers: int) -> list[list[int]]:
     """
     if num_workers < 1:
         raise ValueError(f"num_workers={num_workers} must be >= 1")
-    heap = [(0.0, w) for w in range(num_workers)]  # (load, worker)
+    # Graham 1969: the item j that ends last started on the least-loaded worker, so the makespan is at most
+    # mean load + cost_j <= optimum + cost_j. Taking costs in decreasing order makes cost_j the smallest so
+    # far: either cost_j <= optimum / 3, or items 1..j all exceed a third of the optimum, so an optimal split
+    # holds at most two of them per worker, and on such items LPT is optimal. Hence makespan <= (4/3 - 1/(3 m))
+    # x optimum, where the same greedy on unsorted costs guarantees only 2 - 1/m.
+    heap = [(0.0, w) for w in range(num_workers)]  # (load, worker); equal loads go to the lowest worker id
     assigned: list[list[int]] = [[] for _ in range(num_workers)]
-    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):  # stable: every rank gets the same split
         load, w = heapq.heappop(heap)
         assigned[w].append(i)
         heapq.heappush(heap, (load + costs[i], w))
@@ -103,6 +129,11 @@ def pack_microbatches(lengths: list[int], token_budget: int) -> list[list[int]]:
     """
     if token_budget < 1:
         raise ValueError(f"token_budget={token_budget} must be >= 1")
+    # First fit decreasing written as next fit: a closed micro-batch is at least as wide as the current one (its
+    # first member is no shorter) and already holds as many rows as its width allows, so no later, shorter
+    # sequence could fit in it either.
+    # For this cost (rows x widest row) the result also has the fewest micro-batches: an exchange argument
+    # moves the longest sequences into the micro-batch that holds the longest, whose width they cannot raise.
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches, current = [], []
     for i in order:
@@ -110,7 +141,7 @@ def pack_microbatches(lengths: list[int], token_budget: int) -> list[list[int]]:
         if current and (len(current) + 1) * lengths[current[0]] > token_budget:
             batches.append(current)
             current = []
-        current.append(i)
+        current.append(i)  # an empty micro-batch takes any sequence, over budget or not: it cannot be split
     if current:
         batches.append(current)
     return batches
@@ -137,23 +168,32 @@ class Pipeline:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
         self.produce, self.apply, self.max_staleness, self.timeout = produce, apply, max_staleness, timeout
         self.sync_before = sync_before or (lambda step: False)
+        # no maxsize: the version gate in _run already keeps the producer at most max_staleness + 1 batches
+        # ahead of the trainer's next(), so a second bound would only be a second place to keep in step
         self.batches: queue.Queue = queue.Queue()
-        self.cond = threading.Condition()
+        self.cond = threading.Condition()  # guards published, version and stopped, shared by both threads
+        # only the newest snapshot is kept: a version published while the producer was generating replaces
+        # the one before it, which no batch would use anyway
         self.published: tuple[Any, int] | None = None  # (weights, version) not yet applied
         self.version = start_version  # newest version published
         self.stopped = False
+        # daemon: a producer stuck inside produce() must not keep the interpreter alive after the trainer ends
         self.thread = threading.Thread(target=self._run, args=(start_step, steps), daemon=True)
         self.thread.start()
 
     def _run(self, start: int, steps: int):
         try:
             for step in range(start, steps):
+                # The version gate. The trainer trains on batch s with version s (s optimizer steps taken), so a
+                # batch started with version >= s - max_staleness is at most max_staleness versions stale. A sync
+                # step waits for version s, the weights the trainer publishes only after its checkpoint.
                 oldest = step if self.sync_before(step) else step - self.max_staleness  # the oldest weights allowed
                 with self.cond:
                     self.cond.wait_for(lambda: self.stopped or self.version >= oldest)
                     if self.stopped:
                         return
                     pending, self.published = self.published, None
+                # applied outside the lock: loading weights is slow, and publish() must not block the trainer
                 if pending is not None:
                     self.apply(*pending)
                 self.batches.put(("ok", self.produce(step)))
@@ -163,6 +203,7 @@ class Pipeline:
     def next(self):
         """The next step's batch; raises what the producer raised, or TimeoutError."""
         try:
+            # a timeout turns a producer that hangs (a stuck engine) into an error instead of a silent stall
             kind, value = self.batches.get(timeout=self.timeout)
         except queue.Empty:
             raise TimeoutError(f"no rollout batch within {self.timeout}s") from None
@@ -174,10 +215,11 @@ class Pipeline:
         """Hand new weights (a snapshot the trainer will not modify) to the producer."""
         with self.cond:
             self.published, self.version = (weights, version), version
-            self.cond.notify_all()
+            self.cond.notify_all()  # wakes a producer waiting at the version gate
 
     def close(self):
         with self.cond:
             self.stopped = True
             self.cond.notify_all()
+        # bounded: a producer inside produce() sees `stopped` only at its next gate; the thread is a daemon
         self.thread.join(timeout=self.timeout)
