@@ -14,17 +14,17 @@ experts; nucleus sampling (arXiv 1904.09751); blockwise FP8 after DeepSeek-V3 (a
 gpt-fast's pure prefill / decode over a static cache. The train-inference gap of the
 logprobs and routes recorded here is measured by `espo.mismatch_metrics`.
 
-Shapes: U, B, P, S, C, T, N, R, L, K, E, I, D, H, J, d, r, V (letters of the README's legend).
-Two departures: P is a length here (the longest prompt's tokens, so the first sampled token
-lands in cache column P), not a count of prompts; and the layer dim of the KV cache
-(`k_LBJSd`) counts every layer, dense ones included. The argument n is the README's G.
+Shapes: U, B, S, C, T, N, R, L, K, E, I, D, H, J, d, r, V (letters of the README's legend). In a
+generate call T is the longest prompt's tokens (the prefill's positions), so the first sampled
+token lands in cache column T. The KV cache (`k_cache`, [layers, B, J, S, d]) spans every layer,
+dense ones included. The argument n is the README's G.
 
 Notable choices:
 
 1. Prefill once per distinct prompt (gpt-fast style). Each unique prompt is prefilled once
-   through the model's own forward, left-padded so that every prompt ends at column P - 1;
-   its KV cache is copied to its n sample rows. Decoding then writes column P + t at step t
-   of a static cache allocated once, S = P + max_new_tokens - 1 columns (the last sampled
+   through the model's own forward, left-padded so that every prompt ends at column T - 1;
+   its KV cache is copied to its n sample rows. Decoding then writes column T + t at step t
+   of a static cache allocated once, S = T + max_new_tokens - 1 columns (the last sampled
    token is never fed back), addressed by column, not by per-row length.
 2. A decode step specialised for one token per row (`decode_step`). It calls the model's
    own modules (norms, fused qkv projection, q/k norms, `apply_rope`, `MoE.route`,
@@ -41,7 +41,7 @@ Notable choices:
 4. What a `Rollout` records, for the trainer: the logprob of each sampled token under
    softmax(logits / temperature) before top-k/top-p truncation (what the trainer computes
    for the same token); the top-k expert ids every MoE layer used for every token that
-   went through the model, in SGLang's layout [P + C - 1, L, K] (the last sampled token is
+   went through the model, in SGLang's layout [T + C - 1, L, K] (the last sampled token is
    never fed back), for router replay; and the weight version that produced it.
 5. FP8 weights (`NativeEngine(fp8=True)`), DeepSeek-V3's recipe: blockwise e4m3 with one
    fp32 scale per 128x128 block of each attention and expert (routed, shared, dense FFN)
@@ -105,7 +105,7 @@ class Rollout:
     prompt_ids: list[int]
     completion_ids: list[int]  # includes the EOS token when finish_reason == "stop"
     logprobs: torch.Tensor  # [C] fp32, engine's log pi(completion token): pi_infer, before top-k/top-p truncation
-    # [P + C - 1, L, K] int32 routed expert ids, P this prompt's length: every token fed to the model, i.e. all
+    # [T + C - 1, L, K] int32 routed expert ids, T this prompt's tokens: every token fed to the model, i.e. all
     # but the last completion token, whose logits are never computed (SGLang's layout; replayed by the trainer)
     routes: torch.Tensor
     finish_reason: str  # "stop" (EOS sampled) or "length" (max_new_tokens reached)
@@ -406,9 +406,9 @@ def _stage(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list
 class DecodeState:
     """What the decode steps of one generate call read and write, allocated once (no shape depends on data)."""
     # (n_layers, B, J, S, d): every row's KV cache (L here counts every layer); the prompt's columns are copied
-    # from its prefill, column P + t is written by decode step t
-    k_LBJSd: torch.Tensor
-    v_LBJSd: torch.Tensor
+    # from its prefill, column T + t is written by decode step t
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
     cos_BSr: torch.Tensor  # RoPE at each row's positions (left padding shifts a row's positions)
     sin_BSr: torch.Tensor
     bias_B11S: torch.Tensor  # additive attention mask: -inf on each row's left padding
@@ -427,7 +427,7 @@ def _attend(attn, h_BD, state: DecodeState, layer: int, col: int):
     # (B, 1, r): one column, but a different position per row (left padding)
     cos_B1r, sin_B1r = state.cos_BSr[:, col:col + 1], state.sin_BSr[:, col:col + 1]
     q, k = apply_rope(q, cos_B1r, sin_B1r), apply_rope(k, cos_B1r, sin_B1r)
-    k_BJSd, v_BJSd = state.k_LBJSd[layer], state.v_LBJSd[layer]  # (B, J, S, d) views of the static cache
+    k_BJSd, v_BJSd = state.k_cache[layer], state.v_cache[layer]  # (B, J, S, d) views of the static cache
     k_BJSd[:, :, col] = k[:, :, 0]  # (B, J, d) written in place: column col of every row
     v_BJSd[:, :, col] = v[:, :, 0]
     keys, values = k_BJSd[:, :, :col + 1], v_BJSd[:, :, :col + 1]  # (B, J, col + 1, d) views, no copy
@@ -544,12 +544,11 @@ class NativeEngine:
         """
         if not prompts:
             return []
-        max_new_tokens = params.max_new_tokens
+        max_new_tokens = params.max_new_tokens  # >= 1: SamplingParams checks it
         lens = [len(p) for p in prompts]
-        if max_new_tokens < 1 or min(lens) == 0 or max(lens) + max_new_tokens > self.cfg.max_seq_len:
-            raise ValueError(f"prompt lengths span [{min(lens)}, {max(lens)}] with max_new_tokens={max_new_tokens}; need "
-                             f"prompts >= 1 token, max_new_tokens >= 1, and prompt + max_new_tokens <= "
-                             f"max_seq_len = {self.cfg.max_seq_len}")
+        if min(lens) == 0 or max(lens) + max_new_tokens > self.cfg.max_seq_len:
+            raise ValueError(f"prompt lengths span [{min(lens)}, {max(lens)}] with max_new_tokens={max_new_tokens}; "
+                             f"need prompts >= 1 token and prompt + max_new_tokens <= max_seq_len = {self.cfg.max_seq_len}")
         if seed is None:  # an unseeded call still varies from call to call, through torch's global RNG
             seed = int(torch.randint(1 << 62, (1,)))
         groups = group_ids if group_ids is not None else list(range(len(prompts)))  # each prompt's group id
@@ -557,9 +556,9 @@ class NativeEngine:
             raise ValueError(f"group_ids has {len(groups)} entries for {len(prompts)} prompts")
         # row i = sample i % n of prompt i // n; its random stream is keyed by (seed, group, sample)
         keys_B = row_keys(seed, [g for g in groups for _ in range(n)], [j for _ in prompts for j in range(n)], self.device)
-        P = max(lens)  # the longest prompt: every row's first sampled token lands in column P
+        T = max(lens)  # the longest prompt: every row's first sampled token lands in column T
         last_BV, state, pad_B = self._prefill(prompts, n, max_new_tokens)
-        ids_BC, logp_BC, steps = self._decode(last_BV, state, keys_B, params, P)
+        ids_BC, logp_BC, steps = self._decode(last_BV, state, keys_B, params, T)
         ids = ids_BC[:, :steps].tolist()  # columns past `steps` were never sampled
         # one device-to-host copy per tensor; the per-row slicing below then runs on the CPU
         logp_BC, routes_BSLK, pads = logp_BC.float().cpu(), state.routes_BSLK.cpu(), pad_B.tolist()
@@ -567,16 +566,16 @@ class NativeEngine:
         for i, row in enumerate(ids):
             stop = self.eos_id in row
             c = row.index(self.eos_id) + 1 if stop else steps  # an EOS ends the completion and belongs to it
-            # routes: columns [pad, P + c - 1) = the row's prompt and all but its last completion token, i.e. the
+            # routes: columns [pad, T + c - 1) = the row's prompt and all but its last completion token, i.e. the
             # tokens fed to the model; clone() so a rollout does not keep the whole batch's tensor alive
             rollouts.append(Rollout(
                 prompt_ids=list(prompts[i // n]), completion_ids=row[:c], logprobs=logp_BC[i, :c].clone(),
-                routes=routes_BSLK[i, pads[i]:P + c - 1].clone(), finish_reason="stop" if stop else "length",
+                routes=routes_BSLK[i, pads[i]:T + c - 1].clone(), finish_reason="stop" if stop else "length",
                 group_id=groups[i // n], weight_version=self.weight_version))
         return rollouts
 
     def _prefill(self, prompts: list[list[int]], n: int, max_new_tokens: int):
-        """Prefill each distinct prompt once, left-padded so every row's next token lands in column P,
+        """Prefill each distinct prompt once, left-padded so every row's next token lands in column T,
         and allocate the decode state of its n rows. Returns the first logits [B, V] fp32, the
         DecodeState and each row's left padding [B]."""
         cfg, dev = self.cfg, self.device
@@ -585,33 +584,33 @@ class NativeEngine:
             unique.setdefault(tuple(p), len(unique))  # first-seen order; a repeated prompt is prefilled once
         uprompts = list(unique)
         row_u = torch.tensor([unique[tuple(p)] for p in prompts for _ in range(n)], device=dev)  # (B,) row -> U index
-        U, B, P = len(uprompts), len(row_u), max(len(p) for p in prompts)
-        S = P + max_new_tokens - 1  # the last sampled token is never fed back
-        pad_U = torch.tensor([P - len(p) for p in uprompts], device=dev)  # (U,) left padding, so all end at P - 1
-        tokens_UP = torch.full((U, P), self.pad_id, dtype=torch.long, device=dev)
+        U, B, T = len(uprompts), len(row_u), max(len(p) for p in prompts)
+        S = T + max_new_tokens - 1  # the last sampled token is never fed back
+        pad_U = torch.tensor([T - len(p) for p in uprompts], device=dev)  # (U,) left padding, so all end at T - 1
+        tokens_UT = torch.full((U, T), self.pad_id, dtype=torch.long, device=dev)
         for u, p in enumerate(uprompts):
-            tokens_UP[u, P - len(p):] = torch.tensor(p, device=dev)  # right-aligned
-        col_P = torch.arange(P, device=dev)
-        key_ok_UP = col_P[None] >= pad_U[:, None]  # left padding is never attended to
-        causal_PP = col_P[:, None] >= col_P[None]  # (P, P): query column >= key column
+            tokens_UT[u, T - len(p):] = torch.tensor(p, device=dev)  # right-aligned
+        col_T = torch.arange(T, device=dev)
+        key_ok_UT = col_T[None] >= pad_U[:, None]  # left padding is never attended to
+        causal_TT = col_T[:, None] >= col_T[None]  # (T, T): query column >= key column
         # pad queries may see themselves so their softmax rows are not empty
-        mask_U1PP = (causal_PP & (key_ok_UP[:, None] | torch.eye(P, dtype=torch.bool, device=dev)))[:, None]
-        prefill = KVCache(cfg, U, P, dtype=self.dtype, device=dev)  # (n_layers, U, J, P, d): a row per distinct prompt
+        mask_U1TT = (causal_TT & (key_ok_UT[:, None] | torch.eye(T, dtype=torch.bool, device=dev)))[:, None]
+        prefill = KVCache(cfg, U, T, dtype=self.dtype, device=dev)  # (n_layers, U, J, T, d): a row per distinct prompt
         # positions count from each prompt's first real token (pads at 0, masked anyway): RoPE sees what the
         # trainer's unpadded forward sees
-        h_UPD, routes_UPLK = self.model.hidden(tokens_UP, pos_BT=(col_P[None] - pad_U[:, None]).clamp(min=0),
-                                               return_routes=True, cache=prefill, cache_start=0, mask_B1TS=mask_U1PP)
-        # (U, V) -> (B, V): column P - 1 holds every prompt's last token; hidden() has applied the final norm
-        last_BV = self.model.lm_head(h_UPD[:, -1]).float()[row_u]
+        h_UTD, routes_UTLK = self.model.hidden(tokens_UT, pos_BT=(col_T[None] - pad_U[:, None]).clamp(min=0),
+                                               return_routes=True, cache=prefill, cache_start=0, mask_B1TS=mask_U1TT)
+        # (U, V) -> (B, V): column T - 1 holds every prompt's last token; hidden() has applied the final norm
+        last_BV = self.model.lm_head(h_UTD[:, -1]).float()[row_u]
 
-        # (n_layers, B, J, S, d): columns >= P are written by decode step t = col - P before any read
-        k_LBJSd = torch.empty(cfg.n_layers, B, cfg.n_kv_heads, S, cfg.head_dim, dtype=self.dtype, device=dev)
-        v_LBJSd = torch.empty_like(k_LBJSd)
-        k_LBJSd[:, :, :, :P] = prefill.k[:, row_u]  # each row copies its prompt's prefill: (n_layers, B, J, P, d)
-        v_LBJSd[:, :, :, :P] = prefill.v[:, row_u]
+        # (n_layers, B, J, S, d): columns >= T are written by decode step t = col - T before any read
+        k_cache = torch.empty(cfg.n_layers, B, cfg.n_kv_heads, S, cfg.head_dim, dtype=self.dtype, device=dev)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[:, :, :, :T] = prefill.k[:, row_u]  # each row copies its prompt's prefill: (n_layers, B, J, T, d)
+        v_cache[:, :, :, :T] = prefill.v[:, row_u]
         # int32, SGLang's dtype and the Rollout's; columns past a row's last fed token are never read
         routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=torch.int32, device=dev)
-        routes_BSLK[:, :P] = routes_UPLK[row_u]  # (U, P, L, K) -> (B, P, L, K)
+        routes_BSLK[:, :T] = routes_UTLK[row_u]  # (U, T, L, K) -> (B, T, L, K)
         pad_B = pad_U[row_u]  # (B,)
         col_S = torch.arange(S, device=dev)
         pos_BS = (col_S[None] - pad_B[:, None]).clamp(min=0)  # (B, S): each row's positions, as in the prefill
@@ -619,10 +618,10 @@ class NativeEngine:
         bias_B11S = torch.zeros(B, 1, 1, S, device=dev).masked_fill_((col_S[None] < pad_B[:, None])[:, None, None],
                                                                      float("-inf"))
         # RoPE gathered once per call, (B, S, r) each; a decode step slices its column
-        state = DecodeState(k_LBJSd, v_LBJSd, self._cos_Sr[pos_BS], self._sin_Sr[pos_BS], bias_B11S, routes_BSLK)
+        state = DecodeState(k_cache, v_cache, self._cos_Sr[pos_BS], self._sin_Sr[pos_BS], bias_B11S, routes_BSLK)
         return last_BV, state, pad_B
 
-    def _decode(self, last_BV: torch.Tensor, state: DecodeState, keys_B: torch.Tensor, params: SamplingParams, P: int):
+    def _decode(self, last_BV: torch.Tensor, state: DecodeState, keys_B: torch.Tensor, params: SamplingParams, T: int):
         """Sample and feed back one token per row per step until every row has stopped or the limit is
         reached. Returns ids [B, C] int64 (padding after a row's EOS), their logprobs [B, C] and the steps run."""
         B, C, dev = last_BV.shape[0], params.max_new_tokens, self.device
@@ -638,6 +637,6 @@ class NativeEngine:
             done_B |= ids_B == self.eos_id  # a finished row still runs (no shape depends on data); generate cuts it
             # the only host sync of a step: every STOP_CHECK_EVERY steps, whether all rows are done
             if t == C - 1 or (t % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1 and bool(done_B.all())):
-                return ids_BC, logp_BC, t + 1  # no decode step after the last sample: it is never fed back
-            last_BV = self._decode_step(self.model, ids_B, state, P + t)  # completion token t sits at column P + t
-        return ids_BC, logp_BC, C
+                break  # no decode step after the last sample: it is never fed back
+            last_BV = self._decode_step(self.model, ids_B, state, T + t)  # completion token t sits at column T + t
+        return ids_BC, logp_BC, t + 1

@@ -50,17 +50,16 @@ class LengthPredictor:
         self.prior = prior
         # every completion length a prompt key got: all its rollouts, in every step it was drawn in
         self.history: dict = defaultdict(list)
-        # (task, prompt-length bucket) -> [sum, count] of completion lengths. Despite the attribute's name (also
-        # the checkpoint key) these are buckets, not groups: a group is only one prompt's rollouts.
-        self.by_group: dict = defaultdict(lambda: [0.0, 0])
+        # (task, prompt-length bucket) -> [sum, count] of completion lengths
+        self.by_bucket: dict = defaultdict(lambda: [0.0, 0])
         self.total, self.count = 0.0, 0  # over every completion: the fallback for an unseen bucket
 
     def observe(self, key, length: int, *, task=None, prompt_len: int = 0):
         self.history[key].append(length)
         # a new prompt of the same task and similar prompt length is likely to get a similar completion length
-        g = self.by_group[task, prompt_len // PROMPT_LEN_BUCKET]
-        g[0] += length
-        g[1] += 1
+        b = self.by_bucket[task, prompt_len // PROMPT_LEN_BUCKET]
+        b[0] += length
+        b[1] += 1
         self.total += length
         self.count += 1
 
@@ -69,20 +68,22 @@ class LengthPredictor:
         if seen:  # the prompt's own past completions: the most specific estimate there is
             return sum(seen) / len(seen)
         # .get, not [...]: a prediction must not insert an empty bucket into the defaultdict
-        g = self.by_group.get((task, prompt_len // PROMPT_LEN_BUCKET))
-        if g and g[1]:
-            return g[0] / g[1]
+        b = self.by_bucket.get((task, prompt_len // PROMPT_LEN_BUCKET))
+        if b and b[1]:
+            return b[0] / b[1]
         return self.total / self.count if self.count else self.prior
 
     def state_dict(self) -> dict:
         # plain dicts: a defaultdict's lambda factory cannot be pickled into a checkpoint
-        return {"prior": self.prior, "history": dict(self.history), "by_group": dict(self.by_group),
+        return {"prior": self.prior, "history": dict(self.history), "by_bucket": dict(self.by_bucket),
                 "total": self.total, "count": self.count}
 
     def load_state_dict(self, state: dict):
         self.prior, self.total, self.count = state["prior"], state["total"], state["count"]
         self.history = defaultdict(list, state["history"])
-        self.by_group = defaultdict(lambda: [0.0, 0], state["by_group"])
+        # "by_group": the key's name in checkpoints written before it was renamed
+        buckets = state["by_bucket"] if "by_bucket" in state else state["by_group"]
+        self.by_bucket = defaultdict(lambda: [0.0, 0], buckets)
 
 
 def length_buckets(predicted_lengths: list[float], batch_size: int) -> list[list[int]]:

@@ -11,8 +11,7 @@ functions, tested on CPU (tests/test_rollout.py) against payloads in SGLang's do
 format, and the weight sync against a fake engine that records its calls. This file has
 not run on a real SGLang engine; the GPU test that would run it skips without CUDA and sglang.
 
-Shapes: P, C, L, K (letters of the README's legend; P is one prompt's length in tokens here,
-as in rollout.py, not a count of prompts).
+Shapes: T, C, L, K (letters of the README's legend; T is one prompt's tokens here, as in rollout.py).
 
 Notable choices:
 
@@ -104,7 +103,7 @@ def decode_routed_experts(payload, num_tokens: int, cfg: ModelConfig) -> torch.T
 
     SGLang sends base64 of int32 [num_tokens, num_hidden_layers, top_k] (logical expert
     ids); the first `first_k_dense_replace` layers are dense (GLM-4.5) and their rows are
-    dropped. num_tokens is P + C - 1 when the request set routed_experts_start_len=0.
+    dropped. num_tokens is T + C - 1 when the request set routed_experts_start_len=0.
     Raises ValueError when the size does not match.
     """
     # Format as SGLang documents it (sgl-project/sglang R3 usage notes, and sglang-jax
@@ -143,10 +142,10 @@ def decode_sglang_output(out: dict, prompt_ids: list[int], *, cfg: ModelConfig, 
         raise RuntimeError(f"SGLang aborted the request: {reason}")
     if kind not in ("stop", "length"):
         raise ValueError(f"finish_reason {reason!r}; expected type 'stop', 'length' or 'abort'")
-    P, C = len(prompt_ids), len(ids)
+    T, C = len(prompt_ids), len(ids)
     # routes of every token fed to the model: the prompt and all but the last completion token, as NativeEngine
     return Rollout(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=torch.tensor([float(x[0]) for x in lp]),
-                   routes=decode_routed_experts(meta["routed_experts"], P + C - 1, cfg), finish_reason=kind,
+                   routes=decode_routed_experts(meta["routed_experts"], T + C - 1, cfg), finish_reason=kind,
                    group_id=group_id, weight_version=weight_version)
 
 

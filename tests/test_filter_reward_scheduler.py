@@ -55,7 +55,7 @@ def test_unknown_dataset_is_a_value_error():
         TaskMix([("no_such_task", {})], seed=0, size=2)
 
 
-def test_length_buckets_group_similar_lengths():
+def test_length_buckets_put_similar_lengths_together():
     pred = [5, 100, 7, 90, 6, 95]
     assert length_buckets(pred, 2) == [[1, 5], [3, 2], [4, 0]]
 
