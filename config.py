@@ -129,7 +129,8 @@ class TrainConfig:
     loss_type: str = "espo"
     """'espo', 'grpo' (DAPO token clip), 'drgrpo', 'gspo', 'gspo-token', 'gmpo' or 'cispo' (espo.py)."""
     aggregation: str = ""
-    """'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' or 'seq-mean-token-sum-norm'; "" = the paper's."""
+    """'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm' or (ESPO only)
+    'seq-mean-bin-mean-token-mean'; "" = the loss's paper default (espo.PAPER_AGGREGATION)."""
     adv_scale_by_std: bool = True
     """Divide advantages by the reward std (GRPO); false for Dr.GRPO."""
     adv_std_over: str = "group"

@@ -6,7 +6,7 @@ all-to-all token dispatch). This file owns what differs when there are several r
 joining the job (setup_distributed), building the sharded policy and its frozen KL
 reference (build_model, reference_copy), gathering full tensors for the engine and the
 checkpoints, and the few collectives the trainer calls. With one process every helper
-here is a no-op or a plain call, so no other file has to ask how many ranks there are.
+here is a no-op or a plain call; the step asks `rank_world()` only where ranks split work.
 
 Notable choices:
 1. The policy starts from exactly the weights one process would build, in fp32 on every

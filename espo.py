@@ -476,7 +476,7 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
                 infer_logp_BT: torch.Tensor | None = None, normalizer: float | None = None):
     """Policy-gradient loss (a scalar to minimise) and a dict of float metrics.
 
-    logp_BT: log pi_theta of the completion tokens (grad flows), [B, T] fp32 or fp64.
+    logp_BT: log pi_theta of each target token (grad flows), [B, T] fp32 or fp64; the mask selects the completion.
     old_logp_BT: log pi_old of the same tokens, [B, T]; treated as constant.
     adv_B: one advantage per sequence, [B], or one per token, [B, T] (RL-ZVP, arXiv 2509.21880).
     mask_BT: 1 on completion tokens, 0 on padding.

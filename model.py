@@ -18,7 +18,8 @@ What it computes:
    blocks, GLM-4.5) or a mixture of experts. RoPE on all of each head (Qwen3) or its first r
    dims (GLM-4.5's partial rotary); GQA through `kernels.causal_attention` in training (SDPA,
    or on CPU a kernel that stops each query block at its causal frontier) and SDPA with a
-   mask when decoding; optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (GLM-4.5).
+   mask for the engine's prefill (its decode step is rollout.decode_step); optional per-head
+   q/k RMSNorm (Qwen3) and q/k/v bias (GLM-4.5).
 2. Softmax router (Qwen3-MoE): p = softmax(s), top-k of p, weights p_i over the chosen set,
    renormalised to sum 1 when norm_topk_prob: g_i = exp(s_i) / sum_{j in top-k} exp(s_j), i in top-k.
 3. Sigmoid router (GLM-4.5; DeepSeek-V3 eq. 15-16): p = sigmoid(s); the choice uses p + b

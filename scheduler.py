@@ -22,7 +22,7 @@ Notable choices:
 4. `pack_microbatches` bounds a micro-batch's padded size (rows x longest row). On
    sequences sorted longest first, first fit never reopens a closed micro-batch, so it is
    written as next fit; a sequence longer than the budget gets a micro-batch of its own.
-5. `Pipeline` publishes weights with a version (the number of optimizer steps taken);
+5. `Pipeline` publishes weights with a version (the number of RL steps trained);
    the producer applies the newest published weights between batches and never starts
    batch s with weights older than s - max_staleness, so 0 is synchronous on-policy RL.
 """
@@ -121,39 +121,28 @@ def balance(costs: list[float], num_workers: int) -> list[list[int]]:
     return assigned
 
 
-def pack_microbatches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Indices packed so that len(mb) * max(lengths in mb) <= token_budget (padding counted).
+def generation_batches(predictor: LengthPredictor, requests: list[tuple], rows_per_batch: int, *,
+                       num_workers: int = 1, worker: int = 0) -> list[tuple[int, list[int]]]:
+    """This worker's generation batches of a step's prompts: (batch index, request indices) pairs.
 
-    Longest first, each micro-batch filled until the next sequence would break the budget.
-    A sequence longer than the budget gets a micro-batch of its own.
-    Raises ValueError if token_budget < 1.
+    requests: (key, task, prompt_len) of each prompt; each is predicted to take prompt_len plus
+    its predicted completion tokens. Batches of <= rows_per_batch similar lengths
+    (`length_buckets`) go longest first to the least-loaded worker (`balance`, cost = rows x
+    longest row, since a batch decodes until its longest row stops). Every worker computes the
+    same split; the batch index names a batch the same way on every worker.
     """
-    if token_budget < 1:
-        raise ValueError(f"token_budget={token_budget} must be >= 1")
-    # First fit decreasing written as next fit: a closed micro-batch is at least as wide as the current one (its
-    # first member is no shorter) and already holds as many rows as its width allows, so no later, shorter
-    # sequence could fit in it either.
-    # For this cost (rows x widest row) the result also has the fewest micro-batches: an exchange argument
-    # moves the longest sequences into the micro-batch that holds the longest, whose width they cannot raise.
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches, current = [], []
-    for i in order:
-        # sorted descending, so the first member is the longest and sets the padded width
-        if current and (len(current) + 1) * lengths[current[0]] > token_budget:
-            batches.append(current)
-            current = []
-        current.append(i)  # an empty micro-batch takes any sequence, over budget or not: it cannot be split
-    if current:
-        batches.append(current)
-    return batches
+    predicted = [n + predictor.predict(key, task=task, prompt_len=n) for key, task, n in requests]
+    buckets = length_buckets(predicted, rows_per_batch)
+    mine = balance([len(b) * max(predicted[i] for i in b) for b in buckets], num_workers)[worker]
+    return [(b, buckets[b]) for b in sorted(mine)]
 
 
 class Pipeline:
-    """Producer thread for rollout batches, at most `max_staleness` optimizer steps ahead.
+    """Producer thread for rollout batches, at most `max_staleness` RL steps ahead of the trainer.
 
     produce(step) -> batch runs on the producer thread after `apply(weights, version)` has
     loaded the newest published weights into the engine; the trainer calls `next()` for
-    each step's batch and `publish(weights, version)` after each optimizer step. A batch
+    each step's batch and `publish(weights, version)` after each RL step's update. A batch
     for step s is only started once a version >= s - max_staleness is published; with
     max_staleness 0 the producer waits for every update (synchronous). A step s with
     sync_before(s) true waits for version s itself: nothing of it is drawn or generated
@@ -185,7 +174,7 @@ class Pipeline:
     def _run(self, start: int, steps: int):
         try:
             for step in range(start, steps):
-                # The version gate. The trainer trains on batch s with version s (s optimizer steps taken), so a
+                # The version gate. The trainer trains on batch s with version s (s RL steps trained), so a
                 # batch started with version >= s - max_staleness is at most max_staleness versions stale. A sync
                 # step waits for version s, the weights the trainer publishes only after its checkpoint.
                 oldest = step if self.sync_before(step) else step - self.max_staleness  # the oldest weights allowed

@@ -49,11 +49,11 @@ from metrics import MetricsLog, plot
 from model import policy_tensors
 from reward import Item, RewardConfig, RewardPool, TaskMix, demonstration, reward_model_for, shaped_rewards
 from rollout import NativeEngine, Rollout, SamplingParams
-from scheduler import LengthPredictor, Pipeline, balance, length_buckets
+from scheduler import LengthPredictor, Pipeline, generation_batches
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, save_tokenizer, train_tokenizer
 from trainer import TrainBatch, lr_at, sft_step, train_on_rollouts
 
-STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds; stream 0 keeps the old seeds
+STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds (probes, the rest, over-sampling)
 ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken as hung
 
 
@@ -154,8 +154,9 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
             stage2.update(counts)
         else:
             new = sample_groups(run, items, cfg.group_size, step, next(streams))
-        for it, g in zip(items, new):  # what stages 1 and 2 read next time (a stopped prompt: its probes' rate)
-            run.history.observe(it.question, sum(s.reward for s in g) / len(g), step, n=len(g))
+        if filt.skip_prob > 0 or filt.probe_size:  # what stages 1 and 2 read next time (a stopped prompt: its probes)
+            for it, g in zip(items, new):
+                run.history.observe(it.question, sum(s.reward for s in g) / len(g), step, n=len(g))
         groups += zip(items, new)
     t_generate = time.perf_counter() - t0
     for item, g in groups:  # every completion teaches the length predictor (generation buckets, stage 1's estimates)
@@ -193,7 +194,7 @@ def update_policy(run: Run, batch: TrainBatch, step: int) -> dict:
     """The second half of an RL step: the policy update (trainer.py), then weight sync to the engine."""
     t0 = time.perf_counter()
     m = train_on_rollouts(run.model, run.opt, batch, step, run.cfg, run.loss, run.ref_model)
-    # version = optimizer steps taken: the next step's rollouts record which weights produced them
+    # version = RL steps trained (policy updates): the next step's rollouts record which weights produced them
     run.engine.update_weights(full_policy_tensors(run.model), version=step + 1)
     m["t_train"] = time.perf_counter() - t0
     m["trained_sequences"] = len(batch.seqs)
@@ -204,29 +205,26 @@ def update_policy(run: Run, batch: TrainBatch, step: int) -> dict:
 
 def sample_groups(run: Run, items: list[Item], n: int, step: int, stream: int) -> list[list[Scored]]:
     """n scored rollouts of each item (payload: the Rollout): generate, then score."""
-    rollouts = generate(run, items, n, step, stream)
-    return score(run, rollouts, items, n, stream)
+    rollouts = generate_rollouts(run, items, n, step, stream)
+    return score_rollouts(run, rollouts, items, n, stream)
 
 
-def generate(run: Run, items: list[Item], n: int, step: int, stream: int) -> list[Rollout]:
+def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: int) -> list[Rollout]:
     """n rollouts of each item from the engine, in batches of similar predicted length (scheduler.py);
     with reward workers each batch is handed to them as soon as it is generated.
 
     stream: which of the step's generate rounds this is (probes, the rest, over-sampling), so each
     draws its own random numbers. Multi-rank: each rank generates its share of the batches (LPT by
-    predicted work, scheduler.balance), each with the prompts and seed it has in a 1-process run
-    (sampling is batch-invariant: the same rollouts), and returns only those.
+    predicted work), each with the prompts and seed it has in a 1-process run (sampling is
+    batch-invariant: the same rollouts), and returns only those.
     """
     cfg = run.cfg
     prompts = [encode_prompt(run.tok, it.question) for it in items]
-    predicted = [len(p) + predicted_length(run, it, len(p)) for p, it in zip(prompts, items)]  # prompt + completion
-    buckets = length_buckets(predicted, max(1, cfg.gen_batch_rows // n))
     rank, world = rank_world()
-    # each rank gets about the same work: batches assigned longest first (a batch decodes until its longest row ends)
-    mine = balance([len(b) * max(predicted[i] for i in b) for b in buckets], world)[rank]
+    batches = generation_batches(run.predictor, [(it.question, it.task, len(p)) for it, p in zip(items, prompts)],
+                                 max(1, cfg.gen_batch_rows // n), num_workers=world, worker=rank)
     rollouts = []
-    for b in sorted(mine):
-        bucket = buckets[b]  # indices into items: they become the rollouts' group ids
+    for b, bucket in batches:  # bucket: indices into items, which become the rollouts' group ids
         # batch b's seed depends only on (step, b, stream): whichever rank generates it samples the same rollouts
         batch = run.engine.generate([prompts[i] for i in bucket], run.sampling, n=n, group_ids=bucket,
                                     seed=(cfg.seed + step) * 1000 + b + stream * STREAM_SEED_STRIDE)
@@ -238,7 +236,7 @@ def generate(run: Run, items: list[Item], n: int, step: int, stream: int) -> lis
     return rollouts
 
 
-def score(run: Run, rollouts: list[Rollout], items: list[Item], n: int, stream: int) -> list[list[Scored]]:
+def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int, stream: int) -> list[list[Scored]]:
     """The verifier's reward of each rollout (waiting for the reward workers, if any), as groups of n
     per item. Multi-rank: every rank gets every scored rollout, so filter, advantages and history agree."""
     if run.pool is not None:

@@ -11,7 +11,7 @@ step (`TrainBatch`: sequences, the engine's routes and logprobs, advantages):
      that entropy (filter.zvp_token_advantages).
   3. `num_minibatches` optimizer steps over a random split of the sequences, each the
      gradient of one loss (espo.policy_loss) normalised over its whole mini-batch and
-     accumulated over token-budget micro-batches (scheduler.pack_microbatches).
+     accumulated over token-budget micro-batches (`pack_microbatches`).
   4. The train-inference mismatch: k3 of KL(pi_infer || pi_old) and friends (espo.mismatch_metrics).
 
 Several ranks: rank r trains members r, r + world, ... of each mini-batch, with the whole
@@ -34,7 +34,6 @@ from distributed import all_gather_list, all_reduce_float, idle_forward, padded_
 from espo import LossConfig, mismatch_metrics, policy_loss
 from filter import zvp_token_advantages
 from model import token_entropy, token_logprobs
-from scheduler import pack_microbatches
 
 LR_FLOOR = 0.1  # the SFT schedule's cosine ends at this fraction of the peak learning rate
 
@@ -119,6 +118,33 @@ def sft_step(model, opt, seqs: list[list[int]], starts: list[int], pad_id: int, 
     return value
 
 
+def pack_microbatches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices packed so that len(mb) * max(lengths in mb) <= token_budget (padding counted).
+
+    Longest first, each micro-batch filled until the next sequence would break the budget.
+    A sequence longer than the budget gets a micro-batch of its own.
+    Raises ValueError if token_budget < 1.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget={token_budget} must be >= 1")
+    # First fit decreasing written as next fit: a closed micro-batch is at least as wide as the current one (its
+    # first member is no shorter) and already holds as many rows as its width allows, so no later, shorter
+    # sequence could fit in it either.
+    # For this cost (rows x widest row) the result also has the fewest micro-batches: an exchange argument
+    # moves the longest sequences into the micro-batch that holds the longest, whose width they cannot raise.
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        # sorted descending, so the first member is the longest and sets the padded width
+        if current and (len(current) + 1) * lengths[current[0]] > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)  # an empty micro-batch takes any sequence, over budget or not: it cannot be split
+    if current:
+        batches.append(current)
+    return batches
+
+
 @dataclass
 class TrainBatch:
     """The kept rollouts of one RL step as trainer inputs (index i = one sequence), and what the
@@ -182,7 +208,7 @@ def minibatches(num_seqs: int, cfg: TrainConfig, step: int) -> list[list[int]]:
     return [perm[mb::n_mb] for mb in range(n_mb)]
 
 
-def micro_batches(batch: TrainBatch, seqs: list[int], cfg: TrainConfig) -> list[list[int]]:
+def rank_microbatches(batch: TrainBatch, seqs: list[int], cfg: TrainConfig) -> list[list[int]]:
     """seqs packed into micro-batches of at most cfg.microbatch_tokens padded tokens; with several
     ranks padded with empty ones to the most any rank has (every rank runs as many forwards)."""
     packed = pack_microbatches([len(batch.seqs[i]) for i in seqs], cfg.microbatch_tokens)
@@ -194,7 +220,7 @@ def micro_batches(batch: TrainBatch, seqs: list[int], cfg: TrainConfig) -> list[
 def old_logprobs(model, batch: TrainBatch, seqs: list[int], cfg: TrainConfig):
     """pi_old for sequences seqs (this rank's): a no-grad forward of the current weights, routes
     replayed, into batch.set_old."""
-    for idx in micro_batches(batch, seqs, cfg):
+    for idx in rank_microbatches(batch, seqs, cfg):
         if not idx:
             idle_forward(model, cfg, backward=False)
             continue
@@ -216,7 +242,7 @@ def minibatch_backward(model, batch: TrainBatch, members: list[int], first: bool
                   else len(members))
     needs_infer = loss_cfg.tis_cap is not None or loss_cfg.icepop_bounds is not None
     total, metrics = 0.0, []
-    for idx in micro_batches(batch, members[rank::world], cfg):
+    for idx in rank_microbatches(batch, members[rank::world], cfg):
         if not idx:  # this rank has run out of micro-batches: join the others' collectives
             idle_forward(model, cfg, backward=True)
             if ref_model is not None:

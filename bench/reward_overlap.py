@@ -3,7 +3,7 @@
 The verifier takes `--verifier-ms` per rollout and waits rather than computes (time.sleep),
 as a sandboxed code run or a remote reward model does. The rollouts come from the tiny
 config's model shape (random weights, EOS never sampled, so every row runs to the token
-limit) through train.generate (the RL step's own), `--batches` generation batches of
+limit) through train.generate_rollouts (the RL step's own), `--batches` generation batches of
 `--rows` rows. Three runs in one process:
 
 - generation alone: T_gen;
@@ -80,8 +80,8 @@ def main():
     run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(items, list(range(num_prompts))))
 
     def generate(pool=None):
-        run.pool = pool  # with a pool, train.generate hands each batch to it as soon as it is generated
-        return train.generate(run, items, args.group_size, step=0, stream=0)
+        run.pool = pool  # with a pool, train.generate_rollouts hands each batch to it as soon as it is generated
+        return train.generate_rollouts(run, items, args.group_size, step=0, stream=0)
 
     generate()  # warm-up
     runs = []  # per repeat: generate alone, reward alone, generate with overlapped reward (and its generation part)
@@ -100,7 +100,7 @@ def main():
             t = time.perf_counter()
             generate(pool)
             t_gen_overlapped = time.perf_counter() - t
-            keys = [(0, g, j) for g in range(num_prompts) for j in range(args.group_size)]  # train.generate's keys
+            keys = [(0, g, j) for g in range(num_prompts) for j in range(args.group_size)]  # train.generate_rollouts' keys
             overlapped, reasons = pool.gather(keys)
             t_overlap = time.perf_counter() - t
             assert reasons == ["ok"] * len(rollouts) and sorted(overlapped) == sorted(after)

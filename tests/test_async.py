@@ -102,7 +102,8 @@ def test_async_checkpoints_hold_no_rollout_run_ahead_and_resume_finishes(tmp_pat
         out = tmp_path / name
         path = tmp_path / f"{name}.py"
         path.write_text(MICRO + f"out_dir = {str(out)!r}\n")
-        train.main(train.parse_args([str(path), "sft_lr=1e-3", "ckpt_every=1", "ckpt_keep=20", *over]))
+        # stage 1 on (it never skips at skip_prob 1e-9), so the prompt history is recorded and checkpointed
+        train.main(train.parse_args([str(path), "sft_lr=1e-3", "ckpt_every=1", "ckpt_keep=20", "skip_prob=1e-9", *over]))
         return out
 
     def states(out):
@@ -110,6 +111,7 @@ def test_async_checkpoints_hold_no_rollout_run_ahead_and_resume_finishes(tmp_pat
 
     sync, fast = states(run("sync")), states(run("async", "max_staleness=1"))
     assert sync.keys() == fast.keys() and len(sync) == 4 + 3  # SFT steps, then RL steps
+    assert sync[max(sync)]["history"]["records"]  # the history the comparison below is about
     for name, s in sync.items():
         a = fast[name]
         assert a["used"] == s["used"] and a["history"]["records"].keys() == s["history"]["records"].keys(), name

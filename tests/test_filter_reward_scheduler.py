@@ -3,7 +3,8 @@ import torch
 
 from filter import post_rollout_filter
 from reward import TaskMix, demonstration
-from scheduler import LengthPredictor, Pipeline, balance, length_buckets, pack_microbatches
+from scheduler import LengthPredictor, Pipeline, balance, generation_batches, length_buckets
+from trainer import pack_microbatches
 
 
 def test_post_rollout_filter_drops_zero_variance_groups_and_counts_them():
@@ -168,3 +169,14 @@ def test_pipeline_next_times_out_instead_of_hanging_and_close_stops_a_waiting_pr
 def test_pipeline_rejects_negative_staleness():
     with pytest.raises(ValueError, match="max_staleness"):
         Pipeline(lambda s: s, lambda w, v: None, steps=1, max_staleness=-1)
+
+
+def test_generation_batches_split_the_length_buckets_over_workers_by_predicted_work():
+    predictor = LengthPredictor(prior=10.0)
+    for key, completion in (("a", 10), ("b", 90), ("c", 10), ("d", 20)):
+        predictor.observe(key, completion)
+    requests = [("a", 0, 5), ("b", 0, 10), ("c", 0, 5), ("d", 0, 10)]  # (key, task, prompt_len): 15, 100, 15, 30
+    one = generation_batches(predictor, requests, 2)
+    assert one == [(0, [1, 3]), (1, [0, 2])]  # longest first, similar lengths together
+    two = [generation_batches(predictor, requests, 1, num_workers=2, worker=w) for w in (0, 1)]
+    assert two == [[(0, [1])], [(1, [3]), (2, [0]), (3, [2])]]  # the 100-token batch alone, the rest on worker 1
