@@ -1,6 +1,6 @@
 """HF checkpoints: model.Transformer in and out of the hub's safetensors layout.
 
-`load_hf(path)` reads config.json (ModelConfig.from_hf) and the safetensors files, one or
+`load_hf(path)` reads config.json (`config_from_hf`) and the safetensors files, one or
 sharded with model.safetensors.index.json, lazily with `safe_open`, and a parallelized model
 reads only its local shard (`Transformer.local_offsets`), never the full tensor.
 `save_hf(model, path)` writes the reverse (HF names, split and transposed back) plus
@@ -31,10 +31,88 @@ import re
 
 import torch
 
-from model import ModelConfig, Transformer, full_tensor, policy_tensors
+from model import HF_MODEL_TYPES, ModelConfig, Transformer, full_tensor, policy_tensors
 
 
 # re.fullmatch against our whole name: no pattern matches a name another one does, so the order is free
+HF_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+"""HF model_type -> its architectures entry in config.json (model.HF_MODEL_TYPES, in order)."""
+assert tuple(HF_FAMILIES) == HF_MODEL_TYPES
+
+
+def config_from_hf(config: str | dict) -> ModelConfig:
+    """From an HF config.json (path or dict) of model_type qwen3_moe or glm4_moe.
+
+    Raises ValueError on another model_type or a feature this model lacks.
+    """
+    if isinstance(config, str):
+        with open(config) as f:
+            config = json.load(f)
+    c = dict(config)
+    kind = c.get("model_type")
+    if kind not in HF_FAMILIES:
+        raise ValueError(f"model_type={kind!r} is not supported; valid: {sorted(HF_FAMILIES)}")
+    # newer configs nest rope_theta and partial_rotary_factor in rope_parameters; older ones keep them top-level
+    rope = c.get("rope_parameters") or {}
+    # keys both families share; head_dim falls back to hidden_size / heads where a config omits it
+    common = dict(
+        vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
+        n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
+        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+        top_k=c["num_experts_per_tok"], moe_inter_dim=c["moe_intermediate_size"],
+        dense_inter_dim=c["intermediate_size"], norm_topk_prob=c.get("norm_topk_prob", True),
+        attention_bias=c.get("attention_bias", False), rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+        norm_eps=c["rms_norm_eps"], max_seq_len=c.get("max_position_embeddings", 4096),
+        tie_embeddings=c.get("tie_word_embeddings", False), hf_model_type=kind)
+    if kind == "qwen3_moe":
+        # HF Qwen3-MoE may interleave dense layers; here dense blocks can only come first
+        if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
+            raise ValueError("qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not supported")
+        if c.get("use_sliding_window"):
+            raise ValueError("qwen3_moe with use_sliding_window is not supported")
+        # Qwen3-MoE always has q/k norm and the softmax router
+        return ModelConfig(**common, num_experts=c.get("num_experts", c.get("num_local_experts")), qk_norm=True,
+                           router="softmax")
+    # glm4_moe: the sigmoid router with expert bias, shared experts, dense first blocks, partial rotary
+    return ModelConfig(**common, num_experts=c["n_routed_experts"], num_shared_experts=c.get("n_shared_experts", 0),
+                       first_k_dense_replace=c.get("first_k_dense_replace", 0), router="sigmoid",
+                       routed_scaling_factor=c.get("routed_scaling_factor", 1.0), n_group=c.get("n_group", 1),
+                       topk_group=c.get("topk_group", 1), qk_norm=c.get("use_qk_norm", False),
+                       partial_rotary_factor=rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """The HF config.json of a model (inverse of config_from_hf).
+
+    Raises ValueError when the model has a feature its hf_model_type cannot express.
+    """
+    # HF requires intermediate_size even without dense blocks: the expert width stands in.
+    # torch_dtype is a placeholder that save_hf overwrites with the dtype it writes.
+    c = dict(model_type=cfg.hf_model_type, architectures=[HF_FAMILIES[cfg.hf_model_type]],
+             vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
+             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+             num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_inter_dim,
+             intermediate_size=cfg.dense_inter_dim or cfg.moe_inter_dim, norm_topk_prob=cfg.norm_topk_prob,
+             attention_bias=cfg.attention_bias, rms_norm_eps=cfg.norm_eps,
+             max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
+             hidden_act="silu", torch_dtype="float32",
+             rope_parameters=dict(rope_type="default", rope_theta=cfg.rope_theta,
+                                  partial_rotary_factor=cfg.partial_rotary_factor))
+    if cfg.hf_model_type == "qwen3_moe":
+        if cfg.router != "softmax" or cfg.first_k_dense_replace or cfg.num_shared_experts or not cfg.qk_norm:
+            raise ValueError("qwen3_moe needs router='softmax', qk_norm, no dense layers and no shared experts")
+        # every layer MoE: no interleaved dense layers
+        c.update(num_experts=cfg.num_experts, decoder_sparse_step=1, mlp_only_layers=[])
+    else:
+        if cfg.router != "sigmoid":
+            raise ValueError("glm4_moe needs router='sigmoid'")
+        # num_nextn_predict_layers=0: GLM-4.5's multi-token-prediction layer is not part of this model
+        c.update(n_routed_experts=cfg.num_experts, n_shared_experts=cfg.num_shared_experts,
+                 first_k_dense_replace=cfg.first_k_dense_replace, routed_scaling_factor=cfg.routed_scaling_factor,
+                 n_group=cfg.n_group, topk_group=cfg.topk_group, use_qk_norm=cfg.qk_norm, num_nextn_predict_layers=0)
+    return c
+
+
 _HF_RENAMES = [  # (our name pattern, HF names concatenated along our dim `cat`); {e} = one key per expert
     (r"embed\.weight", ["model.embed_tokens.weight"]),
     (r"norm\.weight", ["model.norm.weight"]),
@@ -110,7 +188,7 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
     if model is None:
         # built on meta, then given uninitialised CPU storage: no random init of weights that are read next
         with torch.device("meta"):
-            model = Transformer(ModelConfig.from_hf(os.path.join(path, "config.json")))
+            model = Transformer(config_from_hf(os.path.join(path, "config.json")))
         model.to_empty(device="cpu")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):  # sharded: the index names each tensor's file
@@ -209,7 +287,7 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
     if not write:
         return
     os.makedirs(path, exist_ok=True)
-    config = model.cfg.to_hf()
+    config = config_to_hf(model.cfg)
     config["torch_dtype"] = "bfloat16" if fp8 else str(next(model.parameters()).dtype).removeprefix("torch.")
     if fp8:
         # the keys transformers and SGLang read for blockwise FP8 with activations quantised at run time

@@ -2,8 +2,8 @@
 
 One `Transformer` serves training (a full causal forward) and cached decoding (a static KV
 cache addressed by position, gpt-fast style; rollout.py's engine drives decoding over these
-modules). This file owns `ModelConfig` (and its HF config.json, in and out), the blocks, the
-two routers and the experts, router replay, per-token logprobs and entropy, and `parallelize`
+modules). This file owns `ModelConfig` (hf.py maps it to and from HF's config.json), the
+blocks, the two routers and the experts, router replay, per-token logprobs and entropy, and `parallelize`
 (expert parallel + FSDP2 via torchtitan), the only code here that touches torch.distributed,
 imported inside it. hf.py moves the weights in and out of HF checkpoints.
 Shapes: B, T, S, D, H, J, d, r, V, N, E, K, I, L, R, M (letters of the README's legend).
@@ -50,7 +50,6 @@ Notable choices and departures:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -140,9 +139,9 @@ class ModelConfig:
             raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, n_layers={self.n_layers}]")
         if self.first_k_dense_replace and self.dense_inter_dim <= 0:
             raise ValueError("dense_inter_dim must be positive when first_k_dense_replace > 0")
-        # HF_FAMILIES is defined below the class; looked up when an instance is built
-        if self.hf_model_type not in HF_FAMILIES:
-            raise ValueError(f"hf_model_type={self.hf_model_type!r}; valid: {sorted(HF_FAMILIES)}")
+        # HF_MODEL_TYPES is defined below the class; looked up when an instance is built
+        if self.hf_model_type not in HF_MODEL_TYPES:
+            raise ValueError(f"hf_model_type={self.hf_model_type!r}; valid: {sorted(HF_MODEL_TYPES)}")
 
     @property
     def num_moe_layers(self) -> int:
@@ -154,80 +153,9 @@ class ModelConfig:
         """r: the leading dims of each head that RoPE rotates."""
         return int(self.head_dim * self.partial_rotary_factor)
 
-    @classmethod
-    def from_hf(cls, config: str | dict) -> ModelConfig:
-        """From an HF config.json (path or dict) of model_type qwen3_moe or glm4_moe.
 
-        Raises ValueError on another model_type or a feature this model lacks.
-        """
-        if isinstance(config, str):
-            with open(config) as f:
-                config = json.load(f)
-        c = dict(config)
-        kind = c.get("model_type")
-        if kind not in HF_FAMILIES:
-            raise ValueError(f"model_type={kind!r} is not supported; valid: {sorted(HF_FAMILIES)}")
-        # newer configs nest rope_theta and partial_rotary_factor in rope_parameters; older ones keep them top-level
-        rope = c.get("rope_parameters") or {}
-        # keys both families share; head_dim falls back to hidden_size / heads where a config omits it
-        common = dict(
-            vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
-            n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
-            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-            top_k=c["num_experts_per_tok"], moe_inter_dim=c["moe_intermediate_size"],
-            dense_inter_dim=c["intermediate_size"], norm_topk_prob=c.get("norm_topk_prob", True),
-            attention_bias=c.get("attention_bias", False), rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
-            norm_eps=c["rms_norm_eps"], max_seq_len=c.get("max_position_embeddings", 4096),
-            tie_embeddings=c.get("tie_word_embeddings", False), hf_model_type=kind)
-        if kind == "qwen3_moe":
-            # HF Qwen3-MoE may interleave dense layers; here dense blocks can only come first
-            if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
-                raise ValueError("qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not supported")
-            if c.get("use_sliding_window"):
-                raise ValueError("qwen3_moe with use_sliding_window is not supported")
-            # Qwen3-MoE always has q/k norm and the softmax router
-            return cls(**common, num_experts=c.get("num_experts", c.get("num_local_experts")), qk_norm=True, router="softmax")
-        # glm4_moe: the sigmoid router with expert bias, shared experts, dense first blocks, partial rotary
-        return cls(**common, num_experts=c["n_routed_experts"], num_shared_experts=c.get("n_shared_experts", 0),
-                   first_k_dense_replace=c.get("first_k_dense_replace", 0), router="sigmoid",
-                   routed_scaling_factor=c.get("routed_scaling_factor", 1.0), n_group=c.get("n_group", 1),
-                   topk_group=c.get("topk_group", 1), qk_norm=c.get("use_qk_norm", False),
-                   partial_rotary_factor=rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
-
-    def to_hf(self) -> dict:
-        """The HF config.json of this model (inverse of from_hf).
-
-        Raises ValueError when the model has a feature its hf_model_type cannot express.
-        """
-        # HF requires intermediate_size even without dense blocks: the expert width stands in.
-        # torch_dtype is a placeholder that save_hf overwrites with the dtype it writes.
-        c = dict(model_type=self.hf_model_type, architectures=[HF_FAMILIES[self.hf_model_type]],
-                 vocab_size=self.vocab_size, hidden_size=self.dim, num_hidden_layers=self.n_layers,
-                 num_attention_heads=self.n_heads, num_key_value_heads=self.n_kv_heads, head_dim=self.head_dim,
-                 num_experts_per_tok=self.top_k, moe_intermediate_size=self.moe_inter_dim,
-                 intermediate_size=self.dense_inter_dim or self.moe_inter_dim, norm_topk_prob=self.norm_topk_prob,
-                 attention_bias=self.attention_bias, rms_norm_eps=self.norm_eps,
-                 max_position_embeddings=self.max_seq_len, tie_word_embeddings=self.tie_embeddings,
-                 hidden_act="silu", torch_dtype="float32",
-                 rope_parameters=dict(rope_type="default", rope_theta=self.rope_theta,
-                                      partial_rotary_factor=self.partial_rotary_factor))
-        if self.hf_model_type == "qwen3_moe":
-            if self.router != "softmax" or self.first_k_dense_replace or self.num_shared_experts or not self.qk_norm:
-                raise ValueError("qwen3_moe needs router='softmax', qk_norm, no dense layers and no shared experts")
-            # every layer MoE: no interleaved dense layers
-            c.update(num_experts=self.num_experts, decoder_sparse_step=1, mlp_only_layers=[])
-        else:
-            if self.router != "sigmoid":
-                raise ValueError("glm4_moe needs router='sigmoid'")
-            # num_nextn_predict_layers=0: GLM-4.5's multi-token-prediction layer is not part of this model
-            c.update(n_routed_experts=self.num_experts, n_shared_experts=self.num_shared_experts,
-                     first_k_dense_replace=self.first_k_dense_replace, routed_scaling_factor=self.routed_scaling_factor,
-                     n_group=self.n_group, topk_group=self.topk_group, use_qk_norm=self.qk_norm, num_nextn_predict_layers=0)
-        return c
-
-
-HF_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
-"""HF model_type -> its architectures entry in config.json."""
+HF_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
+"""The HF families this model implements (hf.py maps config.json to and from ModelConfig)."""
 
 
 class RMSNorm(nn.Module):

@@ -36,7 +36,7 @@ import os
 
 import torch
 
-from hf import hf_tensors
+from hf import config_from_hf, hf_tensors
 from model import ModelConfig, full_tensor
 from rollout import DEFAULT_BUCKET_BYTES, Named, Rollout, SamplingParams, quantize_fp8, row_keys, weight_buckets
 
@@ -195,7 +195,7 @@ class SGLangEngine:
         engine = sglang.Engine(**sglang_engine_args(model_path, fp8=fp8, tp_size=tp_size,
                                                     mem_fraction_static=mem_fraction_static, seed=seed, **engine_kwargs))
         # our ModelConfig from the same config.json: layer counts, top_k and dense layers for decoding routes
-        self._setup(engine, ModelConfig.from_hf(hf_config), eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes)
+        self._setup(engine, config_from_hf(hf_config), eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes)
 
     @classmethod
     def from_engine(cls, engine, cfg: ModelConfig, *, eos_id: int, fp8: bool = False,

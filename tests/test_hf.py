@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from hf import load_hf, save_hf
+from hf import config_from_hf, load_hf, save_hf
 from model import ModelConfig, Transformer
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency (requirements-dev.txt)")
@@ -64,7 +64,7 @@ def test_load_hf_gives_transformers_logits(tmp_path, make, shard):
 @pytest.mark.parametrize("make", [qwen3_moe, glm4_moe], ids=["qwen3_moe", "glm4_moe"])
 def test_save_hf_loads_in_transformers_with_the_same_logits(tmp_path, make):
     torch.manual_seed(0)
-    cfg = ModelConfig.from_hf(make().to_dict())
+    cfg = config_from_hf(make().to_dict())
     cfg.init_std = 0.2
     model = Transformer(cfg).eval()
     if cfg.router == "sigmoid":
@@ -81,9 +81,9 @@ def test_save_hf_loads_in_transformers_with_the_same_logits(tmp_path, make):
         assert torch.equal(a, b), n
 
 
-def test_from_hf_rejects_other_model_types():
+def test_config_from_hf_rejects_other_model_types():
     with pytest.raises(ValueError, match="llama"):
-        ModelConfig.from_hf({"model_type": "llama"})
+        config_from_hf({"model_type": "llama"})
 
 
 def test_saved_safetensors_get_the_umask_mode_not_0600(tmp_path):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import train
+from hf import config_to_hf
 from plan import param_counts, print_plan
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "*.py")))
@@ -21,7 +22,7 @@ def test_100b_param_count_equals_transformers_on_meta():
     transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency")
     cfg = train.parse_args([os.path.join(os.path.dirname(CONFIGS[0]), "100b.py")]).model
     with torch.device("meta"):
-        ref = transformers.AutoModelForCausalLM.from_config(transformers.Glm4MoeConfig(**cfg.to_hf()))
+        ref = transformers.AutoModelForCausalLM.from_config(transformers.Glm4MoeConfig(**config_to_hf(cfg)))
     counts = param_counts(cfg)
     assert counts["total"] == sum(p.numel() for p in ref.parameters())
     assert 105e9 < counts["total"] < 108e9 and 11.5e9 < counts["active"] - counts["embed_lm_head"] < 12.5e9  # "106B / 12B active"
@@ -31,7 +32,7 @@ def test_qwen3_30b_a3b_param_count_equals_transformers_on_meta():
     transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency")
     cfg = train.parse_args([os.path.join(os.path.dirname(CONFIGS[0]), "qwen3_30b_a3b.py")]).model
     with torch.device("meta"):
-        ref = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**cfg.to_hf()))
+        ref = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**config_to_hf(cfg)))
     assert param_counts(cfg)["total"] == sum(p.numel() for p in ref.parameters())
 
 
