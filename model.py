@@ -16,19 +16,18 @@ auxiliary-loss-free expert bias (arXiv 2408.15664); router replay, R3 (arXiv 251
 What it computes:
 1. Blocks: pre-norm attention, then a dense SwiGLU FFN (the first `first_k_dense_replace`
    blocks, GLM-4.5) or a mixture of experts. RoPE on all of each head (Qwen3) or its first r
-   dims (GLM-4.5's partial rotary); GQA through `kernels.causal_attention` in training (SDPA,
-   or on CPU a kernel that stops each query block at its causal frontier) and SDPA with a
-   mask for the engine's prefill (its decode step is rollout.decode_step); optional per-head
-   q/k RMSNorm (Qwen3) and q/k/v bias (GLM-4.5).
+   dims (GLM-4.5's partial rotary); GQA through SDPA, causal in training and with a mask for
+   the engine's prefill (its decode step is rollout.decode_step); optional per-head q/k
+   RMSNorm (Qwen3) and q/k/v bias (GLM-4.5).
 2. Softmax router (Qwen3-MoE): p = softmax(s), top-k of p, weights p_i over the chosen set,
    renormalised to sum 1 when norm_topk_prob: g_i = exp(s_i) / sum_{j in top-k} exp(s_j), i in top-k.
 3. Sigmoid router (GLM-4.5; DeepSeek-V3 eq. 15-16): p = sigmoid(s); the choice uses p + b
    (b the expert bias, never in the weights), limited to the topk_group best of n_group
    expert partitions (DeepSeek-V3's node-limited routing); weights p_i, renormalised when
    norm_topk_prob (eq. 13), times routed_scaling_factor (HF's, not in the paper's equations).
-4. Experts: SwiGLU, run over the (token, expert) pairs sorted by expert (`run_experts`) by
-   `kernels.swiglu_experts` (two grouped GEMMs, or on CPU one fused pass per expert); an
-   optional shared expert sees every token (eq. 12).
+4. Experts: SwiGLU, run over the (token, expert) pairs sorted by expert (`run_experts`): two
+   grouped GEMMs (`torch._grouped_mm`) around the SwiGLU, then each token's K outputs
+   gathered back and weighted; an optional shared expert sees every token (eq. 12).
 5. Router replay (R3): `forward` can return the expert ids each MoE layer chose for every
    token and can take such ids back: replayed ids replace the router's own choice, and the
    weights are recomputed from the live scores at those ids (so the router still gets a
@@ -58,7 +57,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import causal_attention, combine, gather_rows, swiglu, swiglu_experts
 
 
 @dataclass
@@ -240,15 +238,73 @@ class Attention(nn.Module):
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)  # (B, H|J, T, d)
         if cache is not None:
             k, v = cache.update(self.layer, cache_start, k, v)  # (B, J, S, d)
-        if cache is None and mask_B1TS is None:  # training: plain causal over this call's tokens
-            y = causal_attention(q, k, v)  # (B, H, T, d)
-        else:  # cached decoding, or an explicit mask
-            # mask_B1TS is bool, True = attend. SDPA's is_causal mask is aligned to the top left, which is
-            # this call's causal mask only when S == T (cache_start == 0); later calls must pass a mask.
-            # enable_gqa: each kv head serves H / J query heads without the kv heads being repeated in memory.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS, is_causal=mask_B1TS is None,
-                                               enable_gqa=cfg.n_heads != cfg.n_kv_heads)  # (B, H, T, d)
+        # mask_B1TS is bool, True = attend; without one, causal over this call's tokens (training). SDPA's
+        # is_causal mask is aligned to the top left, which is this call's causal mask only when S == T
+        # (cache_start == 0); later cached calls must pass a mask. enable_gqa: each kv head serves H / J
+        # query heads without the kv heads being repeated in memory.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS, is_causal=mask_B1TS is None,
+                                           enable_gqa=cfg.n_heads != cfg.n_kv_heads)  # (B, H, T, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))  # (B, T, H*d) -> (B, T, D)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for h = [gate | up] along the last dim (arXiv 2002.05202)."""
+    gate, up = h.chunk(2, dim=-1)  # (..., 2I) -> two (..., I) views
+    return F.silu(gate) * up
+
+
+def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Rows of x sorted by expert times that expert's matrix [N, out]; offs_E = cumulative row counts (int32).
+
+    `torch._grouped_mm` where it runs (CPU in any float dtype; CUDA in bf16, 16-byte aligned
+    strides): one kernel for every expert, no host sync. Elsewhere (fp32 on CUDA) one matmul per
+    expert, which reads the offsets on the host.
+    """
+    aligned = all((s * x_Nin.element_size()) % 16 == 0 for s in w_Ein_out.shape[1:])
+    if (x_Nin.device.type == "cpu" or x_Nin.dtype == torch.bfloat16) and aligned:
+        if x_Nin.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+            return _grouped_mm_eager(x_Nin, w_Ein_out, offs_E)  # torch compiles _grouped_mm for bf16 only
+        return torch._grouped_mm(x_Nin, w_Ein_out, offs=offs_E)
+    outs, start = [], 0
+    for e, end in enumerate(offs_E.tolist()):  # rows start..end belong to expert e (empty when equal)
+        outs.append(x_Nin[start:end] @ w_Ein_out[e])
+        start = end
+    return torch.cat(outs)
+
+
+@torch.compiler.disable
+def _grouped_mm_eager(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm run eagerly: a graph break inside torch.compile'd blocks."""
+    return torch._grouped_mm(x_Nin, w_Ein_out, offs=offs_E)
+
+
+class GatherRows(torch.autograd.Function):
+    """`GatherRows.apply(x, index, inverse, reps)` = x[index], where index takes every row of x exactly
+    `reps` times and `inverse` undoes it: x[index][inverse] lists row i's copies at i*reps .. i*reps+reps-1.
+
+    Sorting a MoE layer's (token, expert) pairs by expert and back are permutations, so the backward
+    is a gather too (through `inverse`, then a sum of each row's copies), where autograd would
+    scatter-add (index_add: atomics on GPU, so not bitwise repeatable).
+    """
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, reps: int):
+        ctx.save_for_backward(inverse)
+        ctx.reps = reps
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inverse,) = ctx.saved_tensors
+        g = g.index_select(0, inverse)  # (rows * reps, D): row i's copies now consecutive
+        return (g.view(-1, ctx.reps, g.shape[-1]).sum(1) if ctx.reps > 1 else g), None, None, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, reps: int) -> torch.Tensor:
+    """x[index] (rows); through `GatherRows` when autograd records, plain `index_select` otherwise (decoding)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return GatherRows.apply(x, index, inverse, reps)
+    return x.index_select(0, index)
 
 
 class FeedForward(nn.Module):
@@ -256,7 +312,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)  # [gate; up] rows, the order kernels.swiglu splits
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)  # [gate; up] rows, the order `swiglu` splits
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
@@ -300,7 +356,8 @@ class GroupedExperts(nn.Module):
             # EP-only experts are outside FSDP, whose reduce would divide; the scale makes their gradient the
             # same data-parallel mean as the dense weights'
             w13, w2 = _ScaleGrad.apply(w13, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
-        return swiglu_experts(x_RD, w13, w2, counts_e)  # (R, D)
+        offs = counts_e.cumsum(0).to(torch.int32)  # (E,) where each expert's rows end
+        return grouped_mm(swiglu(grouped_mm(x_RD, w13, offs)), w2, offs)  # (R, 2I) -> (R, I) -> (R, D)
 
 
 def run_experts(experts: nn.Module, x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
@@ -323,7 +380,8 @@ def run_experts(experts: nn.Module, x_ND: torch.Tensor, ids_NK: torch.Tensor, we
     # sorted row r holds token order_R[r] // K; the gather's backward reads through inverse_R and sums
     # each token's K copies, a gather again instead of a scatter-add
     out_RD = experts(gather_rows(x_ND, order_R // K, inverse_R, K), counts_E)  # (N*K, D) by expert
-    return combine(out_RD, inverse_R, order_R, weights_NK).to(x_ND.dtype)  # (N, D), weighted in fp32
+    out_NKD = gather_rows(out_RD, inverse_R, order_R, 1).view(N, K, -1)  # back to (token, k) order
+    return (out_NKD.float() * weights_NK[..., None]).sum(1).to(x_ND.dtype)  # (N, D), weighted in fp32
 
 
 class MoE(nn.Module):

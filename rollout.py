@@ -69,9 +69,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import grouped_mm
-from model import (GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, full_tensor, rope, run_experts,
-                   swiglu)
+from model import (GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, full_tensor, grouped_mm, rope,
+                   run_experts, swiglu)
 
 Named = Iterable[tuple[str, torch.Tensor]]
 

@@ -347,7 +347,7 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
     producer = dataclasses.replace(run, engine=copy.deepcopy(run.engine))
     threads = torch.get_num_threads()
     rollout_threads, trainer_threads = cfg.rollout_threads, cfg.trainer_threads
-    if torch.device(cfg.device).type == "cpu":  # split the cores; on a GPU each thread launches kernels
+    if torch.device(cfg.device).type == "cpu":  # split the cores; on a GPU each thread only launches work
         rollout_threads = rollout_threads or max(1, threads // 2)
         trainer_threads = trainer_threads or max(1, threads - rollout_threads)
     if trainer_threads:

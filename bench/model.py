@@ -9,7 +9,7 @@ its top-k experts, lm_head; not the embedding lookup nor the attention scores) x
 over an fp32 matmul peak measured in the same run (square matmuls, the best of sizes).
 
 Our model runs twice: eager, and a copy with each block torch.compile'd (elementwise ops
-fused; the experts and the attention, kernels.c on CPU, stay eager), as
+fused; the grouped-GEMM experts stay eager in fp32, as torch compiles them for bf16 only), as
 `parallelize(..., compile=True)` does. Every round times one step of each side, in
 rotating order, and measures the peak again: this VM's speed drifts by tens of percent
 within minutes, so speedups and MFU are medians of per-round ratios. The headline is the

@@ -10,11 +10,10 @@ the full generate minus that, over new_tokens - 1 forward steps. Best of `--repe
 rounds, every side run once per round (interleaved, so load drift hits both alike).
 
 What bounds the ratio on a CPU: the expert GEMMs (about 0.4 GFLOP a step) and their 48 MB
-of fp32 weights, more than the 32 MB L3, so every step streams them from memory.
-transformers 5.24 runs its experts with torch._grouped_mm; NativeEngine with kernels.c's
-fused experts (one pass per expert, SwiGLU in cache) and one-pass combine, which took its
-decode step from about 17.6 to 15-17 ms against transformers' 24-28 ms; per-step
-overhead is the rest.
+of fp32 weights, more than the 32 MB L3, so every step streams them from memory. Both
+sides run their experts with torch._grouped_mm; the rest is per-step overhead (the
+engine's static cache, batched sampling and one host sync per STOP_CHECK_EVERY steps
+against transformers' dynamic cache and per-step logits processing).
 
     python bench/rollout.py [--batch 64 --prompt-len 32 --new-tokens 128 --threads 2 --compile]
 """

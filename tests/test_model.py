@@ -2,8 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import grouped_mm
-from model import MoE, ModelConfig, Transformer
+from model import GatherRows, MoE, ModelConfig, Transformer, grouped_mm
 
 
 @pytest.mark.parametrize("num_shared_experts", [0, 1])
@@ -97,6 +96,21 @@ def test_grouped_mm_matches_per_expert_loop_with_empty_experts():
     offs = torch.tensor([3, 3, 10, 10], dtype=torch.int32)  # experts 1 and 3 get no rows
     want = torch.cat([x[:3] @ w[0], x[3:10] @ w[2]])
     torch.testing.assert_close(grouped_mm(x, w, offs), want)
+
+
+@pytest.mark.parametrize("reps", [1, 3])
+def test_gather_rows_backward_equals_autograd_scatter_add(reps):
+    g = torch.Generator().manual_seed(reps)
+    x = torch.randn(10, 6, generator=g, requires_grad=True)
+    order = torch.randperm(10 * reps, generator=g)  # a permutation of the 10*reps copies
+    index = order // reps  # each row taken reps times
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(10 * reps))
+    out = GatherRows.apply(x, index, inverse, reps)
+    torch.testing.assert_close(out, x[index])
+    weight = torch.randn(10 * reps, 6, generator=g)
+    (grad,) = torch.autograd.grad((out * weight).sum(), x)
+    (grad_ref,) = torch.autograd.grad((x[index] * weight).sum(), x)
+    torch.testing.assert_close(grad, grad_ref)
 
 
 def test_model_config_rejects_bad_values():
