@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from distributed import full_policy_tensors, rank_world
+from distributed import rank_world
 from hf import umask_mode
+from rollout import full_tensor, policy_tensors
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -211,7 +212,7 @@ def save_checkpoint(model, cfg: TrainConfig, out_dir: str):
         # Gathering the shards is a collective: every rank iterates, though only rank 0 keeps and
         # writes the result. safetensors stores only contiguous tensors. policy_tensors yields a tied
         # lm_head once, so save_file sees no shared storage.
-        tensors = {n: t.contiguous() for n, t in full_policy_tensors(model)}
+        tensors = {n: full_tensor(t).contiguous() for n, t in policy_tensors(model)}
         if rank == 0:
             save_file(tensors, tmp, metadata={"config": cfg_json})
     else:

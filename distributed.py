@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model import Transformer, full_tensor, policy_tensors
+from model import Transformer
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -175,15 +175,6 @@ def reference_copy(model, cfg: TrainConfig, dims=None) -> Transformer:
             assert name == src_name, (name, src_name)  # a copy into the wrong twin would pass silently otherwise
             r.copy_(p)  # DTensor to DTensor with equal placements: a local copy, no communication
     return ref.requires_grad_(False)
-
-
-def full_policy_tensors(model):
-    """(name, full tensor) of every parameter and persistent buffer (model.policy_tensors), DTensor
-    shards gathered: a collective, every rank must call it."""
-    # A generator: one full tensor at a time, so a caller that streams them (the engine's weight
-    # sync) never holds the whole gathered model at once.
-    for name, t in policy_tensors(model):
-        yield name, full_tensor(t)
 
 
 def all_gather_list(items: list) -> list:

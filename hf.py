@@ -31,7 +31,8 @@ import re
 
 import torch
 
-from model import HF_MODEL_TYPES, ModelConfig, Transformer, full_tensor, policy_tensors
+from model import HF_MODEL_TYPES, ModelConfig, Transformer
+from rollout import full_tensor, policy_tensors
 
 
 # re.fullmatch against our whole name: no pattern matches a name another one does, so the order is free

@@ -50,7 +50,6 @@ Notable choices and departures:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -541,8 +540,12 @@ class Transformer(nn.Module):
         # L tensors of (B, T, K) -> (B, T, L, K); None as well when no block is MoE
         return self.norm(x), (torch.stack(routes, dim=2) if return_routes and routes else None)
 
-    def forward(self, tokens_BT: torch.Tensor, **kwargs):
-        """Logits [B, T, V] fp32 and, if `return_routes`, expert ids [B, T, L, K] int64 (else None).
+    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None, *, temperature: float = 1.0,
+                **kwargs):
+        """Without targets: logits [B, T, V] fp32 and, if `return_routes`, expert ids [B, T, L, K] int64
+        (else None). With targets_BT [B, T] int64: (log pi(target), entropy) [B, T] fp32 each under
+        softmax(logits / temperature), and the routes; the [B, T, V] logits are never held at once
+        (`chunked_logprobs`): what a trainer calls.
 
         tokens_BT: int64 token ids. pos_BT: RoPE positions (default 0..T-1 per row).
         routed_experts: int [B, T, L, K] ids to replay (R3, arXiv 2510.11370), L = MoE
@@ -555,8 +558,12 @@ class Transformer(nn.Module):
         mixes -1 with ids, or a row that repeats an expert.
         """
         h, routes = self.hidden(tokens_BT, **kwargs)
-        # lm_head in the parameters' dtype; the logits in fp32 for the log-softmax downstream
-        return self.lm_head(h).float(), routes
+        if targets_BT is None:
+            # lm_head in the parameters' dtype; the logits in fp32 for the log-softmax downstream
+            return self.lm_head(h).float(), routes
+        # inside forward, not after it: under FSDP the lm_head weight is gathered only while forward runs
+        logp_BT, entropy_BT = chunked_logprobs(h, self.lm_head.weight, targets_BT, temperature=temperature)
+        return (logp_BT, entropy_BT), routes
 
 
 def check_routes(routed_experts: torch.Tensor, want: tuple, num_experts: int):
@@ -588,6 +595,42 @@ def token_entropy(logits_BTV: torch.Tensor, temperature: float = 1.0) -> torch.T
     """Full-vocabulary entropy -sum_v p log p [B, T] fp32, in nats."""
     logp = (logits_BTV.float() / temperature).log_softmax(dim=-1)  # (B, T, V)
     return -(logp.exp() * logp).sum(dim=-1)  # (B, T)
+
+
+LOGITS_CHUNK_TOKENS = 1024
+"""Positions whose [*, V] fp32 logits `chunked_logprobs` holds at once (a few such blocks are live at its peak)."""
+
+
+def _chunk_logprobs(h_CD: torch.Tensor, w_VD: torch.Tensor, targets_C: torch.Tensor, temperature: float):
+    """log pi(target) [C] and entropy [C] fp32 of one chunk of positions (the entropy without a gradient)."""
+    logp_CV = (F.linear(h_CD, w_VD).float() / temperature).log_softmax(dim=-1)  # (C, V) fp32, this chunk only
+    with torch.no_grad():  # the entropy feeds ESPO's bins and RL-ZVP, never a gradient
+        entropy_C = -(logp_CV.exp() * logp_CV).sum(dim=-1)
+    return logp_CV.gather(-1, targets_C[:, None]).squeeze(-1), entropy_C
+
+
+def chunked_logprobs(h_BTD: torch.Tensor, w_VD: torch.Tensor, targets_BT: torch.Tensor, *, temperature: float = 1.0,
+                     chunk: int = LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(target) and entropy [B, T] fp32 from final hidden states and the lm_head weight [V, D].
+
+    `token_logprobs` and `token_entropy` of lm_head(h), computed `chunk` flattened positions at a
+    time: each chunk's logits exist only inside its own call, and with autograd recording the
+    chunk is recomputed in the backward (activation checkpointing) instead of kept, so neither
+    pass ever holds [B*T, V] fp32; the peak is one chunk's logits, log-softmax and gradient.
+    """
+    from torch.utils.checkpoint import checkpoint
+    B, T, D = h_BTD.shape
+    h_ND, t_N = h_BTD.reshape(B * T, D), targets_BT.reshape(B * T)  # (N, D), (N,): chunks over all positions
+    logps, entropies = [], []
+    for s in range(0, B * T, chunk):
+        h, t = h_ND[s:s + chunk], t_N[s:s + chunk]
+        if torch.is_grad_enabled() and (h.requires_grad or w_VD.requires_grad):
+            lp, ent = checkpoint(_chunk_logprobs, h, w_VD, t, temperature, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(h, w_VD, t, temperature)
+        logps.append(lp)
+        entropies.append(ent)
+    return torch.cat(logps).view(B, T), torch.cat(entropies).view(B, T)
 
 
 # ----------------------------------------------------------------------------- parallelism
@@ -677,20 +720,3 @@ CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"  # what activation checkpoint
 def unwrapped(name: str) -> str:
     """A parameter's name as the unwrapped model has it (state dicts, HF names, engines use these)."""
     return name.replace(CHECKPOINT_WRAPPER, "")
-
-
-def policy_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter (a tied lm_head once, as the embedding) and persistent buffer (GLM-4.5's
-    expert_bias), detached, under the unwrapped model's names: what an engine, a checkpoint or an
-    HF export needs. Sharded parameters come as their local DTensors (see `full_tensor`)."""
-    persistent = set(model.state_dict(keep_vars=True))  # state_dict already drops the wrapper from names
-    # named_parameters lists a tied weight once; the state_dict filter drops the softmax router's
-    # non-persistent expert_bias
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if unwrapped(name) in persistent:
-            yield unwrapped(name), t.detach()
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor shard (a collective: every rank of its mesh must call it), else t, detached."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()

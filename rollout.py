@@ -69,8 +69,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, full_tensor, grouped_mm, rope,
-                   run_experts, swiglu)
+from model import GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, grouped_mm, rope, run_experts, swiglu
 
 Named = Iterable[tuple[str, torch.Tensor]]
 
@@ -370,6 +369,23 @@ def quantize_fp8(named_tensors: Named, *, hf: bool = False) -> Iterator[tuple[st
 
 
 # ----------------------------------------------------------------------------- weight sync
+
+def policy_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter (a tied lm_head once, as the embedding) and persistent buffer (GLM-4.5's
+    expert_bias) of a model, detached, under its state-dict names: what an engine, a checkpoint or
+    an HF export takes. Sharded parameters come as their local DTensors (`full_tensor` gathers)."""
+    seen = set()
+    # state_dict names drop activation checkpointing's wrapper and leave out non-persistent buffers
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:  # a tied weight appears under both its names: send it once
+            seen.add(id(t))
+            yield name, t.detach()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective: every rank of its mesh must call it), else t, detached."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
 
 def weight_buckets(named_tensors: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive runs of tensors of at most bucket_bytes each (a larger tensor alone), in order."""

@@ -37,8 +37,9 @@ import os
 import torch
 
 from hf import config_from_hf, hf_tensors
-from model import ModelConfig, full_tensor
-from rollout import DEFAULT_BUCKET_BYTES, Named, Rollout, SamplingParams, quantize_fp8, row_keys, weight_buckets
+from model import ModelConfig
+from rollout import (DEFAULT_BUCKET_BYTES, Named, Rollout, SamplingParams, full_tensor, quantize_fp8, row_keys,
+                     weight_buckets)
 
 
 def _import_sglang():

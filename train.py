@@ -41,14 +41,13 @@ from tqdm import tqdm
 
 from checkpoint import read_checkpoint, resume_path, rng_state, save_checkpoint, set_rng_state, write_checkpoint
 from config import TrainConfig, parse_args
-from distributed import all_gather_list, build_model, full_policy_tensors, rank_world, reference_copy, setup_distributed
+from distributed import all_gather_list, build_model, rank_world, reference_copy, setup_distributed
 from espo import LossConfig, ragged_group_advantages
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, FilterConfig, PromptHistory, Scored, is_informative, oversample_size,
                     post_rollout_filter, pre_rollout_filter, probe_decisions)
 from metrics import MetricsLog, plot
-from model import policy_tensors
 from reward import Item, RewardConfig, RewardPool, TaskMix, demonstration, reward_model_for, shaped_rewards
-from rollout import NativeEngine, Rollout, SamplingParams
+from rollout import NativeEngine, Rollout, SamplingParams, full_tensor, policy_tensors
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, save_tokenizer, train_tokenizer
 from trainer import TrainBatch, lr_at, sft_step, train_on_rollouts
@@ -59,10 +58,20 @@ ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken a
 
 @dataclass
 class Prompts:
-    """The training prompts in one fixed random order, drawn in sequence and cycled (SFT and RL)."""
+    """The training prompts in one fixed random order, drawn in sequence and cycled (SFT and RL), each
+    tokenized once, up front (`ids`, by question)."""
     task: TaskMix
     order: list[int]  # a permutation of the task's items
+    tok: tiktoken.Encoding
     used: int = 0  # items drawn so far: the data position a checkpoint saves
+    ids: dict[str, list[int]] = field(init=False)  # question -> its prompt's token ids
+
+    def __post_init__(self):
+        self.ids = {}
+        for i in range(len(self.task)):
+            question = self.task[i].question
+            if question not in self.ids:  # a question the task repeats is tokenized once
+                self.ids[question] = encode_prompt(self.tok, question)
 
     def draw(self, n: int) -> list[Item]:
         """The next n prompts; past the end the order starts over (a new epoch, in the same order)."""
@@ -137,7 +146,7 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
             items, rounds = run.prompts.draw(more), rnd
         drawn += len(items)
         if filt.skip_prob > 0:  # stage 1, before rollout: skip prompts last seen all-correct or all-wrong
-            predicted = [predicted_length(run, it, len(encode_prompt(run.tok, it.question))) for it in items]
+            predicted = [predicted_length(run, it, len(run.prompts.ids[it.question])) for it in items]
             keep, counts = pre_rollout_filter([it.question for it in items], run.history, step, filt,
                                               rng=run.filter_rng, predicted_tokens=predicted)
             items = [it for it, k in zip(items, keep) if k]
@@ -195,7 +204,7 @@ def update_policy(run: Run, batch: TrainBatch, step: int) -> dict:
     t0 = time.perf_counter()
     m = train_on_rollouts(run.model, run.opt, batch, step, run.cfg, run.loss, run.ref_model)
     # version = RL steps trained (policy updates): the next step's rollouts record which weights produced them
-    run.engine.update_weights(full_policy_tensors(run.model), version=step + 1)
+    run.engine.update_weights(policy_tensors(run.model), version=step + 1)
     m["t_train"] = time.perf_counter() - t0
     m["trained_sequences"] = len(batch.seqs)
     return m
@@ -219,7 +228,7 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
     batch-invariant: the same rollouts), and returns only those.
     """
     cfg = run.cfg
-    prompts = [encode_prompt(run.tok, it.question) for it in items]
+    prompts = [run.prompts.ids[it.question] for it in items]
     rank, world = rank_world()
     batches = generation_batches(run.predictor, [(it.question, it.task, len(p)) for it, p in zip(items, prompts)],
                                  max(1, cfg.gen_batch_rows // n), num_workers=world, worker=rank)
@@ -397,7 +406,7 @@ def sft(run: Run, opt, start: int):
                disable=rank_world()[0] != 0)
     for step in bar:
         items = run.prompts.draw(cfg.sft_batch_size)
-        prompts = [encode_prompt(tok, it.question) for it in items]
+        prompts = [run.prompts.ids[it.question] for it in items]
         seqs = [p + tok.encode_ordinary(demonstration(it)) + [eos] for p, it in zip(prompts, items)]
         lr = lr_at(step, cfg.sft_lr, cfg.lr_warmup_steps, cfg.sft_steps, cosine=True)
         loss = sft_step(run.model, opt, seqs, [len(p) for p in prompts], pad, lr, cfg)
@@ -474,7 +483,8 @@ def checkpoint(run: Run, opt, phase: str, step: int):
     state = {"phase": phase, "step": step, "position": position, "used": run.prompts.used, "rng": rng_state(),
              "filter_rng": run.filter_rng.getstate(), "history": run.history.state_dict(),
              "predictor": run.predictor.state_dict(), "num_records": len(run.log.records), "evals": dict(run.evals),
-             "ref_model": dict(full_policy_tensors(run.ref_model)) if run.ref_model is not None else None}
+             "ref_model": {n: full_tensor(t) for n, t in policy_tensors(run.ref_model)}
+             if run.ref_model is not None else None}
     write_checkpoint(run.cfg.out_dir, position, run.model, opt, state, run.cfg)
 
 
@@ -507,7 +517,7 @@ def start_run(cfg: TrainConfig, dims, resumed: dict | None) -> Run:
                           device=cfg.device, compile=cfg.compile)
     # the data order from its own generator: it does not depend on what else drew from torch's RNG
     order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    return Run(cfg=cfg, engine=engine, tok=tok, prompts=Prompts(task, order), model=model, held_out=held_out,
+    return Run(cfg=cfg, engine=engine, tok=tok, prompts=Prompts(task, order, tok), model=model, held_out=held_out,
                eval_items=eval_items, log=MetricsLog(cfg, keep=resumed["num_records"] if resumed else None),
                pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
                if cfg.reward_workers else None)
@@ -541,7 +551,7 @@ def run(cfg: TrainConfig, dims=None) -> dict:
             set_rng_state(resumed["rng"])  # last: nothing may draw between restoring it and the next step
         sft(r, opt, start)
         del opt
-        r.engine.update_weights(full_policy_tensors(r.model), version=0)
+        r.engine.update_weights(policy_tensors(r.model), version=0)
         r.evals["after_sft"] = r.evals["after_rl"] = run_eval(r, 0)
         r.opt = rl_optimizer(r.model, cfg)
         # the KL penalty's reference: a frozen copy of the policy as RL starts, kept only when used
@@ -557,7 +567,7 @@ def run(cfg: TrainConfig, dims=None) -> dict:
         r.history.load_state_dict(resumed["history"])
         r.filter_rng.setstate(resumed["filter_rng"])
         set_rng_state(resumed["rng"])
-        r.engine.update_weights(full_policy_tensors(r.model), version=rl_start)
+        r.engine.update_weights(policy_tensors(r.model), version=rl_start)
     if cfg.pass_rate_file and resumed is None:  # a resumed run's history already holds them
         n = r.history.load_offline(cfg.pass_rate_file)
         if rank == 0:

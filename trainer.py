@@ -33,7 +33,6 @@ from config import TrainConfig
 from distributed import all_gather_list, all_reduce_float, idle_forward, padded_microbatches, rank_world
 from espo import LossConfig, mismatch_metrics, policy_loss
 from filter import zvp_token_advantages
-from model import token_entropy, token_logprobs
 
 LR_FLOOR = 0.1  # the SFT schedule's cosine ends at this fraction of the peak learning rate
 
@@ -101,8 +100,8 @@ def sft_step(model, opt, seqs: list[list[int]], starts: list[int], pad_id: int, 
         num_tokens = sum(len(s) - p for s, p in zip(seqs, starts))  # the whole batch's loss tokens
         seqs, starts = seqs[rank::world], starts[rank::world]  # this rank's rows
     inputs, targets, mask, _ = sequence_batch(seqs, starts, pad_id)
-    logits, _ = model(inputs.to(cfg.device))
-    nll = -token_logprobs(logits, targets.to(cfg.device))
+    (logp, _), _ = model(inputs.to(cfg.device), targets.to(cfg.device))  # chunked: no [B, T, V] logits
+    nll = -logp
     mask = mask.to(cfg.device)
     if world > 1:
         # each rank's share of the mean over the whole batch; FSDP's reduce-scatter averages the
@@ -216,19 +215,28 @@ def rank_microbatches(batch: TrainBatch, seqs: list[int], cfg: TrainConfig) -> l
     return padded_microbatches(micro) if rank_world()[1] > 1 else micro
 
 
+def policy_logprobs(model, batch: TrainBatch, idx: list[int], cfg: TrainConfig):
+    """log pi and its entropy [b, T] fp32 of sequences idx under `model`, the engine's routes replayed, and
+    the loss mask [b, T]: the trainer's one forward (pi_old, the loss, the KL reference).
+
+    At the rollout temperature, as the engine sampled, so pi_old is the distribution pi_infer
+    approximates. The model computes them chunk by chunk from its hidden states: the [b, T, V]
+    logits are never held.
+    """
+    inputs, targets, mask, routes = batch.micro(idx, cfg)
+    (logp_BT, entropy_BT), _ = model(inputs, targets, temperature=cfg.temperature, routed_experts=routes)
+    return logp_BT, entropy_BT, mask
+
+
 @torch.no_grad()
 def old_logprobs(model, batch: TrainBatch, seqs: list[int], cfg: TrainConfig):
-    """pi_old for sequences seqs (this rank's): a no-grad forward of the current weights, routes
-    replayed, into batch.set_old."""
+    """pi_old for sequences seqs (this rank's): a no-grad forward of the current weights, into batch.set_old."""
     for idx in rank_microbatches(batch, seqs, cfg):
         if not idx:
             idle_forward(model, cfg, backward=False)
             continue
-        inputs, targets, _, routes = batch.micro(idx, cfg)
-        logits, _ = model(inputs, routed_experts=routes)  # the engine's routes replayed: the routing it sampled under
-        # at the rollout temperature, as the engine sampled: pi_old is the same distribution pi_infer approximates
-        batch.set_old(idx, token_logprobs(logits, targets, cfg.temperature), token_entropy(logits, cfg.temperature),
-                      cfg.zvp_alpha)
+        logp_BT, entropy_BT, _ = policy_logprobs(model, batch, idx, cfg)
+        batch.set_old(idx, logp_BT, entropy_BT, cfg.zvp_alpha)
 
 
 def minibatch_backward(model, batch: TrainBatch, members: list[int], first: bool, cfg: TrainConfig,
@@ -248,16 +256,14 @@ def minibatch_backward(model, batch: TrainBatch, members: list[int], first: bool
             if ref_model is not None:
                 idle_forward(ref_model, cfg, backward=False)  # its all-gathers too
             continue
-        inputs, targets, mask, routes = batch.micro(idx, cfg)
-        T = inputs.shape[1]
-        logits, _ = model(inputs, routed_experts=routes)
-        logp = token_logprobs(logits, targets, cfg.temperature)
+        logp, entropy, mask = policy_logprobs(model, batch, idx, cfg)
+        T = mask.shape[1]
         if first:  # pi_old = pi_theta until the first optimizer step (detached: no graph is kept)
-            batch.set_old(idx, logp, token_entropy(logits.detach(), cfg.temperature), cfg.zvp_alpha)
+            batch.set_old(idx, logp, entropy, cfg.zvp_alpha)
         ref_logp = None
         if ref_model is not None:  # the KL penalty's reference, under the same replayed routes
             with torch.no_grad():
-                ref_logp = token_logprobs(ref_model(inputs, routed_experts=routes)[0], targets, cfg.temperature)
+                ref_logp = policy_logprobs(ref_model, batch, idx, cfg)[0]
         old_logp_BT = pad_rows([batch.old_logp[i] for i in idx], T)
         loss, lm = policy_loss(
             logp, old_logp_BT, batch.advantages(idx, T).to(cfg.device), mask, loss_cfg,

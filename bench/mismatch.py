@@ -39,11 +39,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import train  # noqa: E402
 from config import load_config  # noqa: E402
+from espo import mismatch_metrics  # noqa: E402
 from model import Transformer, token_logprobs  # noqa: E402
 from reward import TaskMix, demonstration  # noqa: E402
-from model import policy_tensors  # noqa: E402
-from espo import mismatch_metrics  # noqa: E402
-from rollout import NativeEngine, SamplingParams, quantize_fp8  # noqa: E402
+from rollout import NativeEngine, SamplingParams, policy_tensors, quantize_fp8  # noqa: E402
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, train_tokenizer  # noqa: E402
 
 
@@ -68,7 +67,7 @@ def load_policy(args):
         cfg.sft_steps = args.sft_steps
         order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
         engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
-        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(task, order), model=model)
+        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(task, order, tok), model=model)
         train.sft(sft_run, train.sft_optimizer(model, cfg), 0)
     held_out = TaskMix(cfg.tasks, seed=cfg.eval_seed, size=args.prompts)  # prompts the SFT never saw
     prompts = [encode_prompt(tok, held_out[i].question) for i in range(args.prompts)]

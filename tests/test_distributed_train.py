@@ -19,6 +19,7 @@ import train
 from config import load_config
 from hf import save_hf
 from model import Transformer
+from rollout import full_tensor, policy_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -180,7 +181,7 @@ def build_worker(rank, world, port, cfg, out):
     try:
         dims = distributed.build_parallel_dims(world, dp_shard=world, ep=cfg.ep)
         torch.manual_seed(cfg.seed)
-        full = dict(distributed.full_policy_tensors(distributed.build_model(cfg, dims)))
+        full = {n: full_tensor(t) for n, t in policy_tensors(distributed.build_model(cfg, dims))}
         if rank == 0:
             torch.save(full, out)
     finally:

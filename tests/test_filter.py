@@ -11,7 +11,6 @@ from filter import (OFFLINE_WEIGHT, FilterConfig, PromptHistory, PromptRecord, S
                     pre_rollout_filter, probe_decisions, rest_agree_probability, zvp_token_advantages)
 from reward import Item
 from runs import make_run, micro_config
-from tokenizer import encode_prompt
 
 
 class ScriptedTask:
@@ -152,7 +151,7 @@ def test_history_from_one_step_makes_stage_one_skip_the_next(tmp_path):
     m, _ = train.collect_rollouts(run, 1)  # the same two prompts again: the task's order cycles
     assert calls == [(["mixed"], 4)]
     easy = run.prompts.task[0]
-    predicted = train.predicted_length(run, easy, len(encode_prompt(run.tok, easy.question)))
+    predicted = train.predicted_length(run, easy, len(run.prompts.ids[easy.question]))
     assert m["filter/stage1_prompts_skipped"] == 1 and m["filter/stage1_tokens_saved_est"] == 4 * predicted
 
 

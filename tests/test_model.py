@@ -146,3 +146,23 @@ def test_compiled_blocks_equal_eager_in_fp32_with_grads(tiny_cfg):
     torch.testing.assert_close(compiled, logits, rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_logprobs_from_targets_equal_the_full_logits_path_with_gradients(tiny_cfg):
+    """The trainer's forward (targets given) gives token_logprobs and token_entropy of the full logits, and
+    the same gradients, while holding only chunks of logits (here 4 positions of 3 x 7)."""
+    from model import chunked_logprobs, token_entropy, token_logprobs
+    model = Transformer(tiny_cfg)
+    tokens = torch.randint(0, tiny_cfg.vocab_size, (3, 8))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits, _ = model(inputs)
+    want_lp, want_ent = token_logprobs(logits, targets, 0.7), token_entropy(logits, 0.7)
+    want_grad = torch.autograd.grad(want_lp.sum(), model.lm_head.weight)[0]
+    h, _ = model.hidden(inputs)
+    lp, ent = chunked_logprobs(h, model.lm_head.weight, targets, temperature=0.7, chunk=4)
+    torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.autograd.grad(lp.sum(), model.lm_head.weight)[0], want_grad, rtol=1e-5, atol=1e-6)
+    (lp2, ent2), _ = model(inputs, targets, temperature=0.7)  # the same through forward
+    torch.testing.assert_close(lp2, want_lp, rtol=1e-5, atol=1e-5)
+    assert not ent2.requires_grad  # the entropy never carries a gradient

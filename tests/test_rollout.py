@@ -159,7 +159,7 @@ def test_weight_buckets_respect_the_byte_limit_and_keep_order():
 
 
 def test_update_weights_syncs_the_sigmoid_routers_expert_bias(tiny_cfg):
-    from model import policy_tensors
+    from rollout import policy_tensors
     cfg = dataclasses.replace(tiny_cfg, router="sigmoid", hf_model_type="glm4_moe")
     model = Transformer(cfg)
     for layer in model.layers:
@@ -297,7 +297,7 @@ class _FakeSGLang:
 
 @pytest.mark.parametrize("sessions", [True, False])
 def test_sglang_weight_sync_brackets_buckets_with_sessions_when_present(tiny_cfg, sessions):
-    from model import policy_tensors
+    from rollout import policy_tensors
     from sglang_engine import SGLangEngine
     fake = _FakeSGLang(sessions)
     engine = SGLangEngine.from_engine(fake, tiny_cfg, eos_id=EOS, bucket_bytes=64 << 10)
@@ -374,7 +374,7 @@ def test_fp8_checkpoint_holds_e4m3_weights_with_inverse_scales_that_dequantise_t
     from safetensors.torch import load_file
 
     from hf import hf_tensors, save_hf
-    from model import policy_tensors
+    from rollout import policy_tensors
     from rollout import FP8, dequantize_fp8_blockwise
     cfg = dataclasses.replace(tiny_cfg, qk_norm=True)  # a Qwen3-MoE
     model = Transformer(cfg)
