@@ -14,10 +14,10 @@ experts; nucleus sampling (arXiv 1904.09751); blockwise FP8 after DeepSeek-V3 (a
 gpt-fast's pure prefill / decode over a static cache. The train-inference gap of the
 logprobs and routes recorded here is measured by `espo.mismatch_metrics`.
 
-Shapes: U, B, S, C, T, N, R, L, K, E, I, D, H, J, d, r, V (letters of the README's legend). In a
-generate call T is the longest prompt's tokens (the prefill's positions), so the first sampled
-token lands in cache column T. The KV cache (`k_cache`, [layers, B, J, S, d]) spans every layer,
-dense ones included. The argument n is the README's G.
+Shapes: U, B, S, C, T, L, K, E, D, J, d, V (letters of the README's legend). In a generate
+call T is the longest prompt's tokens (the prefill's positions), so the first sampled token
+lands in cache column T. The KV cache (model.KVCache, [layers, B, J, S, d]) spans every
+layer, dense ones included. The argument n is the README's G.
 
 Notable choices:
 
@@ -26,10 +26,9 @@ Notable choices:
    its KV cache is copied to its n sample rows. Decoding then writes column T + t at step t
    of a static cache allocated once, S = T + max_new_tokens - 1 columns (the last sampled
    token is never fed back), addressed by column, not by per-row length.
-2. A decode step specialised for one token per row (`decode_step`). It calls the model's
-   own modules (norms, fused qkv projection, q/k norms, `apply_rope`, `MoE.route`,
-   `run_experts`, shared and dense FFNs) and specialises only attention for T = 1: two
-   batched matmuls over the cache prefix with a precomputed additive row mask. Per step
+2. The decode step is the model's own forward (`Transformer.hidden`) for one token per row,
+   with the cache and a row mask: the same modules, routing and SDPA attention as the prefill
+   and the trainer, so what the trainer replays is what the engine computed. Per step
    nothing is allocated beyond activations, no shape depends on data, the host syncs only
    for the stop check every `STOP_CHECK_EVERY` steps, and no Python loop runs over rows.
    `torch.compile` of the step is optional: it pays where per-op launch cost dominates, on
@@ -69,7 +68,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GroupedExperts, KVCache, ModelConfig, Transformer, apply_rope, grouped_mm, rope, run_experts, swiglu
+from model import GroupedExperts, KVCache, ModelConfig, Transformer, grouped_mm, swiglu
 
 Named = Iterable[tuple[str, torch.Tensor]]
 
@@ -420,70 +419,25 @@ def _stage(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list
 @dataclass
 class DecodeState:
     """What the decode steps of one generate call read and write, allocated once (no shape depends on data)."""
-    # (n_layers, B, J, S, d): every row's KV cache (L here counts every layer); the prompt's columns are copied
-    # from its prefill, column T + t is written by decode step t
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    cos_BSr: torch.Tensor  # RoPE at each row's positions (left padding shifts a row's positions)
-    sin_BSr: torch.Tensor
-    bias_B11S: torch.Tensor  # additive attention mask: -inf on each row's left padding
+    cache: KVCache  # every row's KV cache, [layers, B, J, S, d]: the prompt's columns copied from its prefill,
+    # column T + t written by decode step t
+    pos_BS: torch.Tensor  # RoPE position of each row's columns (left padding shifts a row's positions)
+    mask_B11S: torch.Tensor  # bool, True = attend: a row's real columns, not its left padding
     routes_BSLK: torch.Tensor  # int32 routed experts of every token fed to the model
-
-
-def _attend(attn, h_BD, state: DecodeState, layer: int, col: int):
-    """One query token per row against cache columns [0, col] of `layer` (col is written here)."""
-    cfg, B = attn.cfg, h_BD.shape[0]
-    H, J, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    # with T = 1, [B, 1, H+2J, d] and [B, H+2J, 1, d] are the same memory: this view replaces the forward's transpose
-    qkv = attn.wqkv(h_BD).view(B, H + 2 * J, 1, d)  # (B, H+2J, 1, d): heads already in front of T
-    q, k, v = qkv.split([H, J, J], dim=1)  # (B, H|J|J, 1, d)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)  # per-head RMSNorm of q and k (Qwen3), before RoPE as in the forward
-    # (B, 1, r): one column, but a different position per row (left padding)
-    cos_B1r, sin_B1r = state.cos_BSr[:, col:col + 1], state.sin_BSr[:, col:col + 1]
-    q, k = apply_rope(q, cos_B1r, sin_B1r), apply_rope(k, cos_B1r, sin_B1r)
-    k_BJSd, v_BJSd = state.k_cache[layer], state.v_cache[layer]  # (B, J, S, d) views of the static cache
-    k_BJSd[:, :, col] = k[:, :, 0]  # (B, J, d) written in place: column col of every row
-    v_BJSd[:, :, col] = v[:, :, 0]
-    keys, values = k_BJSd[:, :, :col + 1], v_BJSd[:, :, :col + 1]  # (B, J, col + 1, d) views, no copy
-    # GQA: query heads [j * H/J, (j+1) * H/J) read kv head j (as SDPA's enable_gqa in the prefill), so viewing q
-    # as (B, J, H/J, d) puts each head under its kv head and k, v are never repeated
-    # scores = q k^T / sqrt(d) (arXiv 1706.03762 eq. 1)
-    scores = torch.matmul(q.view(B, J, H // J, d), keys.transpose(-1, -2)) * d ** -0.5  # (B, J, H/J, col + 1)
-    # softmax in fp32 whatever the engine dtype; the (B, 1, 1, col + 1) bias is -inf on the row's left padding
-    probs = (scores.float() + state.bias_B11S[..., :col + 1]).softmax(dim=-1).to(values.dtype)
-    # head h = j * H/J + i lands at h in the flattened output, the order wo's input columns expect
-    return attn.wo(torch.matmul(probs, values).view(B, H * d))  # (B, J, H/J, d) -> (B, D)
-
-
-# torch 2.13's compile-time (fake) kernel of _grouped_mm accepts only bf16, so a compiled
-# decode step runs the experts eagerly between its compiled regions (no effect in eager mode).
-_experts_outside_compile = torch.compiler.disable(run_experts)
 
 
 def decode_step(model: Transformer, tokens_B: torch.Tensor, state: DecodeState, col: int) -> torch.Tensor:
     """Logits [B, V] fp32 of the next token after feeding tokens_B at cache column col.
 
-    Writes this token's keys/values at column col of every layer and its routed experts into
-    state.routes_BSLK. Arithmetic is the model's forward for T = 1, with the model's own
-    modules; only attention over the cache and the expert dispatch are specialised.
+    The model's own forward (`Transformer.hidden`) for one token per row over the static cache:
+    the same modules, routing and attention (SDPA over columns [0, col]) as the prefill and the
+    trainer. Writes this token's keys and values at column col of every layer and its routed
+    experts into state.routes_BSLK.
     """
-    x = model.embed(tokens_B)  # (B, D)
-    moe = 0  # index among the MoE layers: routes have no entry for dense ones
-    for i, block in enumerate(model.layers):
-        x = x + _attend(block.attn, block.attn_norm(x), state, i, col)  # pre-norm residual, as Block.forward
-        h = block.ffn_norm(x)
-        if not block.is_moe:
-            x = x + block.mlp(h)  # one of the first `first_k_dense_replace` layers: a dense FFN, nothing routed
-            continue
-        ids_NK, weights_NK = block.mlp.route(h, None)  # (B, K) each (one token per row: N = B); None: no replay
-        y = _experts_outside_compile(block.mlp.experts, h, ids_NK, weights_NK)  # (B, D)
-        if block.mlp.shared is not None:
-            y = y + block.mlp.shared(h)  # the shared expert sees every token
-        x = x + y
-        state.routes_BSLK[:, col, moe] = ids_NK  # (B, K) int64 -> int32: the experts this token used here
-        moe += 1
-    return model.lm_head(model.norm(x)).float()  # (B, V) fp32 for the sampler
+    h_B1D, routes_B1LK = model.hidden(tokens_B[:, None], pos_BT=state.pos_BS[:, col:col + 1], return_routes=True,
+                                      cache=state.cache, cache_start=col, mask_B1TS=state.mask_B11S[..., :col + 1])
+    state.routes_BSLK[:, col] = routes_B1LK[:, 0]  # (B, L, K) int64 -> int32: the experts this token used
+    return model.lm_head(h_B1D[:, 0]).float()  # (B, V) fp32 for the sampler
 
 
 class NativeEngine:
@@ -505,8 +459,6 @@ class NativeEngine:
         self._required = {n for n, _ in list(self.model.named_parameters()) + list(self.model.named_buffers())
                           if n in persistent}
         self._fp8_weights = {n for n, t in self._slots.items() if t.dtype == FP8}  # quantise these on arrival
-        cos, sin = rope(torch.arange(cfg.max_seq_len, device=self.device)[None], cfg)  # (1, max_seq_len, r) fp32
-        self._cos_Sr, self._sin_Sr = cos[0], sin[0]  # RoPE for every position, computed once
         # dynamic=True: col, a Python int, changes every step; as a symbolic int it does not recompile per column
         self._decode_step = torch.compile(decode_step, dynamic=True) if compile else decode_step
 
@@ -619,21 +571,17 @@ class NativeEngine:
         last_BV = self.model.lm_head(h_UTD[:, -1]).float()[row_u]
 
         # (n_layers, B, J, S, d): columns >= T are written by decode step t = col - T before any read
-        k_cache = torch.empty(cfg.n_layers, B, cfg.n_kv_heads, S, cfg.head_dim, dtype=self.dtype, device=dev)
-        v_cache = torch.empty_like(k_cache)
-        k_cache[:, :, :, :T] = prefill.k[:, row_u]  # each row copies its prompt's prefill: (n_layers, B, J, T, d)
-        v_cache[:, :, :, :T] = prefill.v[:, row_u]
+        cache = KVCache(cfg, B, S, dtype=self.dtype, device=dev)
+        cache.k[:, :, :, :T] = prefill.k[:, row_u]  # each row copies its prompt's prefill: (n_layers, B, J, T, d)
+        cache.v[:, :, :, :T] = prefill.v[:, row_u]
         # int32, SGLang's dtype and the Rollout's; columns past a row's last fed token are never read
         routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=torch.int32, device=dev)
         routes_BSLK[:, :T] = routes_UTLK[row_u]  # (U, T, L, K) -> (B, T, L, K)
         pad_B = pad_U[row_u]  # (B,)
         col_S = torch.arange(S, device=dev)
         pos_BS = (col_S[None] - pad_B[:, None]).clamp(min=0)  # (B, S): each row's positions, as in the prefill
-        # (B, 1, 1, S) fp32, broadcast over kv heads and query heads: 0, or -inf on the row's left padding
-        bias_B11S = torch.zeros(B, 1, 1, S, device=dev).masked_fill_((col_S[None] < pad_B[:, None])[:, None, None],
-                                                                     float("-inf"))
-        # RoPE gathered once per call, (B, S, r) each; a decode step slices its column
-        state = DecodeState(k_cache, v_cache, self._cos_Sr[pos_BS], self._sin_Sr[pos_BS], bias_B11S, routes_BSLK)
+        mask_B11S = (col_S[None] >= pad_B[:, None])[:, None, None]  # (B, 1, 1, S): never the row's left padding
+        state = DecodeState(cache, pos_BS, mask_B11S, routes_BSLK)
         return last_BV, state, pad_B
 
     def _decode(self, last_BV: torch.Tensor, state: DecodeState, keys_B: torch.Tensor, params: SamplingParams, T: int):
