@@ -237,13 +237,35 @@ class Attention(nn.Module):
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)  # (B, H|J, T, d)
         if cache is not None:
             k, v = cache.update(self.layer, cache_start, k, v)  # (B, J, S, d)
-        # mask_B1TS is bool, True = attend; without one, causal over this call's tokens (training). SDPA's
-        # is_causal mask is aligned to the top left, which is this call's causal mask only when S == T
-        # (cache_start == 0); later cached calls must pass a mask. enable_gqa: each kv head serves H / J
-        # query heads without the kv heads being repeated in memory.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS, is_causal=mask_B1TS is None,
-                                           enable_gqa=cfg.n_heads != cfg.n_kv_heads)  # (B, H, T, d)
+        if T == 1 and cache is not None:  # a decode step: one query per row against the cache
+            y = single_query_attention(q, k, v, mask_B1TS)  # (B, H, 1, d)
+        else:
+            # mask_B1TS: True (or 0) = attend; without one, causal over this call's tokens (training). SDPA's
+            # is_causal mask is aligned to the top left, which is this call's causal mask only when S == T
+            # (cache_start == 0); later cached calls must pass a mask. enable_gqa: each kv head serves H / J
+            # query heads without the kv heads being repeated in memory.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS, is_causal=mask_B1TS is None,
+                                               enable_gqa=cfg.n_heads != cfg.n_kv_heads)  # (B, H, T, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))  # (B, T, H*d) -> (B, T, D)
+
+
+def single_query_attention(q_BH1d: torch.Tensor, k_BJSd: torch.Tensor, v_BJSd: torch.Tensor,
+                           bias_B11S: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v for one query per row [B, H, 1, d] (a decode step), GQA over J kv heads.
+
+    The same result as SDPA with an additive mask, as two batched matmuls: for a single query
+    they skip SDPA's general path, whose setup costs more than its arithmetic. bias_B11S: 0
+    where the key is attended, -inf elsewhere (a bool mask, True = attend, is turned into it).
+    """
+    B, H, _, d = q_BH1d.shape
+    J = k_BJSd.shape[1]
+    if bias_B11S.dtype == torch.bool:
+        bias_B11S = torch.zeros(bias_B11S.shape, device=q_BH1d.device).masked_fill_(~bias_B11S, float("-inf"))
+    # query heads [j * H/J, (j+1) * H/J) read kv head j (SDPA's enable_gqa order): viewing q as (B, J, H/J, d)
+    # puts each head under its kv head, so k and v are never repeated
+    scores = torch.matmul(q_BH1d.view(B, J, H // J, d), k_BJSd.transpose(-1, -2)) * d ** -0.5  # (B, J, H/J, S)
+    probs = (scores.float() + bias_B11S).softmax(dim=-1).to(v_BJSd.dtype)  # softmax in fp32 whatever the dtype
+    return torch.matmul(probs, v_BJSd).view(B, H, 1, d)  # (B, J, H/J, d) -> (B, H, 1, d), head order kept
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:

@@ -422,7 +422,7 @@ class DecodeState:
     cache: KVCache  # every row's KV cache, [layers, B, J, S, d]: the prompt's columns copied from its prefill,
     # column T + t written by decode step t
     pos_BS: torch.Tensor  # RoPE position of each row's columns (left padding shifts a row's positions)
-    mask_B11S: torch.Tensor  # bool, True = attend: a row's real columns, not its left padding
+    bias_B11S: torch.Tensor  # fp32 additive mask: 0 on a row's real columns, -inf on its left padding
     routes_BSLK: torch.Tensor  # int32 routed experts of every token fed to the model
 
 
@@ -435,7 +435,7 @@ def decode_step(model: Transformer, tokens_B: torch.Tensor, state: DecodeState, 
     experts into state.routes_BSLK.
     """
     h_B1D, routes_B1LK = model.hidden(tokens_B[:, None], pos_BT=state.pos_BS[:, col:col + 1], return_routes=True,
-                                      cache=state.cache, cache_start=col, mask_B1TS=state.mask_B11S[..., :col + 1])
+                                      cache=state.cache, cache_start=col, mask_B1TS=state.bias_B11S[..., :col + 1])
     state.routes_BSLK[:, col] = routes_B1LK[:, 0]  # (B, L, K) int64 -> int32: the experts this token used
     return model.lm_head(h_B1D[:, 0]).float()  # (B, V) fp32 for the sampler
 
@@ -580,8 +580,10 @@ class NativeEngine:
         pad_B = pad_U[row_u]  # (B,)
         col_S = torch.arange(S, device=dev)
         pos_BS = (col_S[None] - pad_B[:, None]).clamp(min=0)  # (B, S): each row's positions, as in the prefill
-        mask_B11S = (col_S[None] >= pad_B[:, None])[:, None, None]  # (B, 1, 1, S): never the row's left padding
-        state = DecodeState(cache, pos_BS, mask_B11S, routes_BSLK)
+        # (B, 1, 1, S), broadcast over heads: the row's left padding is never attended to
+        bias_B11S = torch.zeros(B, 1, 1, S, device=dev).masked_fill_((col_S[None] < pad_B[:, None])[:, None, None],
+                                                                     float("-inf"))
+        state = DecodeState(cache, pos_BS, bias_B11S, routes_BSLK)
         return last_BV, state, pad_B
 
     def _decode(self, last_BV: torch.Tensor, state: DecodeState, keys_B: torch.Tensor, params: SamplingParams, T: int):
