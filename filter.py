@@ -22,7 +22,8 @@ rollouts carry no policy gradient (DAPO, arXiv 2503.14476 sec. 3.2). The seed pa
   until the step has its target number of informative groups.
 
 Every function here decides from plain data (rewards, lengths, history); train.py's
-`collect_rollouts` calls them in the order above, around its generate-and-score rounds.
+`collect_rollouts` calls them in the order above, around its generate-and-score rounds,
+and the trainer computes RL-ZVP's token advantages once it has pi_old's entropy.
 
 Readings chosen:
 1. Stage 1's decay is in training steps since the prompt's last rollout, and each record

@@ -573,8 +573,8 @@ class Transformer(nn.Module):
         routed_experts: int [B, T, L, K] ids to replay (R3, arXiv 2510.11370), L = MoE
         layers only; rows of -1 route freely.
         cache / cache_start / mask_B1TS: cached decoding; keys and values of this call are
-        written at cache columns [cache_start, cache_start+T); mask_B1TS (bool, True = attend)
-        covers all S = cache_start+T columns. Without a mask attention is causal, which is
+        written at cache columns [cache_start, cache_start+T); mask_B1TS (bool, True = attend, or
+        additive float, 0 = attend) covers all S = cache_start+T columns. Without a mask attention is causal, which is
         right only when cache_start = 0 (SDPA aligns its causal mask to the top left).
         Raises ValueError on a wrong replay shape, an expert id outside [-1, E), a row that
         mixes -1 with ids, or a row that repeats an expert.

@@ -27,7 +27,7 @@ Notable choices:
    of a static cache allocated once, S = T + max_new_tokens - 1 columns (the last sampled
    token is never fed back), addressed by column, not by per-row length.
 2. The decode step is the model's own forward (`Transformer.hidden`) for one token per row,
-   with the cache and a row mask: the same modules, routing and SDPA attention as the prefill
+   with the cache and a row mask: the same modules, routing and attention as the prefill
    and the trainer, so what the trainer replays is what the engine computed. Per step
    nothing is allocated beyond activations, no shape depends on data, the host syncs only
    for the stop check every `STOP_CHECK_EVERY` steps, and no Python loop runs over rows.
@@ -430,9 +430,9 @@ def decode_step(model: Transformer, tokens_B: torch.Tensor, state: DecodeState, 
     """Logits [B, V] fp32 of the next token after feeding tokens_B at cache column col.
 
     The model's own forward (`Transformer.hidden`) for one token per row over the static cache:
-    the same modules, routing and attention (SDPA over columns [0, col]) as the prefill and the
-    trainer. Writes this token's keys and values at column col of every layer and its routed
-    experts into state.routes_BSLK.
+    the same modules and routing as the prefill and the trainer, attention over columns
+    [0, col] (`model.single_query_attention`). Writes this token's keys and values at column
+    col of every layer and its routed experts into state.routes_BSLK.
     """
     h_B1D, routes_B1LK = model.hidden(tokens_B[:, None], pos_BT=state.pos_BS[:, col:col + 1], return_routes=True,
                                       cache=state.cache, cache_start=col, mask_B1TS=state.bias_B11S[..., :col + 1])

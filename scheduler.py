@@ -2,10 +2,10 @@
 
 Owns how a step's work is laid out: `LengthPredictor` (a prompt's completion length),
 `length_buckets` (generation batches of similar predicted length), `balance` (those
-batches over ranks, longest processing time first), `pack_microbatches` (training
-sequences into token-budget micro-batches, first fit decreasing) and `Pipeline` (a
-producer thread that generates rollouts at most `max_staleness` weight versions behind
-the trainer). Papers: "Each Prompt Matters" (arXiv 2512.07710), whose system measures
+batches over ranks, longest processing time first), `generation_batches` (the two for
+one step's prompts) and `Pipeline` (a producer thread that generates rollouts at most
+`max_staleness` weight versions behind the trainer). The trainer packs its own
+micro-batches (trainer.pack_microbatches). Papers: "Each Prompt Matters" (arXiv 2512.07710), whose system measures
 include length-based load balancing and rollout overlapped with training; LPT from
 Graham, "Bounds on multiprocessing timing anomalies" (SIAM J. Appl. Math. 17(2), 1969).
 
@@ -19,10 +19,7 @@ Notable choices:
    prompt-length bucket, else the mean of all completions, else a prior.
 3. `balance` is Graham's LPT: its makespan is within 4/3 - 1/(3 m) of the optimum on m
    workers. It is deterministic, so every rank computes the same assignment unaided.
-4. `pack_microbatches` bounds a micro-batch's padded size (rows x longest row). On
-   sequences sorted longest first, first fit never reopens a closed micro-batch, so it is
-   written as next fit; a sequence longer than the budget gets a micro-batch of its own.
-5. `Pipeline` publishes weights with a version (the number of RL steps trained);
+4. `Pipeline` publishes weights with a version (the number of RL steps trained);
    the producer applies the newest published weights between batches and never starts
    batch s with weights older than s - max_staleness, so 0 is synchronous on-policy RL.
 """

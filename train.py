@@ -5,6 +5,7 @@ A run is a short cold-start SFT warm-up on the task's demonstrations (the seed p
 the seed paper's figure; each stage is one call into the file that owns it:
 
     draw prompts -> [stage 1: skip prompts recently all-correct or all-wrong]      filter.py
+      -> batch them by predicted length                                           scheduler.py
       -> generate G rollouts per prompt: tokens, logprobs, routed experts         rollout.py
          [stage 2: k probes first; the other G - k only where the probes differ]  filter.py
       -> score them [shaped inside the correctness class]                         reward.py
@@ -65,17 +66,17 @@ class Prompts:
     tok: tiktoken.Encoding
     used: int = 0  # items drawn so far: the data position a checkpoint saves
     ids: dict[str, list[int]] = field(init=False)  # question -> its prompt's token ids
+    items: list[Item] = field(init=False)  # the task's prompts, in its own order
 
     def __post_init__(self):
-        self.ids = {}
-        for i in range(len(self.task)):
-            question = self.task[i].question
-            if question not in self.ids:  # a question the task repeats is tokenized once
-                self.ids[question] = encode_prompt(self.tok, question)
+        self.items, self.ids = [self.task[i] for i in range(len(self.task))], {}
+        for it in self.items:
+            if it.question not in self.ids:  # a question the task repeats is tokenized once
+                self.ids[it.question] = encode_prompt(self.tok, it.question)
 
     def draw(self, n: int) -> list[Item]:
         """The next n prompts; past the end the order starts over (a new epoch, in the same order)."""
-        out = [self.task[self.order[(self.used + i) % len(self.order)]] for i in range(n)]
+        out = [self.items[self.order[(self.used + i) % len(self.order)]] for i in range(n)]
         self.used += n
         return out
 
@@ -235,12 +236,12 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
     rollouts = []
     for b, bucket in batches:  # bucket: indices into items, which become the rollouts' group ids
         # batch b's seed depends only on (step, b, stream): whichever rank generates it samples the same rollouts
-        batch = run.engine.generate([prompts[i] for i in bucket], run.sampling, n=n, group_ids=bucket,
-                                    seed=(cfg.seed + step) * 1000 + b + stream * STREAM_SEED_STRIDE)
+        generated = run.engine.generate([prompts[i] for i in bucket], run.sampling, n=n, group_ids=bucket,
+                                        seed=(cfg.seed + step) * 1000 + b + stream * STREAM_SEED_STRIDE)
         if run.pool is not None:  # rollouts of a prompt come out in order, so (stream, group, j) names each one
-            for j, r in enumerate(batch):
+            for j, r in enumerate(generated):
                 run.pool.submit((stream, r.group_id, j % n), completion_text(run.tok, r), items[r.group_id])
-        rollouts += batch
+        rollouts += generated
     rollouts.sort(key=lambda r: r.group_id)  # stable: keeps each group's sample order
     return rollouts
 
@@ -254,7 +255,8 @@ def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int,
     else:
         rewards = [run.prompts.task.score(completion_text(run.tok, r), items[r.group_id]) for r in rollouts]
         reasons = ["ok"] * len(rollouts)
-    scored = [Scored(w, len(r.completion_ids), r, why) for w, r, why in zip(rewards, rollouts, reasons)]
+    scored = [Scored(reward=w, num_tokens=len(r.completion_ids), payload=r, reason=why)
+              for w, r, why in zip(rewards, rollouts, reasons)]
     if rank_world()[1] > 1:
         scored = sorted(all_gather_list(scored), key=lambda s: s.payload.group_id)  # a group is generated on one rank
     # sorted by group id, n per group and the sort stable: group i is the i-th slice of n, in sample order
