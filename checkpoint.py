@@ -208,7 +208,7 @@ def save_checkpoint(model, cfg: TrainConfig, out_dir: str):
     cfg_json = json.dumps(dataclasses.asdict(cfg), default=str, indent=1)
     tmp = os.path.join(out_dir, "model.safetensors.tmp")
     rank, world = rank_world()
-    if world > 1:
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):  # sharded (several ranks, or one in bf16)
         # Gathering the shards is a collective: every rank iterates, though only rank 0 keeps and
         # writes the result. safetensors stores only contiguous tensors. policy_tensors yields a tied
         # lm_head once, so save_file sees no shared storage.

@@ -24,6 +24,8 @@ import difflib
 import runpy
 from dataclasses import dataclass, field
 
+import torch
+
 from espo import LossConfig
 from filter import FilterConfig
 from model import ModelConfig
@@ -58,6 +60,9 @@ class TrainConfig:
     ep: int = 1
     """Expert-parallel degree: each MoE layer's experts are split over this many ranks (1 = not split); it must
     divide the number of ranks and the number of experts."""
+    dtype: str = "auto"
+    """Compute dtype of the trainer and the engine: 'bfloat16' (fp32 master weights, AdamW state and gradient
+    reductions; the router and the loss in fp32), 'float32', or 'auto' = bfloat16 on CUDA, float32 on CPU."""
     activation_checkpoint: bool = False
     """Recompute each block's activations in backward instead of keeping them."""
     compile: bool = False
@@ -219,6 +224,14 @@ class TrainConfig:
     # Translating in these four methods gives each sentinel one meaning, in one place, and leaves the
     # functions downstream testing `is None` only. Their constructors check the values, and
     # train.check_config builds all four before any work, so a bad setting fails at once.
+    def compute_dtype(self) -> torch.dtype:
+        """torch's dtype for `dtype` ('auto': bfloat16 on CUDA, float32 elsewhere). Raises ValueError on another name."""
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"dtype={self.dtype!r}; valid: 'auto', 'bfloat16', 'float32'")
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
     def loss_config(self) -> LossConfig:
         """The policy loss's settings (espo.LossConfig). Raises ValueError on a bad loss setting."""
         return LossConfig(

@@ -1,7 +1,7 @@
 """Several ranks under torchrun: the process group, torchtitan meshes, the sharded policy, collectives.
 
 `torchrun --nproc_per_node=N train.py ... ep=E` runs train.main on N ranks: FSDP2 over all
-of them and the experts sharded over E (model.parallelize, torchtitan's ParallelDims and
+of them and the experts sharded over E (`parallelize`, below; torchtitan's ParallelDims and
 all-to-all token dispatch). This file owns what differs when there are several ranks:
 joining the job (setup_distributed), building the sharded policy and its frozen KL
 reference (build_model, reference_copy), gathering full tensors for the engine and the
@@ -21,9 +21,12 @@ Notable choices:
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from model import Transformer
 
@@ -31,8 +34,19 @@ if TYPE_CHECKING:
     from config import TrainConfig
 
 
-def build_parallel_dims(world_size: int, *, dp_shard: int = -1, ep: int = 1):
-    """torchtitan ParallelDims with its meshes built for (dp_shard x ep) data + expert parallel.
+@dataclass
+class Meshes:
+    """The device meshes a policy is sharded over: FSDP over `fsdp` (every rank), the experts split
+    over `ep` (None: not expert-parallel) and each expert FSDP-sharded over `efsdp` (None: one
+    copy of each expert, on one rank of its ep group)."""
+    fsdp: DeviceMesh
+    ep: DeviceMesh | None = None
+    efsdp: DeviceMesh | None = None
+
+
+def build_meshes(world_size: int, ep: int = 1) -> Meshes:
+    """The meshes of world_size ranks, all data-parallel (FSDP), the experts split over ep of them,
+    built with torchtitan's ParallelDims.
 
     The default process group must already be initialised. On a machine without CUDA the
     meshes are CPU (gloo) meshes: torchtitan assumes CUDA unless told, and its DTensor-only
@@ -50,10 +64,12 @@ def build_parallel_dims(world_size: int, *, dp_shard: int = -1, ep: int = 1):
     # dispatcher) read this global, ParallelDims its own field below; both must agree.
     set_spmd_backend("partial_dtensor")
     # dp_replicate, cp, tp and pp stay 1: this project shards data and experts only.
-    dims = titan_dims.ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=ep,
+    dims = titan_dims.ParallelDims(dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=ep,
                                    world_size=world_size, spmd_backend="partial_dtensor")
     dims.build_mesh()
-    return dims
+    efsdp = world_size // ep  # the ranks left to shard each expert over once ep has split them
+    return Meshes(fsdp=dims.get_mesh("fsdp"), ep=dims.get_mesh("ep") if ep > 1 else None,
+                  efsdp=dims.get_mesh("efsdp") if ep > 1 and efsdp > 1 else None)
 
 
 def rank_world() -> tuple[int, int]:
@@ -66,20 +82,30 @@ def rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def setup_distributed(cfg: TrainConfig):
-    """Join the torchrun job if launched by one (WORLD_SIZE > 1); returns torchtitan ParallelDims or None.
+def setup_distributed(cfg: TrainConfig) -> Meshes | None:
+    """The process group and the meshes the policy is sharded over, or None for a plain one-process model.
 
-    Backend nccl with CUDA, else gloo; every collective fails after cfg.dist_timeout_s
-    instead of waiting for a dead rank forever. The mesh is dp_shard = world size, ep =
-    cfg.ep (experts sharded over ep ranks, FSDP over all). Sets cfg.device to this rank's GPU.
+    Under torchrun (WORLD_SIZE > 1): join the job (nccl with CUDA, else gloo; every collective
+    fails after cfg.dist_timeout_s instead of waiting for a dead rank forever), dp_shard = world
+    size and ep = cfg.ep (torchtitan's meshes), cfg.device set to this rank's GPU. One process
+    in bf16: a one-rank group and mesh, so FSDP2's mixed precision runs the same arithmetic as
+    on many ranks (bf16 compute, fp32 master weights and gradients). One process in fp32: None.
     Raises ValueError if world size is not a multiple of ep.
     """
     import datetime
 
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun; absent in a plain python run
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
+    # nccl runs collectives on GPU tensors only and gloo on CPU tensors, so the backend follows where the weights live
+    backend = "nccl" if torch.device(cfg.device).type == "cuda" else "gloo"
     if world == 1:
-        return None
+        if cfg.compute_dtype() == torch.float32:
+            return None
+        # a store of its own: one rank needs no rendezvous (and no MASTER_ADDR / MASTER_PORT)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return Meshes(fsdp=init_device_mesh(torch.device(cfg.device).type, (1,), mesh_dim_names=("fsdp",)))
     if world % cfg.ep:
         raise ValueError(f"ep={cfg.ep} must divide the world size {world}")
     if torch.cuda.is_available():
@@ -88,27 +114,33 @@ def setup_distributed(cfg: TrainConfig):
         # cuda:0 on every rank.
         cfg.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(cfg.device)
-    # nccl runs collectives on GPU tensors only and gloo on CPU tensors, so the backend follows
-    # where the weights live. The timeout turns a hung or dead peer into an error on the others.
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
-    return build_parallel_dims(world, dp_shard=world, ep=cfg.ep)
+        backend = "nccl"
+    dist.init_process_group(backend, timeout=timeout)  # the timeout turns a hung or dead peer into an error
+    return build_meshes(world, cfg.ep)
 
 
-def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> Transformer:
-    """The policy: a plain Transformer, or (dims given) built on meta, parallelized, then filled.
+def mixed_precision(cfg: TrainConfig) -> dict:
+    """parallelize's dtypes for cfg: bf16 compute with fp32 gradient reductions, or fp32 throughout."""
+    if cfg.compute_dtype() == torch.float32:
+        return dict(param_dtype=None, reduce_dtype=None)  # the parameters' own fp32, as on one plain process
+    return dict(param_dtype=cfg.compute_dtype(), reduce_dtype=torch.float32)
+
+
+def build_model(cfg: TrainConfig, meshes: Meshes | None = None, init_state: dict | None = None) -> Transformer:
+    """The policy: a plain Transformer, or (meshes given) built on meta, parallelized, then filled.
 
     Weights come from init_state (a full state dict) or, absent it, from a full model
     initialised on CPU under the current torch seed, so N ranks start from exactly the
     weights one process would (every rank builds the same full model, then keeps its slice).
     With cfg.init_hf the weights come from that HF checkpoint instead (hf.load_hf; a
     sharded model is built on meta and each rank reads only its slice, never the full model).
-    fp32 throughout, so multi-rank losses match the 1-process run.
+    Parameters, gradients and optimizer state are fp32; in bf16 FSDP gathers the weights in bf16
+    for the forward and backward (`mixed_precision`). In fp32 multi-rank losses match the
+    1-process run to float rounding.
     Raises ValueError (from load_hf) if the checkpoint lacks a tensor or has another shape.
     """
     from hf import load_hf
-    from model import checkpoint_and_compile, parallelize
-    if dims is None:
+    if meshes is None:
         model = Transformer(cfg.model)
         if cfg.init_hf:
             load_hf(cfg.init_hf, model)
@@ -121,7 +153,7 @@ def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> 
         # build the shapes on meta, shard them, allocate only this rank's slices, then read them.
         with torch.device("meta"):
             model = Transformer(cfg.model)
-        parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint,
+        parallelize(model, meshes, **mixed_precision(cfg), activation_checkpoint=cfg.activation_checkpoint,
                     compile=cfg.compile)
         model.to_empty(device=cfg.device)  # allocated, not initialised: load_hf fills every parameter
         with torch.no_grad():
@@ -142,8 +174,7 @@ def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> 
         full.load_state_dict(init_state)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    # param_dtype=None, reduce_dtype=None: fp32 parameters and gradient reductions, as on one process.
-    parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint,
+    parallelize(model, meshes, **mixed_precision(cfg), activation_checkpoint=cfg.activation_checkpoint,
                 compile=cfg.compile)
     model.to_empty(device=cfg.device)
     # full_state_dict=True: the source holds whole tensors; each rank copies out only its own shard.
@@ -155,19 +186,19 @@ def build_model(cfg: TrainConfig, dims=None, init_state: dict | None = None) -> 
     return model
 
 
-def reference_copy(model, cfg: TrainConfig, dims=None) -> Transformer:
+def reference_copy(model, cfg: TrainConfig, meshes: Meshes | None = None) -> Transformer:
     """A frozen copy of the policy's current weights, the KL penalty's reference model: a deep copy
-    on one process, or (dims given) a model parallelized as the policy is, each rank copying its own
-    shards (no full tensor is gathered)."""
+    of a plain model, or (meshes given) a model parallelized as the policy is, each rank copying its
+    own shards (no full tensor is gathered)."""
     import copy
-    from model import parallelize
-    if dims is None:
+    if meshes is None:
         return copy.deepcopy(model).requires_grad_(False)
     # Rather than deep-copy FSDP's wrappers, hooks and meshes: a second model parallelized the same
     # way has every tensor placed as the policy's is, so each local shard copies into its twin.
     with torch.device("meta"):
         ref = Transformer(cfg.model)
-    parallelize(ref, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=cfg.activation_checkpoint)
+    parallelize(ref, meshes, **mixed_precision(cfg), activation_checkpoint=cfg.activation_checkpoint,
+                compile=cfg.compile)
     ref.to_empty(device=cfg.device)
     with torch.no_grad():
         for (name, r), (src_name, p) in zip([*ref.named_parameters(), *ref.named_buffers()],
@@ -220,3 +251,93 @@ def idle_forward(model, cfg: TrainConfig, backward: bool):
     if backward:
         # A loss of exactly 0 gives zero gradients: the reductions run, and the sum is unchanged.
         (logits.sum() * 0.0).backward()
+
+
+# ----------------------------------------------------------------------------- the sharded policy
+
+def checkpoint_and_compile(model: Transformer, *, activation_checkpoint: bool, compile: bool) -> Transformer:
+    """Per block, in place: activation checkpointing (its activations recomputed in backward), then
+    torch.compile. `parallelize`'s steps 2 and 3; a one-process run takes just these."""
+    if activation_checkpoint:
+        # torch's wrapper lives under torch.distributed but is plain autograd: it needs no distributed setup
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
+    if compile:
+        # after the wrapper (torchtitan's order): the compiled block is the checkpointed one
+        for block in model.layers:
+            block.compile()
+    return model
+
+
+def parallelize(model: Transformer, meshes: Meshes, *, param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = None, activation_checkpoint: bool = False,
+                compile: bool = False) -> Transformer:
+    """Shard a (meta-device or materialised) model over `meshes`, in place.
+
+    Order, as torchtitan applies it: 1. expert parallel (meshes.ep): each MoE layer's stacked
+    experts become DTensors sharded on the expert dim, and tokens reach them through
+    torchtitan's `AllToAllTokenDispatcher`; 2. activation checkpointing per block; 3.
+    torch.compile per block; 4. FSDP2 `fully_shard` per block and at the root over
+    meshes.fsdp (params gathered in param_dtype, gradients reduced in reduce_dtype; None =
+    the parameters' fp32), each router gate apart in fp32 (routing decisions stay in full
+    precision), and the experts over meshes.efsdp. Expert gradients sum the tokens of all EP
+    ranks, so they are scaled by 1 / ep to stay the data-parallel mean the dense gradients
+    are. Afterwards `model.local_offsets` maps each sharded parameter to the global offset of
+    this rank's slice (what `load_hf` reads).
+    Raises ValueError when ep does not divide num_experts.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    moe_blocks = [b for b in model.layers if b.is_moe]
+    ep = meshes.ep.size() if meshes.ep is not None else 1
+    # 1. expert parallel
+    if ep > 1:
+        from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+        if model.cfg.num_experts % ep:
+            raise ValueError(f"num_experts={model.cfg.num_experts} must be divisible by ep={ep}")
+        for block in moe_blocks:
+            experts = block.mlp.experts
+            # Shard(0): each rank holds E / ep consecutive experts of w13 and w2
+            for name, p in list(experts.named_parameters()):
+                experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, meshes.ep, [Shard(0)])))
+            dispatcher = AllToAllTokenDispatcher(AllToAllTokenDispatcher.Config(
+                num_experts=model.cfg.num_experts, top_k=model.cfg.top_k))
+            dispatcher.wire_meshes(ep_mesh=meshes.ep)
+            block.mlp.dispatcher = dispatcher
+            # the experts' tokens come from all ep ranks of their group: 1 / ep makes the summed gradient
+            # the data-parallel mean (FSDP's reduction over efsdp divides by efsdp, no more)
+            experts.grad_scale = 1.0 / ep
+    # 2. activation checkpointing, 3. torch.compile
+    checkpoint_and_compile(model, activation_checkpoint=activation_checkpoint, compile=compile)
+    # 4. FSDP2
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    ignored = set()  # EP-only experts (no efsdp mesh): each lives on one rank, outside FSDP
+    for block in model.layers:
+        inner = getattr(block, "_checkpoint_wrapped_module", block)  # past the checkpoint wrapper
+        if inner.is_moe:
+            # its own unit, gathered in fp32 whatever param_dtype: a bf16 gate would round the router's scores
+            fully_shard(inner.mlp.gate, mesh=meshes.fsdp, mp_policy=fp32)
+            if ep > 1 and meshes.efsdp is not None:
+                fully_shard(inner.mlp.experts, mesh=meshes.efsdp, mp_policy=mp)
+            elif ep > 1:
+                ignored.update(inner.mlp.experts.parameters())
+        # per block, then the root: each block's parameters are gathered just before it runs
+        fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None)
+    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None)
+    # name -> global offset of this rank's slice in each dim, so load_hf reads only that slice
+    model.local_offsets = {
+        unwrapped(name): compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1]
+        for name, p in model.named_parameters() if isinstance(p, DTensor)}
+    return model
+
+
+CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"  # what activation checkpointing inserts into parameter names
+
+
+def unwrapped(name: str) -> str:
+    """A parameter's name as the unwrapped model has it (state dicts, HF names, engines use these)."""
+    return name.replace(CHECKPOINT_WRAPPER, "")

@@ -3,9 +3,10 @@
 One `Transformer` serves training (a full causal forward) and cached decoding (a static KV
 cache addressed by position, gpt-fast style; rollout.py's engine drives decoding over these
 modules). This file owns `ModelConfig` (hf.py maps it to and from HF's config.json), the
-blocks, the two routers and the experts, router replay, per-token logprobs and entropy, and `parallelize`
-(expert parallel + FSDP2 via torchtitan), the only code here that touches torch.distributed,
-imported inside it. hf.py moves the weights in and out of HF checkpoints.
+blocks, the two routers and the experts, router replay, and per-token logprobs and entropy
+computed from the hidden states in chunks. It imports nothing from torch.distributed: the
+sharding (expert parallel + FSDP2, `parallelize`) is distributed.py's, applied from outside
+as torchtitan does. hf.py moves the weights in and out of HF checkpoints.
 Shapes: B, T, S, D, H, J, d, r, V, N, E, K, I, L, R, M (letters of the README's legend).
 
 Papers: RMSNorm (arXiv 1910.07467), RoPE (arXiv 2104.09864), GQA (arXiv 2305.13245), SwiGLU
@@ -36,7 +37,7 @@ What it computes:
 Notable choices and departures:
 1. The router always computes in fp32 (input and weight upcast): routing is where precision
    flips discrete decisions (HF Qwen3 computes its router logits in the model dtype). Under
-   `parallelize` with a bf16 param_dtype the weight arrives already rounded to bf16.
+   bf16 mixed precision `parallelize` keeps the gate's weight in fp32 too.
 2. RMSNorm and RoPE follow HF's arithmetic (fp32 inside, an fp32 frequency table, cos and
    sin cast to the activation dtype), so fp32 logits match HF's to float rounding.
 3. The gate weights stay fp32 through `run_experts`' weighted sum of the expert outputs (HF
@@ -366,16 +367,17 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden))  # (E, D, 2I): gate and up, fused
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))  # (E, I, D): down projection
 
-    grad_scale = 1.0  # set by parallelize: expert gradients under EP are divided by ep
+    grad_scale = 1.0  # set by distributed.parallelize: expert gradients under EP are divided by ep
 
     def forward(self, x_RD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         """Rows sorted by local expert (counts_e[i] rows for this rank's i-th expert) -> expert outputs,
         same order."""
-        # under EP the weights are DTensors sharded on the expert dim: this rank's experts as plain tensors
-        w13, w2 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w13, self.w2))
+        # under EP the weights are DTensors sharded on the expert dim: this rank's experts as plain tensors; in the
+        # rows' dtype (EP-only experts sit outside FSDP's mixed precision, which casts every other weight)
+        w13, w2 = ((w.to_local() if hasattr(w, "to_local") else w).to(x_RD.dtype) for w in (self.w13, self.w2))
         if self.grad_scale != 1.0:
-            # EP-only experts are outside FSDP, whose reduce would divide; the scale makes their gradient the
-            # same data-parallel mean as the dense weights'
+            # under EP an expert's gradient sums the tokens of every rank of its group: the scale (1 / ep) makes it
+            # the same data-parallel mean as the dense weights'
             w13, w2 = _ScaleGrad.apply(w13, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
         offs = counts_e.cumsum(0).to(torch.int32)  # (E,) where each expert's rows end
         return grouped_mm(swiglu(grouped_mm(x_RD, w13, offs)), w2, offs)  # (R, 2I) -> (R, I) -> (R, D)
@@ -405,26 +407,33 @@ def run_experts(experts: nn.Module, x_ND: torch.Tensor, ids_NK: torch.Tensor, we
     return (out_NKD.float() * weights_NK[..., None]).sum(1).to(x_ND.dtype)  # (N, D), weighted in fp32
 
 
+class RouterGate(nn.Linear):
+    """The router's linear map, always in fp32 (input and weight upcast). A module of its own, called, so
+    that FSDP gathers its weight (in fp32: distributed.parallelize gives it its own fp32 policy)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class MoE(nn.Module):
     """Routed top-k SwiGLU experts plus an optional shared expert."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)  # router, (E, D); applied in fp32 by route
+        self.gate = RouterGate(cfg.dim, cfg.num_experts, bias=False)  # router, (E, D)
         # aux-loss-free selection bias (sigmoid router); loaded, never trained by gradient. Persistent only for
         # the sigmoid router: Qwen3 checkpoints have no such tensor
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=cfg.router == "sigmoid")
         self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.moe_inter_dim)
         # n shared experts as one SwiGLU n times as wide: the sum of their outputs, with one pair of GEMMs
         self.shared = FeedForward(cfg.dim, cfg.num_shared_experts * cfg.moe_inter_dim) if cfg.num_shared_experts else None
-        self.dispatcher = None  # expert-parallel token dispatch, set by parallelize()
+        self.dispatcher = None  # expert-parallel token dispatch, set by distributed.parallelize
 
     def route(self, x_ND: torch.Tensor, replay_NK: torch.Tensor | None):
         """Expert ids [N, K] int64 and gate weights [N, K] fp32 (R3: replayed ids, live scores)."""
         cfg = self.cfg
-        # fp32 arithmetic: a bf16 logit can flip a near-tie in the top-k (notable choice 1)
-        logits_NE = F.linear(x_ND.float(), self.gate.weight.float())
+        logits_NE = self.gate(x_ND)  # (N, E) fp32: a bf16 logit can flip a near-tie in the top-k (notable choice 1)
         if cfg.router == "softmax":
             scores_NE = logits_NE.softmax(dim=-1)  # Qwen3-MoE: probabilities over all E experts
             choice_NE = scores_NE  # the choice and the weights read the same scores
@@ -652,93 +661,6 @@ def chunked_logprobs(h_BTD: torch.Tensor, w_VD: torch.Tensor, targets_BT: torch.
             lp, ent = _chunk_logprobs(h, w_VD, t, temperature)
         logps.append(lp)
         entropies.append(ent)
-    return torch.cat(logps).view(B, T), torch.cat(entropies).view(B, T)
+    # clone: a module's output must not be a view (FSDP's backward hook would be lost to an in-place op on it)
+    return torch.cat(logps).view(B, T).clone(), torch.cat(entropies).view(B, T).clone()
 
-
-# ----------------------------------------------------------------------------- parallelism
-
-def checkpoint_and_compile(model: Transformer, *, activation_checkpoint: bool, compile: bool) -> Transformer:
-    """Per block, in place: activation checkpointing (its activations recomputed in backward), then
-    torch.compile. `parallelize`'s steps 2 and 3; a one-process run takes just these."""
-    if activation_checkpoint:
-        # torch's wrapper lives under torch.distributed but is plain autograd: it needs no distributed setup
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-        for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block)
-    if compile:
-        # after the wrapper (torchtitan's order): the compiled block is the checkpointed one
-        for block in model.layers:
-            block.compile()
-    return model
-
-
-def parallelize(model: Transformer, dims, *, param_dtype: torch.dtype | None = torch.bfloat16,
-                reduce_dtype: torch.dtype | None = torch.float32, activation_checkpoint: bool = False,
-                compile: bool = False) -> Transformer:
-    """Shard a (meta-device or materialised) model over torchtitan `ParallelDims` meshes, in place.
-
-    Order, as torchtitan applies it: 1. expert parallel: each MoE layer's stacked experts
-    become DTensors sharded on the expert dim over the `ep` mesh, and tokens reach them
-    through torchtitan's `AllToAllTokenDispatcher`; 2. activation checkpointing per
-    block; 3. torch.compile per block; 4. FSDP2 `fully_shard` per block and at the root
-    over the `fsdp` mesh (params in param_dtype, gradients reduced in reduce_dtype),
-    the experts over the `efsdp` mesh. Expert gradients sum the tokens of all EP ranks,
-    so they are divided by ep to stay the data-parallel mean the dense gradients are.
-    Afterwards `model.local_offsets` maps each sharded parameter to the global offset of
-    this rank's slice (what `load_hf` reads).
-    Raises ValueError when ep does not divide num_experts.
-    """
-    # torch.distributed is imported here only, so the model itself imports and runs without it
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    moe_blocks = [b for b in model.layers if b.is_moe]
-    # 1. expert parallel
-    if dims.ep > 1:
-        from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
-        ep_mesh = dims.get_mesh("ep")
-        if model.cfg.num_experts % dims.ep:
-            raise ValueError(f"num_experts={model.cfg.num_experts} must be divisible by ep={dims.ep}")
-        for block in moe_blocks:
-            experts = block.mlp.experts
-            # Shard(0): each rank holds E / ep consecutive experts of w13 and w2
-            for name, p in list(experts.named_parameters()):
-                experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
-            dispatcher = AllToAllTokenDispatcher(AllToAllTokenDispatcher.Config(
-                num_experts=model.cfg.num_experts, top_k=model.cfg.top_k))
-            dispatcher.wire_meshes(ep_mesh=ep_mesh)
-            block.mlp.dispatcher = dispatcher
-    # 2. activation checkpointing, 3. torch.compile
-    checkpoint_and_compile(model, activation_checkpoint=activation_checkpoint, compile=compile)
-    # 4. FSDP2. efsdp: the data-parallel ranks left to shard each expert over once ep has split the experts
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    fsdp_mesh, efsdp = dims.get_mesh("fsdp"), dims.dp_shard * dims.cp * dims.tp // dims.ep
-    ignored = set()  # EP-only experts (efsdp == 1): kept out of FSDP, gradients divided by ep in forward
-    for block in model.layers:
-        inner = getattr(block, "_checkpoint_wrapped_module", block)  # past the checkpoint wrapper
-        if inner.is_moe and dims.ep > 1:
-            experts = inner.mlp.experts
-            if efsdp > 1:
-                fully_shard(experts, mesh=dims.get_mesh("efsdp"), mp_policy=mp)
-                # the experts' tokens came from efsdp * ep ranks, while FSDP would divide by efsdp alone
-                experts.set_gradient_divide_factor(efsdp * dims.ep)
-            else:
-                experts.grad_scale = 1.0 / dims.ep
-                ignored.update(experts.parameters())
-        # per block, then the root: each block's parameters are gathered just before it runs
-        fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored or None)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored or None)
-    # name -> global offset of this rank's slice in each dim, so load_hf reads only that slice
-    model.local_offsets = {
-        unwrapped(name): compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1]
-        for name, p in model.named_parameters() if isinstance(p, DTensor)}
-    return model
-
-
-CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"  # what activation checkpointing inserts into parameter names
-
-
-def unwrapped(name: str) -> str:
-    """A parameter's name as the unwrapped model has it (state dicts, HF names, engines use these)."""
-    return name.replace(CHECKPOINT_WRAPPER, "")

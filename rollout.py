@@ -449,6 +449,9 @@ class NativeEngine:
         self.device, self.dtype, self.fp8, self.bucket_bytes = torch.device(device), dtype, fp8, bucket_bytes
         # no gradients, ever; the initial values are placeholders until the first update_weights
         self.model = Transformer(cfg).to(self.device, dtype).eval().requires_grad_(False)
+        for block in self.model.layers:
+            if block.is_moe:
+                block.mlp.gate.float()  # the router's weight stays fp32 in any engine dtype, as in the trainer
         if fp8:  # after .to(dtype), which would otherwise cast the e4m3 buffers back to dtype
             to_fp8_modules(self.model, dtype)
         self.weight_version = 0
@@ -471,8 +474,9 @@ class NativeEngine:
         Raises ValueError on an unknown name, a shape mismatch or a missing tensor.
         """
         seen = set()
-        # a DTensor shard (FSDP, EP) is gathered whole: the engine holds unsharded weights
-        named_tensors = ((n, full_tensor(t)) for n, t in named_tensors)
+        # a DTensor shard (FSDP, EP) is gathered whole (the engine holds unsharded weights), then cast to its
+        # slot's dtype before any transfer: a bf16 engine receives bf16 bytes
+        named_tensors = ((n, self._as_slot(n, full_tensor(t))) for n, t in named_tensors)
         for bucket in weight_buckets(named_tensors, self.bucket_bytes):
             for name, t in _stage(bucket, self.device):
                 slot = self._slots.get(name)
@@ -493,6 +497,13 @@ class NativeEngine:
             if isinstance(module, (FP8Linear, FP8GroupedExperts)):
                 module.refresh()  # the cached dequantised weights follow the new values
         self.weight_version = version  # stamped on every Rollout generated from now on
+
+    def _as_slot(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """t in its slot's floating dtype (an FP8 slot takes high precision and quantises it on arrival)."""
+        slot = self._slots.get(name)
+        if slot is None or slot.dtype == FP8 or not t.is_floating_point() or t.dtype == FP8:
+            return t
+        return t.to(slot.dtype)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, seed: int | None = None,

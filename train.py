@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from checkpoint import read_checkpoint, resume_path, rng_state, save_checkpoint, set_rng_state, write_checkpoint
 from config import TrainConfig, parse_args
-from distributed import all_gather_list, build_model, rank_world, reference_copy, setup_distributed
+from distributed import Meshes, all_gather_list, build_model, rank_world, reference_copy, setup_distributed
 from espo import LossConfig, ragged_group_advantages
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, FilterConfig, PromptHistory, Scored, is_informative, oversample_size,
                     post_rollout_filter, pre_rollout_filter, probe_decisions)
@@ -490,7 +490,7 @@ def checkpoint(run: Run, opt, phase: str, step: int):
     write_checkpoint(run.cfg.out_dir, position, run.model, opt, state, run.cfg)
 
 
-def start_run(cfg: TrainConfig, dims, resumed: dict | None) -> Run:
+def start_run(cfg: TrainConfig, meshes: Meshes | None, resumed: dict | None) -> Run:
     """Tokenizer, prompts, policy, engine, metrics log and filter state of a fresh (or resumed) run."""
     rank, world = rank_world()
     # the tiny demo's own tokenizer: BPE learned from its prompts and answers (tokenizer.py)
@@ -514,9 +514,9 @@ def start_run(cfg: TrainConfig, dims, resumed: dict | None) -> Run:
     if cfg.init_from:
         from safetensors.torch import load_file
         init_state = load_file(os.path.join(cfg.init_from, "model.safetensors"))
-    model = build_model(cfg, dims, init_state)  # before the engine: both draw their init from torch's RNG
+    model = build_model(cfg, meshes, init_state)  # before the engine: both draw their init from torch's RNG
     engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD),
-                          device=cfg.device, compile=cfg.compile)
+                          device=cfg.device, dtype=cfg.compute_dtype(), compile=cfg.compile)
     # the data order from its own generator: it does not depend on what else drew from torch's RNG
     order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     return Run(cfg=cfg, engine=engine, tok=tok, prompts=Prompts(task, order, tok), model=model, held_out=held_out,
@@ -525,7 +525,7 @@ def start_run(cfg: TrainConfig, dims, resumed: dict | None) -> Run:
                if cfg.reward_workers else None)
 
 
-def run(cfg: TrainConfig, dims=None) -> dict:
+def run(cfg: TrainConfig, meshes: Meshes | None = None) -> dict:
     """main's body once the config is checked and the process group (if any) is up."""
     rank, world = rank_world()
     if rank == 0:
@@ -539,7 +539,7 @@ def run(cfg: TrainConfig, dims=None) -> dict:
             saved = json.load(f)
         if saved["model"] != json.loads(json.dumps(dataclasses.asdict(cfg.model))):
             raise ValueError(f"resume: {ckpt} holds a model of another shape: {saved['model']}")
-    r = start_run(cfg, dims, resumed)
+    r = start_run(cfg, meshes, resumed)
     if rank == 0:
         print(f"model: {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M params; {len(r.prompts.task)} train "
               f"prompts, {len(r.eval_items)} held-out prompts" + (f"; {world} ranks (ep={cfg.ep})" if world > 1 else "")
@@ -557,13 +557,13 @@ def run(cfg: TrainConfig, dims=None) -> dict:
         r.evals["after_sft"] = r.evals["after_rl"] = run_eval(r, 0)
         r.opt = rl_optimizer(r.model, cfg)
         # the KL penalty's reference: a frozen copy of the policy as RL starts, kept only when used
-        r.ref_model = reference_copy(r.model, cfg, dims) if cfg.kl_coef != 0 else None
+        r.ref_model = reference_copy(r.model, cfg, meshes) if cfg.kl_coef != 0 else None
         rl_start = 0
     else:  # resumed inside RL: optimizer, reference, data position, filter and predictor as checkpointed
         r.opt = rl_optimizer(r.model, cfg)
         read_checkpoint(ckpt, r.model, r.opt)
         if resumed["ref_model"] is not None:
-            r.ref_model = build_model(cfg, dims, resumed["ref_model"]).requires_grad_(False)
+            r.ref_model = build_model(cfg, meshes, resumed["ref_model"]).requires_grad_(False)
         r.prompts.used, rl_start, r.evals = resumed["used"], resumed["step"] + 1, dict(resumed["evals"])
         r.predictor.load_state_dict(resumed["predictor"])
         r.history.load_state_dict(resumed["history"])
@@ -647,12 +647,15 @@ def main(cfg: TrainConfig) -> dict:
                           microbatch_tokens=cfg.microbatch_tokens, activation_checkpoint=cfg.activation_checkpoint)
         return {"plan": rows}
     check_config(cfg)
-    dims = setup_distributed(cfg)
+    meshes = setup_distributed(cfg)
+    if torch.device(cfg.device).type == "cuda":
+        # beside bf16 compute, the fp32 matmuls left (the router's) use TF32 tensor cores; a float32 run stays exact
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.compute_dtype() != torch.float32
     try:
-        return run(cfg, dims)
+        return run(cfg, meshes)
     finally:
-        if dims is not None:
-            import torch.distributed as dist
+        import torch.distributed as dist
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -88,7 +88,7 @@ def optimizer_step(model, opt, cfg: TrainConfig, lr: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
 
 
 def sft_step(model, opt, seqs: list[list[int]], starts: list[int], pad_id: int, lr: float, cfg: TrainConfig) -> float:

@@ -179,9 +179,9 @@ def build_worker(rank, world, port, cfg, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        dims = distributed.build_parallel_dims(world, dp_shard=world, ep=cfg.ep)
+        meshes = distributed.build_meshes(world, cfg.ep)
         torch.manual_seed(cfg.seed)
-        full = {n: full_tensor(t) for n, t in policy_tensors(distributed.build_model(cfg, dims))}
+        full = {n: full_tensor(t) for n, t in policy_tensors(distributed.build_model(cfg, meshes))}
         if rank == 0:
             torch.save(full, out)
     finally:

@@ -1,4 +1,4 @@
-"""Two CPU processes (gloo): one training step under FSDP=2 and under EP=2 equals the 1-process step."""
+"""Several CPU processes (gloo): one training step under FSDP, EP and expert FSDP equals the 1-process step."""
 import os
 import socket
 
@@ -9,7 +9,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from hf import load_hf, save_hf
-from model import ModelConfig, Transformer, parallelize, unwrapped
+from distributed import unwrapped
+from model import ModelConfig, Transformer
 
 CFG = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
            moe_inter_dim=16, num_shared_experts=1, first_k_dense_replace=1, dense_inter_dim=24, router="sigmoid",
@@ -35,10 +36,10 @@ def worker(rank, world, port, ep, ac, ckpt, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         import distributed
-        dims = distributed.build_parallel_dims(world, dp_shard=world, ep=ep)
+        meshes = distributed.build_meshes(world, ep)
         with torch.device("meta"):
             model = Transformer(ModelConfig(**CFG))
-        parallelize(model, dims, param_dtype=None, reduce_dtype=None, activation_checkpoint=ac)  # fp32 end to end
+        distributed.parallelize(model, meshes, activation_checkpoint=ac)  # fp32 end to end
         model.to_empty(device="cpu")
         load_hf(ckpt, model)  # each rank reads only its slice
         tokens, targets = batch()
@@ -73,11 +74,15 @@ def reference(tmp_path_factory):
     return ckpt, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("ep, ac", [(1, False), (2, False), (2, True)], ids=["fsdp2", "fsdp2_ep2", "fsdp2_ep2_ac"])
-def test_two_process_step_equals_one_process_step(reference, tmp_path, ep, ac):
+@pytest.mark.parametrize("world, ep, ac", [(2, 1, False), (2, 2, False), (2, 2, True), (4, 2, False)],
+                         ids=["fsdp2", "fsdp2_ep2", "fsdp2_ep2_ac", "fsdp4_ep2_efsdp2"])
+def test_several_process_step_equals_one_process_step(reference, tmp_path, world, ep, ac):
+    """FSDP over all ranks, the experts split over ep of them; with 4 ranks and ep = 2 each expert is also
+    FSDP-sharded over 2 ranks (efsdp), whose gradient reduction must still give the 1-process gradient."""
     ckpt, want_loss, want_grads = reference
     out = str(tmp_path / "result.pt")
-    mp.start_processes(worker, args=(2, free_port(), ep, ac, ckpt, out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(worker, args=(world, free_port(), ep, ac, ckpt, out), nprocs=world, join=True,
+                       start_method="spawn")
     got = torch.load(out)
     assert abs(float(got["loss"] - want_loss)) <= 1e-6
     assert set(got["grads"]) == set(want_grads)
