@@ -111,6 +111,9 @@ class TrainConfig:
     """Rollouts G per prompt: the size of a group."""
     max_new_tokens: int = 24
     """Generation limit per rollout, in tokens."""
+    max_prompt_tokens: int = 0
+    """Longest prompt, in tokens (verl's max_prompt_length): longer ones are skipped, counted and logged.
+    0 = max_seq_len - max_new_tokens, all that fits. The dry run's engine plan sizes its KV cache by it."""
     temperature: float = 1.0
     """Rollout sampling temperature, > 0 (the trainer's logprobs divide the logits by the same)."""
     top_p: float = 1.0
@@ -231,6 +234,15 @@ class TrainConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+    def prompt_limit(self) -> int:
+        """The longest prompt a run takes: max_prompt_tokens, or all that fits beside max_new_tokens.
+        Raises ValueError when no prompt, or a longer one than fits, is allowed."""
+        fits = self.model.max_seq_len - self.max_new_tokens
+        if fits < 1 or not 0 <= self.max_prompt_tokens <= fits:
+            raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens}: need 0 (all that fits) or 1..{fits} "
+                             f"(max_seq_len={self.model.max_seq_len} - max_new_tokens={self.max_new_tokens})")
+        return self.max_prompt_tokens or fits
 
     def loss_config(self) -> LossConfig:
         """The policy loss's settings (espo.LossConfig). Raises ValueError on a bad loss setting."""

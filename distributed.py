@@ -321,7 +321,7 @@ def parallelize(model: Transformer, meshes: Meshes, *, param_dtype: torch.dtype 
         if inner.is_moe:
             # its own unit, gathered in fp32 whatever param_dtype: a bf16 gate would round the router's scores
             fully_shard(inner.mlp.gate, mesh=meshes.fsdp, mp_policy=fp32)
-            if ep > 1 and meshes.efsdp is not None:
+            if meshes.efsdp is not None:  # the experts (after ep's split, if any) sharded over their own mesh
                 fully_shard(inner.mlp.experts, mesh=meshes.efsdp, mp_policy=mp)
             elif ep > 1:
                 ignored.update(inner.mlp.experts.parameters())

@@ -1,35 +1,48 @@
-"""Dry-run planning: parameter counts and a per-GPU memory plan, from a meta-device model.
+"""The dry run: parameter counts and a per-GPU memory plan measured from the code that runs.
 
-`python train.py configs/100b.py dry_run=True` builds the model on the meta device
-(nothing is allocated), counts its parameters and prints, for 1, 2, 4 and 8 nodes, what
-each GPU holds under FSDP2 + expert parallel as `model.parallelize` applies it:
+`python train.py configs/100b.py dry_run=True` prints, for 1, 2, 4 and 8 nodes, what one GPU
+holds. The trainer's part is not estimated: `trainer_memory` builds the policy as
+distributed.build_model does (the same `parallelize`, mixed precision and activation
+checkpointing) on fake tensors (torch's FakeTensorMode: shapes and dtypes, no storage) in a
+fake process group of the run's world size, runs two training steps of one micro-batch
+(forward with the chunked logprobs, backward, AdamW) and reads the peak from torch's memory
+tracker (FSDPMemTracker; MemTracker for a plain one-process model). The rollout engine's part
+(`engine_memory`) adds up what NativeEngine allocates: its copy of the weights in the run's
+dtype and, while it generates, the KV cache and routes of gen_batch_rows rows of
+max_prompt_tokens + max_new_tokens tokens, the prefill, and the sampler's [rows, V] buffers.
+bench/memory.py and tests/test_plan.py check both against measured peaks of real runs on CPU.
+Shapes: B, T, V, D, E, K, L, J, d, S (letters of the README's legend).
 
-- sharded state: every parameter is sharded dp_shard ways (dense ones by FSDP, experts
-  ep ways by expert parallel times dp_shard/ep ways by FSDP), kept as an fp32 master copy
-  with an fp32 gradient and AdamW's two fp32 moments: 16 bytes per parameter / dp_shard;
-- unsharded working set: the largest block all-gathered in param_dtype, twice (the next
-  block is prefetched), plus its gradient in fp32 before the reduce-scatter;
-- activations, an estimate: with activation checkpointing each block keeps its input
-  (tokens x D) and one block at a time holds its full working set; without, every
-  block holds it. The working set per token counts the residual stream and norms,
-  q/k/v/o, the routed expert inputs and hidden states (K copies) and the shared/dense
-  FFN, in param_dtype; plus fp32 logits for LOGITS_CHUNK_TOKENS positions (a chunked trainer,
-  which the GPU-ready numerics issue builds: today's trainer holds a micro-batch's whole logits).
-
-The rollout engine's memory (SGLang's own fraction of the GPU) is not included.
-Legend: P parameters, W GPUs (world), D model dim, K experts per token, I expert width.
+Notable choices:
+1. Expert parallel is planned by its memory, not run: a rank holds E / ep experts of each
+   layer and computes about N * K routed rows of its micro-batch's N tokens (balanced
+   routing), so the fake model has E / ep experts per layer, sharded over the efsdp ranks
+   as the real ones are; the all-to-all's send and receive buffers (2 x N * K x D) are added.
+2. The micro-batch is microbatch_tokens tokens in rows of min(max_seq_len, microbatch_tokens)
+   (the packer's widest case), rounded so the routed rows split evenly over the experts
+   (model.grouped_mm's stand-in on fake tensors).
+3. Every block after the dense ones is the same, so memory is affine in the number of layers
+   once the peak falls at the same point of the step (from two MoE blocks on): the fake steps
+   run with two and three MoE blocks and the result is extended to L blocks (tests/test_plan.py
+   checks this against the full depth). A 46-layer 100B plan then takes seconds, not minutes.
+4. The peak of a run is the larger of a training step's peak and a generate call's: the trainer
+   keeps its sharded parameters and AdamW state while the engine generates, the engine keeps
+   its weights while the trainer steps, and the two never run at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import torch
 
-from model import ModelConfig, Transformer
+from model import LOGITS_CHUNK_TOKENS, ModelConfig, Transformer
 
 GB = 1024 ** 3
-BYTES_STATE = 4 + 4 + 8  # fp32 master param, fp32 grad, AdamW exp_avg + exp_avg_sq
-LOGITS_CHUNK_TOKENS = 4096  # positions of fp32 logits alive at once in a chunked trainer
 GPU_MEMORY_GB = {"H100 80GB": 80, "H200 141GB": 141}
+NODES = (1, 2, 4, 8)
+PARTS = ("params", "grads", "optimizer", "gathered", "activations")
 
 
 def param_counts(cfg: ModelConfig) -> dict:
@@ -43,62 +56,174 @@ def param_counts(cfg: ModelConfig) -> dict:
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for b in model.layers if b.is_moe for p in b.mlp.experts.parameters())
     active = total - experts * (cfg.num_experts - cfg.top_k) // cfg.num_experts
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.layers]
-    block_experts = [sum(p.numel() for p in b.mlp.experts.parameters()) if b.is_moe else 0 for b in model.layers]
     outer = sum(p.numel() for p in model.embed.parameters()) + sum(p.numel() for p in model.lm_head.parameters())
-    return {"total": total, "experts": experts, "active": active, "blocks": blocks,
-            "block_experts": block_experts, "embed_lm_head": outer}
+    return {"total": total, "experts": experts, "active": active, "embed_lm_head": outer}
 
 
-def memory_plan(cfg: ModelConfig, counts: dict, *, world: int, ep: int, microbatch_tokens: int,
-                activation_checkpoint: bool, param_bytes: int = 2) -> dict:
-    """Bytes per GPU of each part of the plan above, for `world` GPUs all in dp_shard.
+def microbatch_shape(cfg, num_local_experts: int) -> tuple[int, int]:
+    """(rows, tokens per row) of a full micro-batch (choice 2)."""
+    T = min(cfg.model.max_seq_len, cfg.microbatch_tokens)
+    B = max(1, cfg.microbatch_tokens // T)
+    while (B * T * cfg.model.top_k) % num_local_experts:  # an even split over the experts: shorten the rows
+        T -= 1
+    return B, T
 
-    Raises ValueError if ep does not divide num_experts or world.
+
+def trainer_memory(cfg, world: int, *, activation_checkpoint: bool) -> dict[str, int]:
+    """Peak bytes of one rank's training step in a run of `world` ranks, measured on fake tensors.
+
+    Returns the peak `total` and its parts at that moment: params (the rank's shard of fp32
+    weights), grads, optimizer (AdamW's moments), gathered (weights all-gathered for compute, and
+    FSDP's communication buffers), activations (saved for backward, temporaries, the logits
+    chunks) and ep_buffers (choice 1). Sets up, and ends, a fake process group of `world` ranks:
+    it must not run inside a real one.
     """
-    if cfg.num_experts % ep or world % ep:
-        raise ValueError(f"ep={ep} must divide num_experts={cfg.num_experts} and the GPU count {world}")
-    state = counts["total"] * BYTES_STATE / world
-    # one block unsharded: its dense part whole, its experts only the local 1/ep
-    unsharded = max(b - e + e / ep for b, e in zip(counts["blocks"], counts["block_experts"]))
-    unsharded = max(unsharded, counts["embed_lm_head"])
-    gather = unsharded * (2 * param_bytes + 4)
-    D, K, L = cfg.dim, cfg.top_k, cfg.n_layers
-    attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim  # q, k, v, attention output
-    ffn = K * (D + 3 * cfg.moe_inter_dim) + 3 * max(cfg.num_shared_experts * cfg.moe_inter_dim, cfg.dense_inter_dim)
-    per_token_block = (6 * D + attn + ffn) * param_bytes  # residuals and norms, attention, experts, shared/dense
-    t = microbatch_tokens
-    acts = (L * t * D * param_bytes + t * per_token_block) if activation_checkpoint else L * t * per_token_block
-    logits = min(t, LOGITS_CHUNK_TOKENS) * cfg.vocab_size * 4 * 3  # logits, log-softmax, its exp
-    parts = {"params+grads+adam": state, "gathered block": gather, "activations": acts, "logits chunk": logits}
-    parts["total"] = sum(parts.values())
+    dense = cfg.model.first_k_dense_replace
+    if cfg.model.n_layers <= dense + 4:  # as quick to run as the two short ones
+        return _fake_steps(cfg, world, activation_checkpoint, cfg.model.n_layers)
+    two, three = (_fake_steps(cfg, world, activation_checkpoint, dense + k) for k in (2, 3))
+    extra = cfg.model.n_layers - dense - 2  # blocks beyond the second MoE one (choice 3)
+    return {k: two[k] + (three[k] - two[k]) * extra for k in two}
+
+
+def _fake_steps(cfg, world: int, activation_checkpoint: bool, n_layers: int) -> dict[str, int]:
+    """trainer_memory of the model cut to its first n_layers blocks."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import distributed
+    ep = cfg.ep if world > 1 else 1
+    model_cfg = dataclasses.replace(cfg.model, n_layers=n_layers, num_experts=cfg.model.num_experts // ep,
+                                    n_group=1, topk_group=1)  # a rank's experts (choice 1)
+    run_cfg = dataclasses.replace(cfg, model=model_cfg, device="cpu", dtype=str(cfg.compute_dtype())[6:])
+    B, T = microbatch_shape(run_cfg, model_cfg.num_experts)
+    sharded = world > 1 or cfg.compute_dtype() != torch.float32  # as distributed.setup_distributed decides
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        with torch.device("meta"):
+            model = Transformer(model_cfg)
+        if sharded:
+            fsdp = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+            efsdp = init_device_mesh("cpu", (ep, world // ep), mesh_dim_names=("ep", "efsdp"))["efsdp"] \
+                if ep > 1 else None
+            distributed.parallelize(model, distributed.Meshes(fsdp=fsdp, efsdp=efsdp),
+                                    **distributed.mixed_precision(run_cfg), activation_checkpoint=activation_checkpoint)
+        else:
+            distributed.checkpoint_and_compile(model, activation_checkpoint=activation_checkpoint, compile=False)
+        with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+            # model.grouped_mm's fake stand-in returns a view (nothing writes to it in place); the real op does not
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            model.to_empty(device="cpu")
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            if sharded:
+                tracker = FSDPMemTracker(model, opt)
+            else:
+                tracker = MemTracker()
+                tracker.track_external(model, opt)
+            with tracker:
+                for _ in range(2):  # the second step holds the AdamW state the first one made
+                    tokens = torch.zeros(B, T, dtype=torch.long)
+                    (logp, _), _ = model(tokens, tokens, temperature=cfg.temperature)
+                    (-logp.mean()).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    tracker.reset_mod_stats()  # per-module stats of one step; the peak is kept
+        # {category: bytes} at the peak; the categories are enum members of the two trackers
+        peak = {getattr(k, "name", k).lower(): v for k, v in tracker.get_tracker_snapshot("peak")[
+            torch.device("cpu")].items()}
+    finally:
+        dist.destroy_process_group()
+    parts = {"params": peak.get("param", 0) + peak.get("sharded_param", 0) + peak.get("buffer", 0),
+             "grads": peak.get("grad", 0) + peak.get("sharded_grad", 0) + peak.get("unsharded_grad", 0),
+             "optimizer": peak.get("opt", 0),
+             "gathered": peak.get("unsharded_param", 0) + peak.get("all_gather", 0) + peak.get("reduce_scatter", 0),
+             "activations": peak.get("act", 0) + peak.get("temp", 0) + peak.get("inp", 0) + peak.get("oth", 0)}
+    dt = torch.tensor([], dtype=cfg.compute_dtype()).element_size()
+    parts["ep_buffers"] = 2 * B * T * cfg.model.top_k * cfg.model.dim * dt if ep > 1 else 0
+    parts["total"] = peak["total"] + parts["ep_buffers"]
     return parts
 
 
-def print_plan(cfg: ModelConfig, *, gpus_per_node: int, ep: int, microbatch_tokens: int,
-               activation_checkpoint: bool, nodes=(1, 2, 4, 8)) -> list[dict]:
-    """Print parameter counts and the per-GPU plan for each node count; return the plan rows."""
-    counts = param_counts(cfg)
-    n = lambda x: f"{x / 1e9:.2f}B" if x >= 1e8 else f"{x / 1e6:.2f}M"  # noqa: E731
+def engine_memory(cfg) -> dict[str, int]:
+    """Bytes NativeEngine holds: its weights, and the peak of a generate call of gen_batch_rows rows
+    whose prompts are max_prompt_tokens long (rollout.py `_prefill`, `_decode`). Returns weights,
+    kv_cache (the decode state's, part of generate), generate (the call's peak) and total."""
+    m, dt = cfg.model, torch.tensor([], dtype=cfg.compute_dtype()).element_size()
+    gate = m.num_moe_layers * m.num_experts * m.dim  # the router's weight stays fp32 in any dtype
+    weights = (param_counts(m)["total"] - gate) * dt + gate * 4
+    P, C, B = cfg.prompt_limit(), cfg.max_new_tokens, cfg.gen_batch_rows
+    S = P + C - 1  # cache columns: the prompt and every sampled token but the last
+    U = max(1, B // cfg.group_size)  # distinct prompts of a call: one prefill row each
+    LK, kv_token = m.num_moe_layers * m.top_k, 2 * m.n_kv_heads * m.head_dim * dt  # k and v of a token, one layer
+    prefill_cache = m.n_layers * U * P * kv_token
+    kv = m.n_layers * B * S * kv_token
+    routes = B * S * LK * 4  # int32
+    # the prefill: its U-row cache and one forward over U x P tokens, whose largest per-layer tensors are the
+    # routed rows (x, the expert GEMMs' [2I] and [I] outputs, the result: K copies of every token) and the mask
+    acts = U * P * (4 * m.dim + m.top_k * (2 * m.dim + 3 * m.moe_inter_dim)) * dt + U * P * P
+    prefill = prefill_cache + acts + U * P * LK * 8
+    # the copy of each row's prompt into the decode cache: both caches, one layer's gathered rows, the routes,
+    # and still alive from the prefill its mask and hidden states
+    copy = prefill_cache + kv + B * P * kv_token // 2 + U * P * LK * 8 + routes + U * P * (P + m.dim * dt)
+    # decoding: the cache and routes, the sampler's [B, V] buffers (logits, tempered logits, log-softmax and
+    # probabilities fp32, their cumulative sum fp64), the row mask, and the sampled ids and logprobs
+    decode = kv + routes + B * m.vocab_size * (4 * 4 + 8) + B * S * 4 + B * C * (8 + 4)
+    generate = max(prefill, copy, decode + routes)  # the end: the rollouts' own copies of their routes
+    return {"weights": weights, "kv_cache": kv, "generate": generate, "total": weights + generate}
+
+
+def memory_plan(cfg, world: int) -> dict[str, int]:
+    """Per-GPU bytes of a run of `world` ranks: the trainer's state, activations and peak, the
+    engine's weights and KV cache, and the run's peak (choice 4). dtype 'auto' plans a GPU's: bf16."""
+    if cfg.dtype == "auto":
+        cfg = dataclasses.replace(cfg, dtype="bfloat16")
+    trainer = trainer_memory(cfg, world, activation_checkpoint=cfg.activation_checkpoint)
+    engine = engine_memory(cfg)
+    # fp32 gradients take the shards of the fp32 parameters, between a backward and its optimizer step
+    state = {"params": trainer["params"], "grads": trainer["params"], "adam": trainer["optimizer"]}
+    total = max(trainer["total"] + engine["weights"], state["params"] + state["adam"] + engine["total"])
+    return {**state, "gathered": trainer["gathered"], "activations": trainer["activations"],
+            "logits chunk": LOGITS_CHUNK_TOKENS * cfg.model.vocab_size * 4, "trainer peak": trainer["total"],
+            "engine weights": engine["weights"], "engine KV": engine["kv_cache"], "total": total}
+
+
+def print_plan(cfg, nodes=NODES) -> list[dict]:
+    """Print parameter counts and the per-GPU plan for each node count; return the plan rows (GiB).
+    Raises ValueError if ep divides none of the GPU counts."""
+    counts = param_counts(cfg.model)
+
+    def n(x):
+        return f"{x / 1e9:.2f}B" if x >= 1e8 else f"{x / 1e6:.2f}M"
+
     print(f"parameters: {n(counts['total'])} total, {n(counts['active'])} active per token "
           f"({n(counts['active'] - counts['embed_lm_head'])} without embedding and lm_head), "
           f"{n(counts['experts'])} in routed experts")
-    print(f"per GPU, {microbatch_tokens} tokens per micro-batch, activation checkpointing "
-          f"{'on' if activation_checkpoint else 'off'}, bf16 compute (GB):")
-    cols = ["params+grads+adam", "gathered block", "activations", "logits chunk", "total"]
-    print(f"{'nodes':>5} {'GPUs':>5} {'dp_shard':>8} {'ep':>3}  " + "  ".join(f"{c:>17}" for c in cols) + "  fits")
+    dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+    print(f"per GPU (GiB): {cfg.microbatch_tokens}-token micro-batches in {dtype}, activation checkpointing "
+          f"{'on' if cfg.activation_checkpoint else 'off'}; the engine a full copy on every GPU, generating "
+          f"{cfg.gen_batch_rows} rows of {cfg.prompt_limit()} + {cfg.max_new_tokens} tokens")
+    cols = ["params", "grads", "adam", "gathered", "activations", "logits chunk", "trainer peak", "engine weights",
+            "engine KV", "total"]
+    print(f"{'nodes':>5} {'GPUs':>5} {'ep':>3}  " + "  ".join(f"{c:>{max(9, len(c))}}" for c in cols) + "  fits")
     rows = []
-    for n in nodes:
-        world = n * gpus_per_node
-        if world % ep:
-            print(f"{n:>5} {world:>5}  ep={ep} does not divide {world} GPUs")
+    for k in nodes:
+        world = k * cfg.gpus_per_node
+        if world % cfg.ep or cfg.model.num_experts % cfg.ep:
+            print(f"{k:>5} {world:>5}  ep={cfg.ep} does not divide {world} GPUs and {cfg.model.num_experts} experts")
             continue
-        plan = memory_plan(cfg, counts, world=world, ep=ep, microbatch_tokens=microbatch_tokens,
-                           activation_checkpoint=activation_checkpoint)
+        plan = memory_plan(cfg, world)
         fits = [name for name, gb in GPU_MEMORY_GB.items() if plan["total"] / GB <= gb]
-        print(f"{n:>5} {world:>5} {world:>8} {ep:>3}  " + "  ".join(f"{plan[c] / GB:>17.1f}" for c in cols)
+        print(f"{k:>5} {world:>5} {cfg.ep:>3}  " + "  ".join(f"{plan[c] / GB:>{max(9, len(c))}.1f}" for c in cols)
               + f"  {', '.join(fits) or 'no'}")
-        rows.append({"nodes": n, "gpus": world, **{c: plan[c] / GB for c in cols}, "fits": fits})
+        rows.append({"nodes": k, "gpus": world, **{c: plan[c] / GB for c in cols}, "fits": fits})
     if not rows:
-        raise ValueError(f"ep={ep} divides none of the GPU counts {[k * gpus_per_node for k in nodes]}")
+        raise ValueError(f"ep={cfg.ep} divides none of the GPU counts {[k * cfg.gpus_per_node for k in nodes]}")
+    other = not cfg.activation_checkpoint  # activations do not depend on the world size: once, at the first
+    acts = trainer_memory(dataclasses.replace(cfg, dtype=dtype), rows[0]["gpus"], activation_checkpoint=other)
+    print(f"activation checkpointing {'on' if other else 'off'} would make activations "
+          f"{acts['activations'] / GB:.1f} GiB and the trainer's peak {acts['total'] / GB:.1f} GiB on {rows[0]['gpus']} GPUs")
     return rows

@@ -583,8 +583,10 @@ class NativeEngine:
 
         # (n_layers, B, J, S, d): columns >= T are written by decode step t = col - T before any read
         cache = KVCache(cfg, B, S, dtype=self.dtype, device=dev)
-        cache.k[:, :, :, :T] = prefill.k[:, row_u]  # each row copies its prompt's prefill: (n_layers, B, J, T, d)
-        cache.v[:, :, :, :T] = prefill.v[:, row_u]
+        for layer in range(cfg.n_layers):  # each row copies its prompt's prefill, a layer at a time: (B, J, T, d)
+            # per layer, so the gathered copy in between is one layer's, not the whole cache's
+            cache.k[layer, :, :, :T] = prefill.k[layer, row_u]
+            cache.v[layer, :, :, :T] = prefill.v[layer, row_u]
         # int32, SGLang's dtype and the Rollout's; columns past a row's last fed token are never read
         routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=torch.int32, device=dev)
         routes_BSLK[:, :T] = routes_UTLK[row_u]  # (U, T, L, K) -> (B, T, L, K)

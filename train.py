@@ -60,19 +60,26 @@ ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken a
 @dataclass
 class Prompts:
     """The training prompts in one fixed random order, drawn in sequence and cycled (SFT and RL), each
-    tokenized once, up front (`ids`, by question)."""
+    tokenized once, up front (`ids`, by question). Prompts longer than max_tokens leave the order
+    (`skipped` counts them); none left raises ValueError."""
     task: TaskMix
     order: list[int]  # a permutation of the task's items
     tok: tiktoken.Encoding
+    max_tokens: int  # cfg.prompt_limit()
     used: int = 0  # items drawn so far: the data position a checkpoint saves
     ids: dict[str, list[int]] = field(init=False)  # question -> its prompt's token ids
     items: list[Item] = field(init=False)  # the task's prompts, in its own order
+    skipped: int = field(init=False)
 
     def __post_init__(self):
         self.items, self.ids = [self.task[i] for i in range(len(self.task))], {}
         for it in self.items:
             if it.question not in self.ids:  # a question the task repeats is tokenized once
                 self.ids[it.question] = encode_prompt(self.tok, it.question)
+        keep = [i for i in self.order if len(self.ids[self.items[i].question]) <= self.max_tokens]
+        self.skipped, self.order = len(self.order) - len(keep), keep
+        if not keep:
+            raise ValueError(f"all {self.skipped} training prompts are longer than max_prompt_tokens={self.max_tokens}")
 
     def draw(self, n: int) -> list[Item]:
         """The next n prompts; past the end the order starts over (a new epoch, in the same order)."""
@@ -506,10 +513,12 @@ def start_run(cfg: TrainConfig, meshes: Meshes | None, resumed: dict | None) -> 
             f.write(json.dumps(dataclasses.asdict(cfg), default=str, indent=1))
     # held-out prompts from a far seed, minus any the training pool also holds (reasoning-gym repeats questions)
     held_out = TaskMix(cfg.tasks, seed=cfg.eval_seed, size=4 * cfg.eval_size)
-    eval_items = held_out.exclude({it.question for it in task.items})[:cfg.eval_size]
+    unseen = held_out.exclude({it.question for it in task.items})
+    fits = (it for it in unseen if len(encode_prompt(tok, it.question)) <= cfg.prompt_limit())  # as Prompts skips
+    eval_items = list(itertools.islice(fits, cfg.eval_size))
     if len(eval_items) < cfg.eval_size:
-        raise ValueError(f"only {len(eval_items)} held-out prompts are unseen in training; "
-                         f"need eval_size={cfg.eval_size}")
+        raise ValueError(f"only {len(eval_items)} held-out prompts are unseen in training and at most "
+                         f"max_prompt_tokens={cfg.prompt_limit()} long; need eval_size={cfg.eval_size}")
     init_state = None
     if cfg.init_from:
         from safetensors.torch import load_file
@@ -519,8 +528,8 @@ def start_run(cfg: TrainConfig, meshes: Meshes | None, resumed: dict | None) -> 
                           device=cfg.device, dtype=cfg.compute_dtype(), compile=cfg.compile)
     # the data order from its own generator: it does not depend on what else drew from torch's RNG
     order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    return Run(cfg=cfg, engine=engine, tok=tok, prompts=Prompts(task, order, tok), model=model, held_out=held_out,
-               eval_items=eval_items, log=MetricsLog(cfg, keep=resumed["num_records"] if resumed else None),
+    return Run(cfg=cfg, engine=engine, tok=tok, prompts=Prompts(task, order, tok, cfg.prompt_limit()), model=model,
+               held_out=held_out, eval_items=eval_items, log=MetricsLog(cfg, keep=resumed["num_records"] if resumed else None),
                pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
                if cfg.reward_workers else None)
 
@@ -544,6 +553,8 @@ def run(cfg: TrainConfig, meshes: Meshes | None = None) -> dict:
         print(f"model: {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M params; {len(r.prompts.task)} train "
               f"prompts, {len(r.eval_items)} held-out prompts" + (f"; {world} ranks (ep={cfg.ep})" if world > 1 else "")
               + (f"; resuming from {ckpt} ({resumed['step'] + 1} {resumed['phase']} steps done)" if ckpt else ""))
+        if r.prompts.skipped:
+            print(f"skipped {r.prompts.skipped} training prompts longer than max_prompt_tokens={cfg.prompt_limit()}")
 
     if resumed is None or resumed["phase"] == "sft":  # a fresh run, or one resumed inside its SFT warm-up
         opt, start = sft_optimizer(r.model, cfg), 0
@@ -610,6 +621,7 @@ def check_config(cfg: TrainConfig):
     """Refuse settings that cannot run, before any work (tokenizer, SFT). Raises ValueError naming
     the value and what would be valid."""
     cfg.loss_config(), cfg.filter_config(), cfg.sampling_params(), cfg.reward_config()  # each checks its own settings
+    cfg.prompt_limit()
     if cfg.zero_variance not in ("drop", "rl-zvp"):
         raise ValueError(f"zero_variance={cfg.zero_variance!r} (valid: 'drop', 'rl-zvp')")
     if cfg.max_staleness < 0 or cfg.rollout_threads < 0 or cfg.trainer_threads < 0:
@@ -643,9 +655,7 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.dry_run:
         print(json.dumps(dataclasses.asdict(cfg), default=str))
         from plan import print_plan
-        rows = print_plan(cfg.model, gpus_per_node=cfg.gpus_per_node, ep=cfg.ep,
-                          microbatch_tokens=cfg.microbatch_tokens, activation_checkpoint=cfg.activation_checkpoint)
-        return {"plan": rows}
+        return {"plan": print_plan(cfg)}
     check_config(cfg)
     meshes = setup_distributed(cfg)
     if torch.device(cfg.device).type == "cuda":

@@ -12,3 +12,4 @@ gpus_per_node = 8
 ep = 8
 activation_checkpoint = True
 microbatch_tokens = 16384
+max_prompt_tokens = 2048  # longer prompts are skipped; the engine plan sizes its KV cache by it

@@ -9,3 +9,4 @@ gpus_per_node = 8
 ep = 8  # experts over the 8 GPUs of a node; FSDP over everything
 activation_checkpoint = True
 microbatch_tokens = 16384
+max_prompt_tokens = 2048  # longer prompts are skipped; the engine plan sizes its KV cache by it

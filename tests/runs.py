@@ -55,7 +55,8 @@ def make_run(cfg: TrainConfig, task=None) -> train.Run:
     model = Transformer(cfg.model)
     engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
     engine.update_weights(model.named_parameters(), version=0)
-    return train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(task, list(range(len(task))), tok), model=model,
+    return train.Run(cfg=cfg, engine=engine, tok=tok, model=model,
+                     prompts=train.Prompts(task, list(range(len(task))), tok, cfg.prompt_limit()),
                      opt=torch.optim.AdamW(model.parameters(), lr=cfg.lr),
                      pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
                      if cfg.reward_workers else None)

@@ -11,8 +11,8 @@ from runs import MICRO, ParityTask, make_run, micro_config
 class CountingPrompts(train.Prompts):
     """Prompts that record how many each draw asked for."""
 
-    def __init__(self, task, tok):
-        super().__init__(task, list(range(len(task))), tok)
+    def __init__(self, task, tok, max_tokens):
+        super().__init__(task, list(range(len(task))), tok, max_tokens)
         self.drawn = []
 
     def draw(self, n):
@@ -23,7 +23,7 @@ class CountingPrompts(train.Prompts):
 def run_async(tmp_path, overrides):
     cfg = micro_config(tmp_path, ["temperature=1.5", "lr=1e-2"] + overrides)
     run = make_run(cfg)
-    run.prompts = CountingPrompts(ParityTask(), run.tok)
+    run.prompts = CountingPrompts(ParityTask(), run.tok, cfg.prompt_limit())
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     metrics = list(train.rl_loop_async(run))
     return cfg, run.model, run.engine, before, metrics, run.prompts.drawn

@@ -294,3 +294,25 @@ def test_a_bf16_run_trains_end_to_end_with_a_bf16_engine(tmp_path):
     assert all(0 < r["mismatch/max_abs_logp"] < 0.5 for r in rl)
     weights = load_file(out / "model.safetensors")
     assert all(t.dtype == torch.float32 for t in weights.values())  # the master weights, gathered
+
+
+def test_prompts_longer_than_max_prompt_tokens_leave_the_order_counted(tmp_path):
+    from reward import Item
+    from runs import ParityTask
+    cfg = micro_config(tmp_path, [])
+    tok = make_run(cfg).tok
+    task = ParityTask(size=4)
+    task.items[2] = Item("question " + "long " * 40, "0", 0, 2)
+    limit = len(train.encode_prompt(tok, task.items[0].question))
+    prompts = train.Prompts(task, [3, 2, 1, 0], tok, limit)
+    assert prompts.skipped == 1 and prompts.order == [3, 1, 0]
+    assert [it.index for it in prompts.draw(4)] == [3, 1, 0, 3]
+    with pytest.raises(ValueError, match="all 4 training prompts are longer than max_prompt_tokens=1"):
+        train.Prompts(task, [0, 1, 2, 3], tok, 1)
+
+
+@pytest.mark.parametrize("value", [-1, 10**6])
+def test_a_max_prompt_tokens_that_leaves_no_room_is_refused(tmp_path, value):
+    cfg = micro_config(tmp_path, [f"max_prompt_tokens={value}"])
+    with pytest.raises(ValueError, match=f"max_prompt_tokens={value}: need 0 .all that fits. or 1.."):
+        train.check_config(cfg)
