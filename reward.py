@@ -63,7 +63,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-import reasoning_gym
 import torch
 
 import sandbox
@@ -108,6 +107,7 @@ class TaskMix(ItemList):
     """
 
     def __init__(self, specs: list[tuple[str, dict]], *, seed: int, size: int):
+        import reasoning_gym  # here, not at the top: config.py and the GPU check import this file without it
         if not specs:
             raise ValueError("TaskMix needs at least one (name, kwargs) spec")
         per_task = -(-size // len(specs))  # ceil: each dataset holds at least its round-robin share

@@ -67,7 +67,7 @@ def load_policy(args):
         cfg.sft_steps = args.sft_steps
         order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
         engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
-        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(task, order, tok), model=model)
+        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(task, order, tok, cfg.prompt_limit()), model=model)
         train.sft(sft_run, train.sft_optimizer(model, cfg), 0)
     held_out = TaskMix(cfg.tasks, seed=cfg.eval_seed, size=args.prompts)  # prompts the SFT never saw
     prompts = [encode_prompt(tok, held_out[i].question) for i in range(args.prompts)]

@@ -77,7 +77,7 @@ def main():
         time.sleep(delay)
         return float(len(completion) % 2)
 
-    run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(items, list(range(num_prompts)), tok))
+    run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(items, list(range(num_prompts)), tok, cfg.prompt_limit()))
 
     def generate(pool=None):
         run.pool = pool  # with a pool, train.generate_rollouts hands each batch to it as soon as it is generated

@@ -154,7 +154,7 @@ def simulated(args) -> dict:
         task = SimTask(pass_rate, args.seed + 1)
         mean_length = {tuple(encode_prompt(tok, it.question)): length[it.index] for it in task.items}
         return train.Run(cfg=cfg, engine=SimEngine(mean_length, args.seed + 2), tok=tok,
-                         prompts=train.Prompts(task, order, tok))
+                         prompts=train.Prompts(task, order, tok, cfg.prompt_limit()))
 
     return compare(make_run, args, steps=args.steps)
 
@@ -182,14 +182,14 @@ def tiny(args) -> dict:
                               num_merges=cfg.bpe_merges)
         cfg.sft_steps = args.sft_steps
         order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(task, order, tok), model=model)
+        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(task, order, tok, cfg.prompt_limit()), model=model)
         train.sft(sft_run, train.sft_optimizer(model, cfg), 0)
     engine.eos_id, engine.pad_id = tok.encode_single_token(EOS), tok.encode_single_token(PAD)
     engine.update_weights(model.named_parameters(), version=0)
 
     def make_run(overrides):
         run_cfg = load_config(tiny_config, overrides)
-        return train.Run(cfg=run_cfg, engine=engine, tok=tok, prompts=train.Prompts(task, list(range(args.tiny_pool)), tok),
+        return train.Run(cfg=run_cfg, engine=engine, tok=tok, prompts=train.Prompts(task, list(range(args.tiny_pool)), tok, run_cfg.prompt_limit()),
                          model=model)
 
     return compare(make_run, args, steps=args.tiny_steps)
