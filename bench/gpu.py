@@ -29,12 +29,13 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 import plan  # noqa: E402
 import rollout  # noqa: E402
 from config import parse_args  # noqa: E402
 from distributed import build_model, setup_distributed  # noqa: E402
 from espo import mismatch_metrics  # noqa: E402
+from mismatch import trainer_logprobs  # noqa: E402  (bench/mismatch.py)
 from rollout import NativeEngine, SamplingParams, decode_step, policy_tensors, quantize_fp8  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak, SXM (NVIDIA's datasheets)
@@ -111,24 +112,6 @@ def engine_throughput(cfg, model) -> dict:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return out
-
-
-@torch.no_grad()
-def trainer_logprobs(model, rollouts, *, replay: bool, temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per rollout: the trainer's log pi of each completion token [C] and its own routes [P+C-1, L, K]."""
-    B, L, K = len(rollouts), model.cfg.num_moe_layers, model.cfg.top_k
-    T = max(len(r.prompt_ids) + len(r.completion_ids) - 1 for r in rollouts)
-    tokens = torch.zeros(B, T + 1, dtype=torch.long)  # right padding: causal attention never sees it
-    routes = torch.full((B, T, L, K), -1, dtype=torch.long)  # -1 rows route freely
-    for i, r in enumerate(rollouts):
-        seq = r.prompt_ids + r.completion_ids
-        tokens[i, :len(seq)] = torch.tensor(seq)
-        routes[i, :len(seq) - 1] = r.routes
-    dev = next(model.parameters()).device
-    (logp, _), own = model(tokens[:, :-1].to(dev), tokens[:, 1:].to(dev), temperature=temperature,
-                           routed_experts=routes.to(dev) if replay else None, return_routes=True)
-    return [(logp[i, len(r.prompt_ids) - 1:len(r.prompt_ids) + len(r.completion_ids) - 1].float().cpu(),
-             own[i, :len(r.prompt_ids) + len(r.completion_ids) - 1].cpu()) for i, r in enumerate(rollouts)]
 
 
 def mismatch(cfg, model, prompts: int) -> dict:

@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 import train  # noqa: E402
 from config import load_config  # noqa: E402
 from espo import mismatch_metrics  # noqa: E402
-from model import Transformer, token_logprobs  # noqa: E402
+from model import Transformer  # noqa: E402
 from reward import TaskMix, demonstration  # noqa: E402
 from rollout import NativeEngine, SamplingParams, policy_tensors, quantize_fp8  # noqa: E402
 from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, train_tokenizer  # noqa: E402
@@ -75,22 +75,24 @@ def load_policy(args):
 
 
 @torch.no_grad()
-def trainer_logprobs(model, rollouts, *, replay: bool, temperature: float):
-    """Per rollout: the trainer's log pi of each completion token [C] fp32 and its own routes [P+C-1, L, K]."""
-    T = max(len(r.prompt_ids) + len(r.completion_ids) - 1 for r in rollouts)
+def trainer_logprobs(model, rollouts, *, replay: bool, temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per rollout: the trainer's log pi of each completion token [C] fp32 and its own routes [P+C-1, L, K],
+    from the model's forward with targets (as the trainer computes them; bench/gpu.py uses it too)."""
     B, L, K = len(rollouts), model.cfg.num_moe_layers, model.cfg.top_k
+    T = max(len(r.prompt_ids) + len(r.completion_ids) - 1 for r in rollouts)
     tokens_BT = torch.zeros(B, T + 1, dtype=torch.long)  # right padding: causal attention never sees it
     routes_BTLK = torch.full((B, T, L, K), -1, dtype=torch.int64)  # -1 rows route freely
     for i, r in enumerate(rollouts):
         seq = r.prompt_ids + r.completion_ids
         tokens_BT[i, :len(seq)] = torch.tensor(seq)
         routes_BTLK[i, :len(seq) - 1] = r.routes
-    logits, own = model(tokens_BT[:, :-1], routed_experts=routes_BTLK if replay else None, return_routes=True)
-    logp_BT = token_logprobs(logits, tokens_BT[:, 1:], temperature)
+    dev = next(model.parameters()).device
+    (logp_BT, _), own = model(tokens_BT[:, :-1].to(dev), tokens_BT[:, 1:].to(dev), temperature=temperature,
+                              routed_experts=routes_BTLK.to(dev) if replay else None, return_routes=True)
     out = []
     for i, r in enumerate(rollouts):
         P, n = len(r.prompt_ids), len(r.prompt_ids) + len(r.completion_ids) - 1
-        out.append((logp_BT[i, P - 1:n].float(), own[i, :n]))
+        out.append((logp_BT[i, P - 1:n].float().cpu(), own[i, :n].cpu()))
     return out
 
 
