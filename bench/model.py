@@ -122,7 +122,7 @@ def main():
     ep, cp = rows["everyprompt"], rows.get("everyprompt_compiled")
     compiled = f"; {cp['speedup']:.2f}x and {cp['mfu']:.0%} with compiled blocks" if cp else ""
     print(f"{ep['speedup']:.2f}x tokens/s vs transformers Qwen3-MoE (fwd+bwd, fp32, eager, "
-          f"{ep['mfu']:.0%} of fp32 matmul peak{compiled}; targets 1.3x, 60%)")
+          f"{ep['mfu']:.0%} of fp32 matmul peak{compiled}; the same torch ops a GPU runs, on CPU)")
 
 
 if __name__ == "__main__":

@@ -149,7 +149,8 @@ def simulated(args) -> dict:
     rng.shuffle(order)
 
     def make_run(overrides):
-        cfg = load_config(None, overrides + [f"gen_batch_rows={ONE_CALL}", f"max_new_tokens={10 * MEAN_TOKENS}"])
+        cfg = load_config(None, overrides + [f"gen_batch_rows={ONE_CALL}", f"max_new_tokens={10 * MEAN_TOKENS}",
+                                             f"model.max_seq_len={10 * MEAN_TOKENS + 256}"])  # room for prompts
         tok = build_tokenizer(cfg.model.vocab_size)
         task = SimTask(pass_rate, args.seed + 1)
         mean_length = {tuple(encode_prompt(tok, it.question)): length[it.index] for it in task.items}
