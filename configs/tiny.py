@@ -1,5 +1,5 @@
 # A 1.9M-parameter MoE that learns one-digit arithmetic on a laptop CPU: a short SFT
-# warm-up from random init, then RL. About 9 minutes on 2 cores.
+# warm-up from random init, then RL. About 12 minutes on 2 cores.
 out_dir = "out/tiny"
 model = dict(vocab_size=336, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
              num_experts=8, top_k=2, moe_inter_dim=128, max_seq_len=256)
