@@ -1,28 +1,50 @@
-"""A small byte-pair-encoding tokenizer, trained in place and served as a `tiktoken.Encoding`.
+"""The run's tokenizer: a `tiktoken.Encoding` with its stop ids and chat template, read from a Hugging
+Face checkpoint or trained in place for the laptop demo.
 
-This file owns the run's tokenizer: train_tokenizer learns it from the run's own training
-text (nothing is downloaded), save_tokenizer / load_tokenizer carry it to the output folder
-and back, and encode_prompt lays out a prompt. The BPE is Sennrich et al. (arXiv 1508.07909);
-with zero merges it is a plain byte-level tokenizer.
+`Tokenizer` is what a run uses: encode/decode, `prompt_ids` (the question in the chat template, or the
+demo's plain layout), stop and pad ids, and `save`, which writes the Hugging Face tokenizer files.
+`load_hf_tokenizer` reads a checkpoint's (byte-level BPE: Qwen2/3, GLM-4.5) and renders its chat
+template as transformers' apply_chat_template does; `train_tokenizer` learns the demo's BPE from the
+run's own training text (nothing is downloaded) and `demo_tokenizer` wraps it. The BPE is Sennrich et
+al. (arXiv 1508.07909); with zero merges the demo's is a plain byte-level tokenizer.
 
 Notable choices:
-1. Id layout: ids 0..255 are the raw bytes; then up to `num_merges` learned merges; then the
+1. Demo id layout: ids 0..255 are the raw bytes; then up to `num_merges` learned merges; then the
    special tokens <|bos|>, <|eos|>, <|pad|>; then reserved specials up to the model's
    vocabulary size, so that every id a model can sample decodes to something.
-2. Pre-tokenisation follows GPT-2's pattern except that every digit is its own pre-token
+2. The demo's pre-tokenisation follows GPT-2's pattern except that every digit is its own pre-token
    (as in LLaMA), so numbers are always spelled digit by digit: arithmetic stays learnable
    and no merge ever spans two digits.
-3. The chat layout is deliberately minimal: `<|bos|> question "\\n"` is the prompt and the
+3. The demo's chat layout is deliberately minimal: `<|bos|> question "\\n"` is the prompt and the
    policy's completion (here `<answer>...</answer>`) ends with <|eos|>.
+4. tiktoken and HF's BPE merge differently: tiktoken joins the adjacent pair whose concatenation has
+   the lowest id (leftmost on ties), HF the pair listed first in tokenizer.json's merges. Call a token's
+   *own merge* the two parts its bytes reduce to when tiktoken's BPE runs with only lower ids (minbpe
+   recovers GPT-4's merges from tiktoken's ranks the same way). When every token has one, the only
+   pairs tiktoken ever sees joinable are own merges (`_check_merges`), so HF encodes exactly as
+   tiktoken if its list holds every own merge in id order: `save` writes those, one per token, and
+   `hf_encoding` checks a checkpoint's list for them.
+5. `encode` treats special-token strings as data (tiktoken's encode_ordinary), so no text can end or
+   restart a sequence; `prompt_ids` tokenizes the rendered template as transformers does, where every
+   added token's string (the template's own <|im_start|>, or one inside the question) is that token.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import json
+import os
+import re
 from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime
 
+import jinja2
+import jinja2.sandbox
 import regex
 import tiktoken
+import tokenizers
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 # The specials' ids follow the byte and merge ranks in this order, so BOS, EOS and PAD move only
@@ -108,12 +130,10 @@ def train_tokenizer(texts: list[str], *, vocab_size: int, num_merges: int) -> ti
 
 def save_tokenizer(tok: tiktoken.Encoding, path: str):
     """The mergeable ranks in tiktoken's own file format (base64 token, rank per line)."""
-    # Only the mergeable ranks are saved: load_tokenizer rebuilds the specials from vocab_size. The
-    # specials' ids are read from tiktoken's private `_special_tokens`.
-    ranks = {t: r for t, r in ((tok.decode_single_token_bytes(i), i) for i in range(tok.n_vocab))
-             if r not in tok._special_tokens.values()}
+    # Only the mergeable ranks are saved: load_tokenizer rebuilds the specials from vocab_size.
     with open(path, "w") as f:
-        f.writelines(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
+        f.writelines(f"{base64.b64encode(t).decode()} {r}\n"
+                     for t, r in sorted(_ranks(tok).items(), key=lambda kv: kv[1]))
 
 
 def load_tokenizer(path: str, vocab_size: int) -> tiktoken.Encoding:
@@ -129,3 +149,379 @@ def encode_prompt(tok: tiktoken.Encoding, question: str) -> list[int]:
     # encode_ordinary: a question that contains "<|eos|>" is data, encoded as its bytes, so no text
     # can end or restart a sequence.
     return [tok.encode_single_token(BOS)] + tok.encode_ordinary(question + "\n")
+
+
+# --- Hugging Face byte-level BPE ---------------------------------------------------------------
+
+# GPT-2's byte-to-unicode alphabet (Radford et al. 2019, encoder.py's bytes_to_unicode), in which
+# tokenizer.json spells tokens: printable Latin-1 bytes stand for themselves, the other 68 for chr(256),
+# chr(257), ... in byte order.
+_PRINTABLE = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+_EXTRA = iter(range(NUM_BYTES, 2 * NUM_BYTES))
+BYTE_CHARS = [chr(b) if b in _PRINTABLE else chr(next(_EXTRA)) for b in range(NUM_BYTES)]  # byte -> character
+CHAR_BYTES = {c: b for b, c in enumerate(BYTE_CHARS)}
+# The tokenizers library's own NFC, not unicodedata's: Python's Unicode tables (14.0 in 3.11) predate
+# marks newer versions assign, which NFC then orders differently (U+0897 .. U+089F).
+NFC = tokenizers.normalizers.NFC()
+
+
+def _hf_str(token: bytes) -> str:
+    return "".join(BYTE_CHARS[b] for b in token)
+
+
+def _hf_bytes(s: str) -> bytes:
+    if any(c not in CHAR_BYTES for c in s):
+        raise ValueError(f"vocabulary entry {s!r} is not in GPT-2's byte-level alphabet: not a byte-level BPE")
+    return bytes(CHAR_BYTES[c] for c in s)
+
+
+def _ranks(enc: tiktoken.Encoding) -> dict[bytes, int]:
+    return enc._mergeable_ranks  # tiktoken keeps its ranks, specials and pattern with no public getter
+
+
+def _specials(enc: tiktoken.Encoding) -> dict[str, int]:
+    return enc._special_tokens
+
+
+def _own_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] | None:
+    """The two parts a multi-byte token's bytes reduce to under tiktoken's BPE (join the adjacent pair
+    whose concatenation has the lowest rank, leftmost on ties) with only lower ranks; None if they stop
+    at three or more parts."""
+    parts = [token[i:i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        best, at = ranks[token], -1
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < best:
+                best, at = r, i
+        if at < 0:
+            return None
+        parts[at:at + 2] = [parts[at] + parts[at + 1]]
+    return parts[0], parts[1]
+
+
+def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """HF merges that encode exactly as tiktoken's `ranks`: each multi-byte token's own merge, in rank
+    order (choice 4). Linear in the vocabulary, seconds at 151k tokens. Raises ValueError naming a
+    token whose bytes do not reduce to two parts under lower ranks (no merge list in id order gives it)."""
+    merges = []
+    for token, r in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) > 1:
+            merge = _own_merge(token, ranks)
+            if merge is None:
+                raise ValueError(f"token {token!r} (id {r}) is not built by BPE from lower ids: no merge list "
+                                 f"in id order reproduces it")
+            merges.append(merge)
+    return merges
+
+
+def _check_merges(merges: list[tuple[bytes, bytes]], ranks: dict[bytes, int]):
+    """Raise ValueError, naming the first offending merge or token, unless HF's BPE with these merges
+    encodes exactly as tiktoken's with these ranks: every multi-byte token has its own merge in the list,
+    and the own merges come in increasing id order.
+
+    That suffices, whatever else the list holds (transformers' tiktoken converter writes every split of a
+    token into two tokens, as in GLM-4.5's tokenizer.json): in tiktoken's BPE, two adjacent parts whose
+    concatenation t is a token are always t's own merge (the bytes of their span have evolved exactly as
+    t's own bytes do alone, and that run's only two-part state is the own merge), so no other merge
+    ever applies in HF either, and the own merges' order is the ids' order.
+    """
+    last, owned, owns = -1, set(), {}
+    for i, (a, b) in enumerate(merges):
+        t = a + b
+        if t in owned or t not in ranks:
+            continue
+        if t not in owns:
+            owns[t] = _own_merge(t, ranks)
+        if owns[t] != (a, b):
+            continue  # a merge that never applies
+        if ranks[t] < last:
+            raise ValueError(f"merge #{i} ({_hf_str(a)!r} {_hf_str(b)!r}) makes id {ranks[t]} after a merge made "
+                             f"id {last}: tiktoken ranks a pair by its result's id, so merges must be in id order")
+        last = ranks[t]
+        owned.add(t)
+    for t, r in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(t) > 1 and t not in owned:
+            own = _own_merge(t, ranks)
+            raise ValueError(f"token {_hf_str(t)!r} (id {r}) lacks its own merge {tuple(map(_hf_str, own))}"
+                             if own else f"token {_hf_str(t)!r} (id {r}) is not built by BPE from lower ids")
+
+
+def _uses_nfc(tj: dict) -> bool:
+    """Whether tokenizer.json normalizes text (NFC, as Qwen's does); ValueError for another normalizer."""
+    norm = tj.get("normalizer")
+    if norm is not None and norm.get("type") != "NFC":
+        raise ValueError(f"tokenizer.json normalizer {norm.get('type')!r}: only none or NFC is supported")
+    return norm is not None
+
+
+def _split_pattern(pre: dict | None) -> str:
+    """The regex of a Sequence[Split(Regex, Isolated), ByteLevel(use_regex=false)] pre-tokenizer (Qwen2/3,
+    GLM-4.5, Llama 3); ValueError naming anything else. tiktoken's pattern must match every character
+    (HF keeps unmatched text as pieces, tiktoken drops it), as these models' patterns do."""
+    steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre]
+    kinds = [s.get("type") if s else None for s in steps]
+    if kinds != ["Split", "ByteLevel"]:
+        raise ValueError(f"tokenizer.json pre_tokenizer {kinds}: only [Split, ByteLevel] is supported")
+    split, byte_level = steps
+    if split.get("behavior") != "Isolated" or split.get("invert") or "Regex" not in split.get("pattern", {}):
+        raise ValueError(f"tokenizer.json Split pre-tokenizer {split}: only an Isolated, non-inverted Regex")
+    if byte_level.get("use_regex", True) or byte_level.get("add_prefix_space"):
+        raise ValueError(f"tokenizer.json ByteLevel pre-tokenizer {byte_level}: only use_regex=false and "
+                         f"add_prefix_space=false are supported")
+    return split["pattern"]["Regex"]
+
+
+def hf_encoding(tokenizer_json: dict | str | os.PathLike) -> tiktoken.Encoding:
+    """A byte-level BPE tokenizer.json (a path or its parsed dict) as a tiktoken Encoding: the vocabulary
+    as ranks (tokenizer.json ids), every added token as a special, the Split pre-tokenizer's regex.
+
+    Encodes exactly as the `tokenizers` library (choice 4); NFC, if the file has it, is the caller's
+    (`Tokenizer.normalize`). The post-processor is not applied: it only adds tokens when transformers
+    encodes with add_special_tokens=True, which apply_chat_template does not. Raises ValueError naming
+    what is not supported (another model type, normalizer, pre-tokenizer or decoder; byte_fallback,
+    dropout, subword affixes; added tokens with lstrip/rstrip/single_word) or the first merge that
+    tiktoken's ranking would not reproduce.
+    """
+    tj = tokenizer_json if isinstance(tokenizer_json, dict) else _read_json(tokenizer_json)
+    model = tj.get("model", {})
+    if model.get("type") != "BPE":
+        raise ValueError(f"tokenizer.json model type {model.get('type')!r}: only byte-level 'BPE' is supported")
+    for key in ("byte_fallback", "dropout", "continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key):
+            raise ValueError(f"tokenizer.json BPE {key}={model[key]!r} is not supported")
+    _uses_nfc(tj)
+    pattern = _split_pattern(tj.get("pre_tokenizer"))
+    if (tj.get("decoder") or {}).get("type") != "ByteLevel":
+        raise ValueError(f"tokenizer.json decoder {tj.get('decoder')}: only ByteLevel is supported")
+    specials = {}
+    for added in tj.get("added_tokens", []):
+        for key in ("lstrip", "rstrip", "single_word"):
+            if added.get(key):
+                raise ValueError(f"tokenizer.json added token {added['content']!r} has {key}=true: not supported")
+        specials[added["content"]] = added["id"]
+    special_ids = set(specials.values())
+    # Some files list added tokens in the vocabulary too: they are specials, not BPE tokens.
+    ranks = {_hf_bytes(s): i for s, i in model["vocab"].items() if i not in special_ids}
+    if missing := [b for b in range(NUM_BYTES) if bytes([b]) not in ranks]:
+        raise ValueError(f"tokenizer.json vocabulary lacks the single bytes {missing[:8]}...: not a byte-level BPE")
+    # tokenizers writes a merge as [a, b]; older files as "a b" (byte-level tokens hold no space)
+    pairs = [m.split(" ") if isinstance(m, str) else m for m in model.get("merges", [])]
+    _check_merges([(_hf_bytes(a), _hf_bytes(b)) for a, b in pairs], ranks)
+    return tiktoken.Encoding(name=f"hf_bpe_{len(ranks)}", pat_str=pattern, mergeable_ranks=ranks,
+                             special_tokens=specials)
+
+
+# --- the run's tokenizer ------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str) -> jinja2.Template:
+    """source compiled as transformers 5.x's apply_chat_template compiles a chat template: a sandbox
+    with trim_blocks, lstrip_blocks and loop controls, raise_exception, strftime_now, and a tojson that
+    is plain json.dumps (jinja's own escapes HTML characters). transformers also hardens dict/namespace
+    and adds a {% generation %} tag for assistant masks: neither changes a prompt's text, and a template
+    using the tag fails here to compile."""
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env.from_string(source)
+
+
+def _token_name(enc: tiktoken.Encoding, token_id: int) -> str:
+    """A token's string as tokenizer_config.json names it: a special's text, else its byte-level form."""
+    names = {i: s for s, i in _specials(enc).items()}
+    return names.get(token_id) or _hf_str(enc.decode_single_token_bytes(token_id))
+
+
+def _token_id(enc: tiktoken.Encoding, name: str) -> int:
+    if name in _specials(enc):
+        return _specials(enc)[name]
+    token = _hf_bytes(name)
+    if token not in _ranks(enc):
+        raise ValueError(f"token {name!r} named in tokenizer_config.json is not in tokenizer.json")
+    return _ranks(enc)[token]
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """What a run tokenizes with: text <-> ids (Python ints in 0..enc.n_vocab - 1) and a prompt's layout."""
+
+    enc: tiktoken.Encoding
+    """The BPE and its specials (the demo's, or every added token of a checkpoint's tokenizer.json)."""
+    stop_ids: tuple[int, ...]
+    """Ids that end a completion; the first is the end of a turn (generation_config's first eos id)."""
+    pad_id: int
+    """Id that fills batch rows past their end."""
+    bos_id: int | None = None
+    """Id that starts a prompt without a chat template (a template writes its own); None: nothing."""
+    chat_template: str | None = None
+    """Jinja chat template (transformers' format); None: the demo's layout, `[bos] question "\\n"`."""
+    normalize: bool = False
+    """Unicode NFC on text before it is encoded, as Qwen's tokenizer.json normalizer does."""
+    eos_token: str | None = None
+    """tokenizer_config.json's eos_token, which templates may read; None: stop_ids[0]'s token."""
+
+    def encode(self, text: str) -> list[int]:
+        """text's ids (NFC first if `normalize`). Special-token strings in text are data, encoded as their
+        bytes (tiktoken's encode_ordinary), so no text can end or restart a sequence."""
+        return self.enc.encode_ordinary(NFC.normalize_str(text) if self.normalize else text)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ids, specials as their strings; bytes that are not UTF-8 (a completion cut inside a
+        character) decode to U+FFFD, as transformers' decode does."""
+        return self.enc.decode(ids)
+
+    def prompt_ids(self, question: str, system: str = "") -> list[int]:
+        """A question's prompt ids. With a chat template: the template rendered with messages
+        [system (if given), user: question] and a generation prompt, tokenized as transformers'
+        apply_chat_template(..., add_generation_prompt=True, tokenize=True) does (an added token's string
+        anywhere in the rendered text, the question included, is that token). Without: `[bos_id] +
+        encode(question + "\\n")`, the demo's layout (encode_prompt's ids). Raises ValueError for a system
+        prompt without a template, and jinja2's TemplateError for what the template refuses."""
+        if self.chat_template is None:
+            if system:
+                raise ValueError("a system prompt needs a chat template to go in; this tokenizer has none")
+            return ([] if self.bos_id is None else [self.bos_id]) + self.encode(question + "\n")
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": question})
+        names = {"bos_token": self.bos_id, "eos_token": self.stop_ids[0], "pad_token": self.pad_id}
+        names = {k: _token_name(self.enc, i) for k, i in names.items() if i is not None}
+        if self.eos_token is not None:
+            names["eos_token"] = self.eos_token
+        text = _compiled_template(self.chat_template).render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=True, **names)
+        return self._encode_with_specials(text)
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern | None:
+        # Longest first: transformers matches added tokens leftmost-longest, a regex alternation leftmost-first.
+        names = sorted(_specials(self.enc), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, names))) if names else None
+
+    def _encode_with_specials(self, text: str) -> list[int]:
+        # As the tokenizers library does for added tokens with normalized=false (Qwen's, GLM's): split them
+        # out first, then normalize and encode the text between (NFC never joins a special's ">" to a mark).
+        if self._special_pattern is None:
+            return self.encode(text)
+        ids, start = [], 0
+        for m in self._special_pattern.finditer(text):
+            ids += self.encode(text[start:m.start()]) + [_specials(self.enc)[m.group()]]
+            start = m.end()
+        return ids + self.encode(text[start:])
+
+    def save(self, path: str):
+        """Write the Hugging Face tokenizer files into folder path, which transformers' AutoTokenizer,
+        tokenizers.Tokenizer.from_file and load_hf_tokenizer load to the same ids: tokenizer.json
+        (the ranks as a byte-level BPE vocabulary with their own merges in id order (`bpe_merges`), the
+        pattern as a Split pre-tokenizer, the specials as added tokens, NFC if `normalize`),
+        tokenizer_config.json (bos/eos/pad names, the template), chat_template.jinja, and
+        generation_config.json's eos_token_id (the stop ids), pad_token_id and bos_token_id (other keys
+        of an existing file are kept). Raises ValueError (bpe_merges') for ranks no merge list gives."""
+        os.makedirs(path, exist_ok=True)
+        ranks = _ranks(self.enc)
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        tokenizer = {
+            "version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True}
+                             for s, i in sorted(_specials(self.enc).items(), key=lambda kv: kv[1])],
+            "normalizer": {"type": "NFC"} if self.normalize else None,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": self.enc._pat_str}, "behavior": "Isolated", "invert": False},
+                byte_level]},
+            "post_processor": None,
+            "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {_hf_str(t): r for t, r in sorted(ranks.items(), key=lambda kv: kv[1])},
+                      "merges": [[_hf_str(a), _hf_str(b)] for a, b in bpe_merges(ranks)]},
+        }
+        names = {"eos_token": self.eos_token or _token_name(self.enc, self.stop_ids[0]),
+                 "pad_token": _token_name(self.enc, self.pad_id)}
+        if self.bos_id is not None:
+            names["bos_token"] = _token_name(self.enc, self.bos_id)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **names}
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+            with open(jinja_path, "w", encoding="utf-8") as f:
+                f.write(self.chat_template)
+        elif os.path.exists(jinja_path):
+            os.remove(jinja_path)  # an earlier template there would win over none when loaded
+        generation = _read_json(os.path.join(path, "generation_config.json"), {})
+        generation.update(eos_token_id=list(self.stop_ids), pad_token_id=self.pad_id)
+        if self.bos_id is not None:
+            generation["bos_token_id"] = self.bos_id
+        for name, obj in (("tokenizer.json", tokenizer), ("tokenizer_config.json", config),
+                          ("generation_config.json", generation)):
+            with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+                json.dump(obj, f, ensure_ascii=False, indent=None if name == "tokenizer.json" else 2)
+
+
+def _read_json(path: str, default: dict | None = None) -> dict:
+    if default is not None and not os.path.exists(path):
+        return default
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _chat_template(path: str, config: dict) -> str | None:
+    """chat_template.jinja if present, else tokenizer_config's chat_template (a string, or a list of
+    named templates, of which "default")."""
+    jinja_path = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t["name"]: t["template"] for t in template}
+        if "default" not in named:
+            raise ValueError(f"{path}: tokenizer_config.json has chat templates {sorted(named)} but none named "
+                             f"'default'")
+        template = named["default"]
+    return template
+
+
+def load_hf_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of a Hugging Face checkpoint folder: tokenizer.json (`hf_encoding`; NFC if it has
+    it), tokenizer_config.json (bos/eos/pad token names, as strings or {"content": ...}; the chat
+    template), chat_template.jinja (wins over tokenizer_config's) and generation_config.json
+    (eos_token_id, an int or a list). stop_ids: generation_config's eos ids, then the tokenizer's eos if
+    not among them; pad: pad_token, else the first stop id. Raises ValueError when tokenizer.json is
+    missing, for what hf_encoding refuses, and when no eos is named anywhere."""
+    tokenizer_path = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(tokenizer_path):
+        raise ValueError(f"{tokenizer_path} not found: a checkpoint's tokenizer is read from a Hugging Face fast "
+                         f"tokenizer's tokenizer.json (byte-level BPE), with tokenizer_config.json and "
+                         f"generation_config.json beside it")
+    tj = _read_json(tokenizer_path)
+    enc = hf_encoding(tj)
+    config = _read_json(os.path.join(path, "tokenizer_config.json"), {})
+    names = {k: v["content"] if isinstance(v, dict) else v
+             for k in ("bos_token", "eos_token", "pad_token") if (v := config.get(k)) is not None}
+    ids = {k: _token_id(enc, v) for k, v in names.items()}
+    eos = _read_json(os.path.join(path, "generation_config.json"), {}).get("eos_token_id")
+    stops = [eos] if isinstance(eos, int) else list(eos or [])
+    stops += [ids["eos_token"]] if "eos_token" in ids and ids["eos_token"] not in stops else []
+    if not stops:
+        raise ValueError(f"{path}: no eos_token in tokenizer_config.json and no eos_token_id in "
+                         f"generation_config.json: nothing would end a completion")
+    return Tokenizer(enc=enc, stop_ids=tuple(stops), pad_id=ids.get("pad_token", stops[0]), bos_id=ids.get("bos_token"),
+                     chat_template=_chat_template(path, config), normalize=_uses_nfc(tj),
+                     eos_token=names.get("eos_token"))
+
+
+def demo_tokenizer(enc: tiktoken.Encoding) -> Tokenizer:
+    """The demo's BPE (train_tokenizer / build_tokenizer) as a Tokenizer: <|bos|> starts a prompt,
+    <|eos|> ends a completion, <|pad|> pads; no template, so prompt_ids are encode_prompt's."""
+    bos, eos, pad = (enc.encode_single_token(s) for s in SPECIALS)
+    return Tokenizer(enc=enc, stop_ids=(eos,), pad_id=pad, bos_id=bos)
+
+
