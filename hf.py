@@ -20,12 +20,17 @@ How our tensors map to HF's:
 3. GLM-4.5's expert bias is HF's `mlp.gate.e_score_correction_bias`; the softmax router has
    none in a checkpoint and loads as zero.
 4. Checkpoint tensors the model has no place for (e.g. GLM-4.5's multi-token-prediction
-   layers) are skipped, counted and named in one line.
+   layers) are skipped, counted and named in one line. A tied lm_head is the embedding (HF's
+   tied checkpoints have no lm_head.weight).
+5. config.json: each key is implemented with transformers 5.24's meaning and default
+   (`HF_DEFAULTS`), harmless (`HF_HARMLESS`) or implemented at one value (`HF_ONLY`); anything
+   else is refused, so a checkpoint runs as transformers runs it or not at all.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -41,10 +46,54 @@ HF_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausal
 assert tuple(HF_FAMILIES) == HF_MODEL_TYPES
 
 
-def config_from_hf(config: str | dict) -> ModelConfig:
-    """From an HF config.json (path or dict) of model_type qwen3_moe or glm4_moe.
+# What a config.json key this file reads means when it is missing: transformers 5.24's Qwen3MoeConfig and
+# Glm4MoeConfig defaults (tests/test_hf.py compares this table with those classes). head_dim None: hidden_size //
+# num_attention_heads, as both families' attention derives it. rope_theta and partial_rotary_factor are the
+# defaults of rope_parameters: transformers' default_theta; GLM-4.5's 0.5; Qwen3-MoE rotates whole heads.
+HF_DEFAULTS = {
+    "qwen3_moe": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=None, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0, use_sliding_window=False,
+        decoder_sparse_step=1, mlp_only_layers=None, moe_intermediate_size=768, num_experts_per_tok=8,
+        num_experts=128, norm_topk_prob=False, rope_theta=10000.0, partial_rotary_factor=1.0),
+    "glm4_moe": dict(
+        vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46, num_attention_heads=96,
+        num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0, moe_intermediate_size=1408,
+        num_experts_per_tok=8, n_routed_experts=128, n_shared_experts=1, first_k_dense_replace=1,
+        norm_topk_prob=True, routed_scaling_factor=1.0, n_group=1, topk_group=1, use_qk_norm=False,
+        rope_theta=10000.0, partial_rotary_factor=0.5),
+}
+# Keys that leave the logits as they are, whatever their value: metadata, generation and cache settings, what
+# outputs return, the training-only router loss, the init, classification-head keys (what to_dict() adds).
+# pad_token_id is HF's embedding padding_idx, which only zeroes that row's gradient; quantization_config is how
+# the weights are stored (load_hf refuses quantised weights).
+HF_HARMLESS = {"transformers_version", "torch_dtype", "dtype", "use_cache", "initializer_range", "bos_token_id",
+               "eos_token_id", "pad_token_id", "output_router_logits", "router_aux_loss_coef", "_name_or_path",
+               "output_attentions", "output_hidden_states", "return_dict", "tokenizer_class", "quantization_config",
+               "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder"}
+HF_FAMILY_HARMLESS = {
+    "qwen3_moe": {"sliding_window", "max_window_layers"},  # read only with use_sliding_window, which must be false
+    "glm4_moe": {"num_nextn_predict_layers", "num_mtp_layers"},  # multi-token-prediction layers: load_hf skips them
+}
+# Keys implemented at one value only (so are architectures, the family's CausalLM, and layer_types): no GELU
+# experts, no dropout, full attention in every layer, every layer MoE (HF Qwen3-MoE may interleave dense layers)
+HF_ONLY = {"hidden_act": "silu", "attention_dropout": 0.0, "use_sliding_window": False, "decoder_sparse_step": 1,
+           "mlp_only_layers": []}
+# rope types and the keys of rope_parameters (or rope_scaling) each reads, besides rope_theta, partial_rotary_factor
+_ROPE_KEYS = {"default": set(), "linear": {"factor"},
+              "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                       "mscale_all_dim", "attention_factor", "truncate"}}
 
-    Raises ValueError on another model_type or a feature this model lacks.
+
+def config_from_hf(config: str | dict) -> ModelConfig:
+    """From an HF config.json (path or dict) of model_type qwen3_moe or glm4_moe, each key read as
+    transformers 5.24 reads it (a missing one takes its default, `HF_DEFAULTS`).
+
+    Raises ValueError, naming the key, its value and what is supported, on another model_type, a key
+    neither implemented nor harmless (`HF_HARMLESS`), a value implemented only at another (`HF_ONLY`),
+    a rope type other than default, linear and yarn, or a null where transformers needs a value.
     """
     if isinstance(config, str):
         with open(config) as f:
@@ -53,33 +102,82 @@ def config_from_hf(config: str | dict) -> ModelConfig:
     kind = c.get("model_type")
     if kind not in HF_FAMILIES:
         raise ValueError(f"model_type={kind!r} is not supported; valid: {sorted(HF_FAMILIES)}")
-    # newer configs nest rope_theta and partial_rotary_factor in rope_parameters; older ones keep them top-level
-    rope = c.get("rope_parameters") or {}
-    # keys both families share; head_dim falls back to hidden_size / heads where a config omits it
+    defaults = HF_DEFAULTS[kind]
+    known = {*defaults, *HF_HARMLESS, *HF_FAMILY_HARMLESS[kind], "model_type", "architectures", "layer_types",
+             "rope_scaling", "rope_parameters", "num_local_experts"}
+    unknown = sorted(set(c) - known)
+    if unknown:
+        raise ValueError(f"{kind} config.json keys {unknown} are not supported (neither implemented nor known to "
+                         f"leave the model's function as it is); implemented: {sorted(known - HF_HARMLESS)}")
+    nulls = sorted(k for k in defaults if k in c and c[k] is None and k != "mlp_only_layers")
+    if nulls:
+        raise ValueError(f"{kind} config.json keys {nulls} are null; each needs a value (or leave it out)")
+    for k, want in {**HF_ONLY, "architectures": [HF_FAMILIES[kind]]}.items():
+        if c.get(k) not in (None, want):
+            raise ValueError(f"{kind} {k}={c[k]!r} is not supported; only {want!r}")
+    if any(t != "full_attention" for t in c.get("layer_types") or []):
+        raise ValueError(f"layer_types={c['layer_types']!r} is not supported; only 'full_attention' layers")
+    experts = "num_experts" if kind == "qwen3_moe" else "n_routed_experts"  # num_local_experts: both classes' alias
+    if "num_local_experts" in c and c.get(experts, c["num_local_experts"]) != c["num_local_experts"]:
+        raise ValueError(f"{experts}={c[experts]} and num_local_experts={c['num_local_experts']} disagree")
+    g = {**defaults, **c, experts: c.get("num_local_experts", c.get(experts, defaults[experts]))}
     common = dict(
-        vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
-        n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
-        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-        top_k=c["num_experts_per_tok"], moe_inter_dim=c["moe_intermediate_size"],
-        dense_inter_dim=c["intermediate_size"], norm_topk_prob=c.get("norm_topk_prob", True),
-        attention_bias=c.get("attention_bias", False), rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
-        norm_eps=c["rms_norm_eps"], max_seq_len=c.get("max_position_embeddings", 4096),
-        tie_embeddings=c.get("tie_word_embeddings", False), hf_model_type=kind)
+        vocab_size=g["vocab_size"], dim=g["hidden_size"], n_layers=g["num_hidden_layers"],
+        n_heads=g["num_attention_heads"], n_kv_heads=g["num_key_value_heads"],
+        head_dim=g["head_dim"] or g["hidden_size"] // g["num_attention_heads"], num_experts=g[experts],
+        top_k=g["num_experts_per_tok"], moe_inter_dim=g["moe_intermediate_size"],
+        dense_inter_dim=g["intermediate_size"], norm_topk_prob=g["norm_topk_prob"],
+        attention_bias=g["attention_bias"], norm_eps=g["rms_norm_eps"], max_seq_len=g["max_position_embeddings"],
+        tie_embeddings=g["tie_word_embeddings"], hf_model_type=kind, **_rope_from_hf(c, g, kind))
     if kind == "qwen3_moe":
-        # HF Qwen3-MoE may interleave dense layers; here dense blocks can only come first
-        if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
-            raise ValueError("qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not supported")
-        if c.get("use_sliding_window"):
-            raise ValueError("qwen3_moe with use_sliding_window is not supported")
-        # Qwen3-MoE always has q/k norm and the softmax router
-        return ModelConfig(**common, num_experts=c.get("num_experts", c.get("num_local_experts")), qk_norm=True,
-                           router="softmax")
+        # Qwen3-MoE: q/k norm and the softmax router always; its attention_bias is on q, k, v and o
+        return ModelConfig(**common, qk_norm=True, router="softmax", attention_out_bias=g["attention_bias"])
     # glm4_moe: the sigmoid router with expert bias, shared experts, dense first blocks, partial rotary
-    return ModelConfig(**common, num_experts=c["n_routed_experts"], num_shared_experts=c.get("n_shared_experts", 0),
-                       first_k_dense_replace=c.get("first_k_dense_replace", 0), router="sigmoid",
-                       routed_scaling_factor=c.get("routed_scaling_factor", 1.0), n_group=c.get("n_group", 1),
-                       topk_group=c.get("topk_group", 1), qk_norm=c.get("use_qk_norm", False),
-                       partial_rotary_factor=rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.5)))
+    return ModelConfig(**common, num_shared_experts=g["n_shared_experts"],
+                       first_k_dense_replace=g["first_k_dense_replace"], router="sigmoid",
+                       routed_scaling_factor=g["routed_scaling_factor"], n_group=g["n_group"],
+                       topk_group=g["topk_group"], qk_norm=g["use_qk_norm"])
+
+
+def _rope_from_hf(c: dict, g: dict, kind: str) -> dict:
+    """ModelConfig's rope fields, resolved as transformers 5.24 resolves them (configuration rope
+    standardisation and modeling_rope_utils). Raises ValueError on what it does not implement."""
+    # rope_scaling (the older name), when set, replaces rope_parameters; rope_theta and partial_rotary_factor
+    # inside it win over the top-level keys, which win over the family's defaults
+    rope = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    if rope_type not in _ROPE_KEYS:
+        raise ValueError(f"{kind} rope_type={rope_type!r} is not supported; supported: {sorted(_ROPE_KEYS)}")
+    extra = sorted(set(rope) - _ROPE_KEYS[rope_type] - {"rope_theta", "partial_rotary_factor"})
+    if extra:
+        raise ValueError(f"{kind} rope_type={rope_type!r} with keys {extra} is not supported; it reads "
+                         f"{sorted(_ROPE_KEYS[rope_type] | {'rope_theta', 'partial_rotary_factor'})}")
+    prf = rope.get("partial_rotary_factor", g["partial_rotary_factor"])
+    if kind == "qwen3_moe" and prf != 1.0:  # transformers' Qwen3-MoE ignores it (default rope) or fails (scaled)
+        raise ValueError(f"qwen3_moe partial_rotary_factor={prf!r} is not supported; only 1.0 (whole heads)")
+    out = dict(rope_type=rope_type, rope_theta=float(rope.get("rope_theta", g["rope_theta"])),
+               partial_rotary_factor=float(prf))
+    if rope_type == "default":
+        return out
+    factor = rope.get("factor", "missing")
+    if not isinstance(factor, (int, float)) and not (rope_type == "yarn" and factor is None):
+        raise ValueError(f"{kind} rope_type={rope_type!r} needs a number factor; got factor={factor!r}")
+    if rope_type == "linear":
+        return {**out, "rope_factor": float(factor)}
+    L = rope.get("original_max_position_embeddings", g["max_position_embeddings"])  # the pre-training length
+    if not isinstance(L, (int, float)) or L <= 0 or L != int(L):
+        raise ValueError(f"{kind} yarn original_max_position_embeddings={L!r} must be a positive integer")
+    if factor is None:  # transformers: the extension ratio
+        factor = g["max_position_embeddings"] / L
+    scale, m, m_all = rope.get("attention_factor"), rope.get("mscale"), rope.get("mscale_all_dim")
+    if scale is None and m and m_all and factor > 1:  # transformers' ratio of two YaRN scales (DeepSeek's form)
+        scale = float((0.1 * m * math.log(factor) + 1.0) / (0.1 * m_all * math.log(factor) + 1.0))
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        raise ValueError(f"{kind} yarn attention_factor={scale!r} is not supported; only a positive number")
+    # `or 32`, `or 1`: transformers reads 0 or null as the default too
+    return {**out, "rope_factor": float(factor), "rope_original_max_seq_len": int(L),
+            "yarn_beta_fast": float(rope.get("beta_fast") or 32), "yarn_beta_slow": float(rope.get("beta_slow") or 1),
+            "yarn_truncate": bool(rope.get("truncate", True)), "rope_attention_factor": float(scale or 0.0)}
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -87,6 +185,23 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
     Raises ValueError when the model has a feature its hf_model_type cannot express.
     """
+    # what each family's config.json cannot say otherwise (Qwen3-MoE's attention_bias is q, k, v and o)
+    need = (dict(router="softmax", qk_norm=True, first_k_dense_replace=0, num_shared_experts=0,
+                 partial_rotary_factor=1.0, routed_scaling_factor=1.0, attention_out_bias=cfg.attention_bias)
+            if cfg.hf_model_type == "qwen3_moe" else dict(router="sigmoid", attention_out_bias=False))
+    wrong = {k: getattr(cfg, k) for k, v in need.items() if getattr(cfg, k) != v}
+    if wrong:
+        raise ValueError(f"hf_model_type={cfg.hf_model_type!r} cannot express {wrong}; it needs {need}")
+    rope = dict(rope_type=cfg.rope_type, rope_theta=cfg.rope_theta)
+    if cfg.hf_model_type == "glm4_moe":  # Qwen3-MoE's rope has no such key (whole heads, checked above)
+        rope["partial_rotary_factor"] = cfg.partial_rotary_factor
+    if cfg.rope_type != "default":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "yarn":
+        rope.update(original_max_position_embeddings=cfg.rope_original_max_seq_len, beta_fast=cfg.yarn_beta_fast,
+                    beta_slow=cfg.yarn_beta_slow, truncate=cfg.yarn_truncate)
+        if cfg.rope_attention_factor:  # else transformers derives 0.1 ln s + 1, as the model does
+            rope["attention_factor"] = cfg.rope_attention_factor
     # HF requires intermediate_size even without dense blocks: the expert width stands in.
     # torch_dtype is a placeholder that save_hf overwrites with the dtype it writes.
     c = dict(model_type=cfg.hf_model_type, architectures=[HF_FAMILIES[cfg.hf_model_type]],
@@ -96,17 +211,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
              intermediate_size=cfg.dense_inter_dim or cfg.moe_inter_dim, norm_topk_prob=cfg.norm_topk_prob,
              attention_bias=cfg.attention_bias, rms_norm_eps=cfg.norm_eps,
              max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
-             hidden_act="silu", torch_dtype="float32",
-             rope_parameters=dict(rope_type="default", rope_theta=cfg.rope_theta,
-                                  partial_rotary_factor=cfg.partial_rotary_factor))
+             hidden_act="silu", torch_dtype="float32", rope_parameters=rope)
     if cfg.hf_model_type == "qwen3_moe":
-        if cfg.router != "softmax" or cfg.first_k_dense_replace or cfg.num_shared_experts or not cfg.qk_norm:
-            raise ValueError("qwen3_moe needs router='softmax', qk_norm, no dense layers and no shared experts")
         # every layer MoE: no interleaved dense layers
         c.update(num_experts=cfg.num_experts, decoder_sparse_step=1, mlp_only_layers=[])
     else:
-        if cfg.router != "sigmoid":
-            raise ValueError("glm4_moe needs router='sigmoid'")
         # num_nextn_predict_layers=0: GLM-4.5's multi-token-prediction layer is not part of this model
         c.update(n_routed_experts=cfg.num_experts, n_shared_experts=cfg.num_shared_experts,
                  first_k_dense_replace=cfg.first_k_dense_replace, routed_scaling_factor=cfg.routed_scaling_factor,
@@ -124,7 +233,7 @@ _HF_RENAMES = [  # (our name pattern, HF names concatenated along our dim `cat`)
     (r"layers\.(\d+)\.attn\.wqkv\.(weight|bias)", [r"model.layers.\1.self_attn.q_proj.\2",
                                                     r"model.layers.\1.self_attn.k_proj.\2",
                                                     r"model.layers.\1.self_attn.v_proj.\2"]),
-    (r"layers\.(\d+)\.attn\.wo\.weight", [r"model.layers.\1.self_attn.o_proj.weight"]),
+    (r"layers\.(\d+)\.attn\.wo\.(weight|bias)", [r"model.layers.\1.self_attn.o_proj.\2"]),  # bias: Qwen3-MoE's
     (r"layers\.(\d+)\.attn\.([qk])_norm\.weight", [r"model.layers.\1.self_attn.\2_norm.weight"]),  # Qwen3
     # the router, and GLM-4.5's selection bias, which HF keeps on the gate module
     (r"layers\.(\d+)\.mlp\.gate\.weight", [r"model.layers.\1.mlp.gate.weight"]),
@@ -182,15 +291,31 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
     Tensors are read lazily with `safe_open`; for a model that `parallelize` sharded, each
     rank reads only its own slice of each tensor (its experts, its rows). Without a model,
     one is built from config.json, on the CPU. Checkpoint tensors this model has no place
-    for (e.g. GLM-4.5's multi-token-prediction layers) are skipped and counted.
-    Raises ValueError if a tensor the model needs is missing or has another shape.
+    for (e.g. GLM-4.5's multi-token-prediction layers) are skipped and counted. A tied
+    lm_head reads the embedding (HF's checkpoints of tied models have no lm_head.weight).
+    Raises ValueError (config_from_hf's) on a config.json this model does not implement, if a
+    given model's config differs from it (max_seq_len aside), if the weights are quantised, or
+    if a tensor the model needs is missing or has another shape.
     """
     from safetensors import safe_open
+    with open(os.path.join(path, "config.json")) as f:
+        hf_config = json.load(f)
+    if hf_config.get("quantization_config"):  # e4m3 values copied without their scales would be silently wrong
+        raise ValueError(f"load_hf: {path} is quantised ({hf_config['quantization_config']}); only unquantised loads")
+    want = config_from_hf(hf_config)
     if model is None:
         # built on meta, then given uninitialised CPU storage: no random init of weights that are read next
         with torch.device("meta"):
-            model = Transformer(config_from_hf(os.path.join(path, "config.json")))
+            model = Transformer(want)
         model.to_empty(device="cpu")
+        if want.tie_embeddings:  # to_empty gave lm_head a tensor of its own: one Parameter again
+            model.lm_head.weight = model.embed.weight
+    # max_seq_len only bounds the positions (the function on each is the same); init_std is no function;
+    # dense_inter_dim is read only by dense blocks
+    ignore = {"max_seq_len", "init_std"} | ({"dense_inter_dim"} if not want.first_k_dense_replace else set())
+    differ = {k: (v, getattr(want, k)) for k, v in vars(model.cfg).items() if k not in ignore and getattr(want, k) != v}
+    if differ:
+        raise ValueError(f"load_hf: the model's config and {path}/config.json differ in (model's, file's) {differ}")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):  # sharded: the index names each tensor's file
         with open(index) as f:
@@ -229,14 +354,16 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
     with torch.no_grad():
         for name, t in policy_tensors(model):
             local = t.to_local() if hasattr(t, "to_local") else t  # this rank's shard of a DTensor
+            if local.numel() == 0:  # an uneven shard leaves this rank none of the tensor: nothing to read
+                continue
             start = offsets.get(name, (0,) * local.dim())  # an unsharded tensor starts at offset 0 in every dim
             sl = tuple(slice(o, o + n) for o, n in zip(start, local.shape))  # this rank's slice, per dim
-            keys = hf_names(name)
+            # a tied lm_head that to_empty untied (a parallelized model's) reads the embedding, as HF ties them
+            keys = hf_names("embed.weight" if name == "lm_head.weight" and model.cfg.tie_embeddings else name)
             if "{e}" in keys[0]:  # stacked experts: HF stores each expert's [out, in] matrices
                 # sl[0] picks this rank's experts (EP); each expert's (D, 2I) or (I, D) block is read transposed
-                parts = [read_concat([k.format(e=e) for k in keys], sl[1:], transpose=True)
-                         for e in range(sl[0].start, sl[0].stop)]
-                src = torch.stack(parts) if parts else local.new_empty(local.shape)  # no local experts: empty
+                src = torch.stack([read_concat([k.format(e=e) for k in keys], sl[1:], transpose=True)
+                                   for e in range(sl[0].start, sl[0].stop)])
             else:
                 src = read_concat(keys, sl, transpose=False)
             if tuple(src.shape) != tuple(local.shape):
@@ -264,31 +391,63 @@ def umask_mode(path: str):
 
 
 def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_bytes: int = 4 << 30, fp8: bool = False):
-    """Write the model as an HF checkpoint: config.json plus safetensors in the hub layout (one key per
-    expert), sharded with model.safetensors.index.json above max_shard_bytes.
+    """Write the model as an HF checkpoint: safetensors in the hub layout (one key per expert), sharded
+    above max_shard_bytes (model-0000i-of-0000n.safetensors with model.safetensors.index.json, else one
+    model.safetensors), then config.json.
 
     fp8: blockwise-FP8 instead (the DeepSeek-V3 / Qwen3-FP8 format SGLang serves with
     quantization="fp8"): the FP8 targets in e4m3 with their `weight_scale_inv`, the rest in bf16,
-    and the quantization_config in config.json. Sharded (DTensor) parameters are gathered one at a
-    time, so every rank must call this; only the ranks with write=True (rank 0) touch the disk.
+    and the quantization_config in config.json. Parameters are gathered one at a time (`full_tensor`,
+    a collective), so every rank must call this; only the rank with write=True (rank 0) keeps them,
+    and it writes each shard as soon as it fills and frees it: its peak is one shard and one
+    parameter, never the whole model. Raises ValueError (config_to_hf's) on a model its
+    hf_model_type cannot express.
     """
     from safetensors.torch import save_file
 
     # rollout.py owns the FP8 format and the size buckets, which its weight sync uses too
     from rollout import FP8, WEIGHT_BLOCK, quantize_fp8, weight_buckets
-    # a generator: full_tensor (a collective) gathers one parameter at a time, in the same order on every rank
-    tensors = hf_tensors(((n, full_tensor(t).cpu()) for n, t in policy_tensors(model)), model.cfg)
+    config = config_to_hf(model.cfg)  # first: a model the family cannot express fails before any gather
+    # a generator: full_tensor gathers one parameter at a time, in policy_tensors' order on every rank
+    gathered = ((n, full_tensor(t)) for n, t in policy_tensors(model))
+    if not write:
+        for _ in gathered:  # this rank takes part in every gather and keeps nothing
+            pass
+        return
+    tensors = hf_tensors(((n, t.cpu()) for n, t in gathered), model.cfg)
     if fp8:
         # the e4m3 weights and their fp32 inverse scales pass; everything else (norms, embeddings, the router
         # and its expert bias included) is written in bf16
         tensors = ((n, t if t.dtype == FP8 or n.endswith("_scale_inv") else t.to(torch.bfloat16))
                    for n, t in quantize_fp8(tensors, hf=True))
-    # list(): all the gathers run here, on every rank, and each rank then holds the whole converted model on its CPU
-    shards = list(weight_buckets(((n, t.contiguous()) for n, t in tensors), max_shard_bytes))
-    if not write:
-        return
     os.makedirs(path, exist_ok=True)
-    config = config_to_hf(model.cfg)
+    files, weight_map, total = [], {}, 0
+    for shard in weight_buckets(((n, t.contiguous()) for n, t in tensors), max_shard_bytes):
+        # the hub numbers shards "-of-" their count, known only at the end: a provisional name until then.
+        # format "pt": the metadata transformers' own save_pretrained writes
+        file = f"model-{len(files) + 1:05d}.safetensors.partial"
+        save_file(dict(shard), os.path.join(path, file), metadata={"format": "pt"})
+        files.append(file)
+        weight_map.update({n: file for n, _ in shard})
+        total += sum(t.numel() * t.element_size() for _, t in shard)  # the index's total_size: bytes of all tensors
+        del shard  # freed before weight_buckets gathers the next shard's parameters
+    # the hub's names: one file plain, several numbered from 1
+    final = {f: "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+             for i, f in enumerate(files)}
+    for f, name in final.items():
+        os.replace(os.path.join(path, f), os.path.join(path, name))
+        umask_mode(os.path.join(path, name))  # 0600 -> the mode config.json gets from open()
+    # an earlier save's shards and index would send load_hf (or transformers) to old weights
+    for f in os.listdir(path):
+        if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f) and f not in final.values():
+            os.remove(os.path.join(path, f))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if len(files) > 1:
+        with open(index, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": {n: final[v] for n, v in weight_map.items()}},
+                      f, indent=1)
+    elif os.path.exists(index):
+        os.remove(index)
     config["torch_dtype"] = "bfloat16" if fp8 else str(next(model.parameters()).dtype).removeprefix("torch.")
     if fp8:
         # the keys transformers and SGLang read for blockwise FP8 with activations quantised at run time
@@ -296,16 +455,3 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
                                          "weight_block_size": list(WEIGHT_BLOCK)}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        # the hub's names: one file plain, several numbered from 1
-        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        # format "pt": the metadata transformers' own save_pretrained writes
-        save_file(dict(shard), os.path.join(path, file), metadata={"format": "pt"})
-        umask_mode(os.path.join(path, file))  # 0600 -> the mode config.json got from open()
-        weight_map.update({n: file for n, _ in shard})
-    if len(shards) > 1:
-        # total_size: bytes of all tensors, as the hub's index records it
-        total = sum(t.numel() * t.element_size() for shard in shards for _, t in shard)
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)

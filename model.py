@@ -19,7 +19,8 @@ What it computes:
    blocks, GLM-4.5) or a mixture of experts. RoPE on all of each head (Qwen3) or its first r
    dims (GLM-4.5's partial rotary); GQA through SDPA, causal in training and with a mask for
    the engine's prefill (its decode step is rollout.decode_step); optional per-head q/k
-   RMSNorm (Qwen3) and q/k/v bias (GLM-4.5).
+   RMSNorm (Qwen3) and q/k/v bias (GLM-4.5; and o, Qwen3-MoE's); RoPE frequencies default,
+   linear or YaRN's (arXiv 2309.00071), as transformers computes them (`rope_frequencies`).
 2. Softmax router (Qwen3-MoE): p = softmax(s), top-k of p, weights p_i over the chosen set,
    renormalised to sum 1 when norm_topk_prob: g_i = exp(s_i) / sum_{j in top-k} exp(s_j), i in top-k.
 3. Sigmoid router (GLM-4.5; DeepSeek-V3 eq. 15-16): p = sigmoid(s); the choice uses p + b
@@ -96,14 +97,31 @@ class ModelConfig:
     """Expert partitions M of partition-limited routing (sigmoid router; HF's key; DeepSeek-V3's nodes)."""
     topk_group: int = 1
     """Expert partitions a token may route into (sigmoid router; HF's key)."""
-    qk_norm: bool = False
-    """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
+    qk_norm: bool = True
+    """Per-head RMSNorm on queries and keys before RoPE (Qwen3-MoE always; GLM-4.5's use_qk_norm, off in
+    GLM-4.5-Air). On by default: a default model is a Qwen3-MoE, which a checkpoint must be able to express."""
     attention_bias: bool = False
-    """Bias on the q, k, v projections (GLM-4.5)."""
+    """Bias on the q, k, v projections (GLM-4.5; Qwen3-MoE's attention_bias sets attention_out_bias too)."""
+    attention_out_bias: bool = False
+    """Bias on the output projection wo (Qwen3-MoE's attention_bias: q, k, v and o)."""
     partial_rotary_factor: float = 1.0
     """Fraction of each head that RoPE rotates (GLM-4.5: 0.5)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_type: str = "default"
+    """'default', 'linear' (frequencies / rope_factor) or 'yarn' (arXiv 2309.00071), as transformers 5.24 has them."""
+    rope_factor: float = 1.0
+    """Context extension factor s of 'linear' and 'yarn'."""
+    rope_original_max_seq_len: int = 0
+    """'yarn': the pre-training context L its ramp is measured over (HF original_max_position_embeddings)."""
+    yarn_beta_fast: float = 32.0
+    """'yarn': a frequency turning more than this many times over L is kept as it is (HF beta_fast)."""
+    yarn_beta_slow: float = 1.0
+    """'yarn': a frequency turning fewer than this many times over L is divided by s (HF beta_slow)."""
+    yarn_truncate: bool = True
+    """'yarn': round the ramp's ends out to whole dims (HF truncate)."""
+    rope_attention_factor: float = 0.0
+    """'yarn': the scale of cos and sin (attention logits scale by its square); 0 = YaRN's 0.1 ln(s) + 1."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
     max_seq_len: int = 1024
@@ -128,6 +146,12 @@ class ModelConfig:
             raise ValueError(f"head_dim * partial_rotary_factor = {self.rotary_dim} must be even and positive")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        # s divides frequencies; YaRN's ramp is measured over the pre-training length L
+        if (self.rope_type not in ("default", "linear", "yarn") or self.rope_factor <= 0
+                or self.rope_attention_factor < 0 or self.rope_type == "yarn" and self.rope_original_max_seq_len <= 0):
+            raise ValueError(f"rope_type={self.rope_type!r} (valid: 'default', 'linear', 'yarn') needs rope_factor > 0,"
+                             f" rope_attention_factor >= 0 and for 'yarn' rope_original_max_seq_len > 0; got "
+                             f"{self.rope_factor}, {self.rope_attention_factor}, {self.rope_original_max_seq_len}")
         if self.router not in ("softmax", "sigmoid"):
             raise ValueError(f"router={self.router!r}; valid: 'softmax', 'sigmoid'")
         # a partition is E / M consecutive experts, so M must divide E
@@ -172,15 +196,41 @@ class RMSNorm(nn.Module):
 
 
 def rope(pos_BT: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [B, T, r] fp32 (arXiv 2104.09864 eq. 34; frequencies in fp32 as HF computes them)."""
-    r = cfg.rotary_dim
-    # theta_i = base^(-2i / r), i = 0 .. r/2 - 1; fp32 even for bf16 models, where pos * theta_i would
-    # lose the fractional radians that distinguish neighbouring positions
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float, device=pos_BT.device) / r))
+    """cos and sin [B, T, r] fp32 (arXiv 2104.09864 eq. 34), times `rope_frequencies`' scale (1 but for YaRN)."""
+    inv_freq, scale = rope_frequencies(cfg, pos_BT.device)  # (r/2,)
     freqs = pos_BT[..., None].float() * inv_freq  # (B, T, r/2)
     # each frequency twice: HF's rotate_half layout pairs dim i with dim i + r/2
     emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, r)
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale  # in fp32, before apply_rope's cast, as HF scales them
+
+
+def rope_frequencies(cfg: ModelConfig, device) -> tuple[torch.Tensor, float]:
+    """theta_i [r/2] fp32 and the cos/sin scale of cfg.rope_type, in transformers 5.24's operations and order
+    (modeling_rope_utils), so to the last bit. 'default': theta_i = base^(-2i / r); 'linear': theta_i / s;
+    'yarn' (arXiv 2309.00071): theta_i / s on the dims turning under beta_slow times over L, theta_i on those
+    over beta_fast, a linear ramp between (section 3.2); cos and sin times rope_attention_factor or, unset,
+    YaRN's sqrt(1/t) = 0.1 ln(s) + 1 (section 3.4)."""
+    r = cfg.rotary_dim
+    # fp32 even for bf16 models, where pos * theta_i would lose the fractional radians that distinguish
+    # neighbouring positions
+    pos_freqs = cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float, device=device) / r)  # base^(2i / r)
+    inv_freq = 1.0 / pos_freqs
+    if cfg.rope_type != "yarn":
+        return (inv_freq / cfg.rope_factor if cfg.rope_type == "linear" else inv_freq), 1.0
+    L, s = cfg.rope_original_max_seq_len, cfg.rope_factor
+    # the (fractional) dim whose frequency turns `rot` times over L; the ramp runs from low to high
+    low, high = ((r * math.log(L / (rot * 2 * math.pi))) / (2 * math.log(cfg.rope_theta))
+                 for rot in (cfg.yarn_beta_fast, cfg.yarn_beta_slow))
+    if cfg.yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, r - 1)
+    high += 0.001 if low == high else 0  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(r // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)  # (r/2,)
+    keep = 1 - ramp  # 1: theta_i kept (fast dims), 0: theta_i / s (slow dims)
+    inv_freq = (1.0 / (s * pos_freqs)) * (1 - keep) + inv_freq * keep
+    return inv_freq, cfg.rope_attention_factor or (0.1 * math.log(s) + 1.0 if s > 1 else 1.0)
 
 
 def apply_rope(x_BHTd: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor) -> torch.Tensor:
@@ -215,7 +265,7 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention with RoPE, optional q/k norm and q/k/v bias, training or cached."""
+    """Causal GQA self-attention with RoPE, optional q/k norm and q/k/v (and o) bias, training or cached."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -223,7 +273,7 @@ class Attention(nn.Module):
         H, J, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         # rows [q (H*d) | k (J*d) | v (J*d)]: one GEMM for all three; hf.py splits them back in this order
         self.wqkv = nn.Linear(cfg.dim, (H + 2 * J) * d, bias=cfg.attention_bias)
-        self.wo = nn.Linear(H * d, cfg.dim, bias=False)
+        self.wo = nn.Linear(H * d, cfg.dim, bias=cfg.attention_out_bias)
         self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
 
@@ -621,11 +671,12 @@ def check_routes(routed_experts: torch.Tensor, want: tuple, num_experts: int):
 
 
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(target) [B, T] fp32 under softmax(logits / temperature)."""
+    """log pi(target) [B, T] fp32 under softmax(logits / temperature); 0 where the target is NO_TARGET."""
     # fp32 before the temperature and the log-softmax: in bf16 they would round away the small logprob
     # differences that the policy ratios measure
     logp = (logits_BTV.float() / temperature).log_softmax(dim=-1)  # (B, T, V)
-    return logp.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)  # (B, T, 1) -> (B, T)
+    picked = logp.gather(-1, targets_BT.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, T, 1) -> (B, T)
+    return picked.masked_fill(targets_BT == NO_TARGET, 0.0)
 
 
 def token_entropy(logits_BTV: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -634,6 +685,8 @@ def token_entropy(logits_BTV: torch.Tensor, temperature: float = 1.0) -> torch.T
     return -(logp.exp() * logp).sum(dim=-1)  # (B, T)
 
 
+NO_TARGET = -1
+"""A target id that asks for nothing: chunked_logprobs skips the position (logprob and entropy 0 there)."""
 LOGITS_CHUNK_TOKENS = 1024
 """Positions whose [*, V] fp32 logits `chunked_logprobs` holds at once (a few such blocks are live at its peak)."""
 
@@ -654,19 +707,29 @@ def chunked_logprobs(h_BTD: torch.Tensor, w_VD: torch.Tensor, targets_BT: torch.
     time: each chunk's logits exist only inside its own call, and with autograd recording the
     chunk is recomputed in the backward (activation checkpointing) instead of kept, so neither
     pass ever holds [B*T, V] fp32; the peak is one chunk's logits, log-softmax and gradient.
+    Positions whose target is NO_TARGET (a prompt, padding) are not computed: 0 there.
     """
     from torch.utils.checkpoint import checkpoint
     B, T, D = h_BTD.shape
-    h_ND, t_N = h_BTD.reshape(B * T, D), targets_BT.reshape(B * T)  # (N, D), (N,): chunks over all positions
+    h_ND, t_N = h_BTD.reshape(B * T, D), targets_BT.reshape(B * T)  # (N, D), (N,)
+    if not is_fake(t_N):
+        keep_M = (t_N != NO_TARGET).nonzero().squeeze(1)  # the M positions asked for (a host sync: trainer only)
+    else:  # plan.py's fake tensors hold no values to select by: every position, an upper bound on the memory
+        keep_M = torch.arange(B * T, device=t_N.device)
+    h_MD, t_M = h_ND.index_select(0, keep_M), t_N.index_select(0, keep_M)  # (M, D), (M,): chunks over these
     logps, entropies = [], []
-    for s in range(0, B * T, chunk):
-        h, t = h_ND[s:s + chunk], t_N[s:s + chunk]
+    for s in range(0, len(keep_M), chunk):
+        h, t = h_MD[s:s + chunk], t_M[s:s + chunk]
         if torch.is_grad_enabled() and (h.requires_grad or w_VD.requires_grad):
             lp, ent = checkpoint(_chunk_logprobs, h, w_VD, t, temperature, use_reentrant=False)
         else:
             lp, ent = _chunk_logprobs(h, w_VD, t, temperature)
         logps.append(lp)
         entropies.append(ent)
+    # back to [B, T], zeros where nothing was asked (index_copy: out of place, the gradient flows to the chunks);
     # clone: a module's output must not be a view (FSDP's backward hook would be lost to an in-place op on it)
-    return torch.cat(logps).view(B, T).clone(), torch.cat(entropies).view(B, T).clone()
+    zeros_N = h_ND.new_zeros(B * T, dtype=torch.float32)
+    logp_N = zeros_N.index_copy(0, keep_M, torch.cat(logps)) if logps else zeros_N
+    entropy_N = zeros_N.index_copy(0, keep_M, torch.cat(entropies)) if entropies else zeros_N
+    return logp_N.view(B, T).clone(), entropy_N.view(B, T).clone()
 

@@ -2,7 +2,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GatherRows, MoE, ModelConfig, Transformer, grouped_mm
+import math
+
+from model import GatherRows, MoE, ModelConfig, Transformer, grouped_mm, rope_frequencies
 
 
 @pytest.mark.parametrize("num_shared_experts", [0, 1])
@@ -118,6 +120,36 @@ def test_model_config_rejects_bad_values():
         ModelConfig(n_heads=6, n_kv_heads=4)
     with pytest.raises(ValueError, match="top_k"):
         ModelConfig(num_experts=4, top_k=5)
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):
+        ModelConfig(rope_type="dynamic")
+    with pytest.raises(ValueError, match="rope_original_max_seq_len"):
+        ModelConfig(rope_type="yarn", rope_factor=4.0)  # YaRN's ramp needs the pre-training length
+
+
+def test_default_rope_is_the_plain_frequency_table_unscaled(tiny_cfg):
+    r = tiny_cfg.rotary_dim
+    inv_freq, scale = rope_frequencies(tiny_cfg, "cpu")
+    assert torch.equal(inv_freq, 1.0 / (tiny_cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r)))
+    assert scale == 1.0
+
+
+def test_yarn_keeps_the_fast_dims_divides_the_slow_ones_by_s_and_scales_cos_sin(tiny_cfg):
+    base, _ = rope_frequencies(tiny_cfg, "cpu")
+    s = 4.0
+    yarn = ModelConfig(**{**vars(tiny_cfg), "rope_type": "yarn", "rope_factor": s, "rope_original_max_seq_len": 4096})
+    inv_freq, scale = rope_frequencies(yarn, "cpu")
+    # over 4096 positions theta_0 = 1 turns ~650 times (> beta_fast = 32), theta_3 = 1e-3 ~0.65 times (< beta_slow = 1)
+    assert inv_freq[0] == base[0] and torch.allclose(inv_freq[-1], base[-1] / s)
+    assert scale == 0.1 * math.log(s) + 1.0  # YaRN's sqrt(1/t) (arXiv 2309.00071 section 3.4)
+    linear = ModelConfig(**{**vars(tiny_cfg), "rope_type": "linear", "rope_factor": s})
+    assert torch.equal(rope_frequencies(linear, "cpu")[0], base / s)
+
+
+def test_attention_out_bias_puts_a_bias_on_wo_only_when_asked(tiny_cfg):
+    assert Transformer(tiny_cfg).layers[0].attn.wo.bias is None
+    tiny_cfg.attention_out_bias = True
+    wo = Transformer(tiny_cfg).layers[0].attn.wo
+    assert wo.bias is not None and torch.equal(wo.bias, torch.zeros(tiny_cfg.dim))  # biases start at zero
 
 
 def test_bf16_model_runs_and_replays_its_own_routes(tiny_cfg):
