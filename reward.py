@@ -1,11 +1,12 @@
 """Rewards: verifiers, penalties, reward-model adjustment without advantage inversion, overlapped scoring.
 
 Owns every reward an RL step sees: the binary verifiers (reasoning-gym's `TaskMix`,
-`MathTask` on math-verify for GSM8K and MATH-500, the sandboxed HumanEval-format
-`CodeTask`), DAPO's overlong penalty and a repetition penalty, reward-model and pairwise
-judge shaping (`shaped_rewards`, through `adjust_rewards`, which keeps every correct
-response's reward above every wrong one's), and `RewardPool`, which scores rollouts while
-generation goes on. Papers: DAPO (arXiv 2503.14476), its soft overlong punishment (eq. 13);
+`math_reward` on math-verify for GSM8K and MATH rows, the sandboxed HumanEval-format
+`code_reward`; data.py makes a user's files into tasks that use them), DAPO's overlong
+penalty and a repetition penalty, reward-model and pairwise judge shaping
+(`shaped_rewards`, through `adjust_rewards`, which keeps every correct response's reward
+above every wrong one's), `RewardPool`, which scores rollouts while generation goes on,
+and the time limits that keep every verifier from hanging. Papers: DAPO (arXiv 2503.14476), its soft overlong punishment (eq. 13);
 HumanEval's task format (arXiv 2107.03374); the group-relative advantage of GRPO (arXiv
 2402.03300), whose sign the shaping must never turn against correctness.
 
@@ -18,13 +19,16 @@ Verifiers (binary: 1.0 correct, 0.0 not):
    reward: only a score of 1.0 is. Seeds: item i of seed s equals item i-1 of seed s+1, so
    train and eval seeds must lie further apart than the train size; `exclude` drops eval
    items whose question also appears in training.
-2. math (`MathTask`, `math_reward`): GSM8K and MATH-500 rows, graded by math-verify. The
-   answer is the last `<answer>` span, else the last `\\boxed{}`, else the rest of the line
-   after the last `####`. Gold is parsed inside `$...$` and the answer inside `\\boxed{}`
-   (math-verify cuts undelimited LaTeX to a number); if that does not match, the answer is
-   parsed once more as plain text ("18 eggs" -> 18).
+2. math (`math_reward`): GSM8K and MATH rows, graded by math-verify. The answer is the
+   last `<answer>` span, else the last `\\boxed{}`, else the rest of the line after the
+   last `####`; only the last counts (several boxes inside the span too). Gold is parsed
+   inside `$...$` and the answer inside `\\boxed{}` (math-verify cuts undelimited LaTeX to
+   a number), where a list of candidates ("3, 4, 5", "4 \\text{ or } 5") is a set that a
+   single gold value does not equal; if that does not match, an answer with exactly one
+   number in prose is read as that number ("18 eggs" -> 18; "3 4 5 eggs" has no reading).
 3. code (`CodeTask`, `code_reward`): a HumanEval-format task (prompt, test defining
-   `check(candidate)`, entry point); the completion and its tests run in `sandbox.run`.
+   `check(candidate)`, entry point); the completion runs in `sandbox.run`, its tests apart
+   from it (`sandbox.Check`), so only plain data, never a rigged object, reaches them.
 
 Penalties and shaping:
 1. Penalties, in [-1, 0]: DAPO's soft overlong punishment (eq. 13) and a repetition
@@ -45,17 +49,26 @@ Penalties and shaping:
 
 Overlapped scoring (`RewardPool`): workers score rollouts while the caller keeps
 generating; each item has a timeout; an exception, a non-finite value or a timeout gives
-reward 0 with the reason counted, and every submitted key gets a reward.
+reward 0 with the reason counted, and every submitted key gets a reward. Without a pool,
+`score_inline` gives the same (reward, reason) on the calling thread.
+
+Time limits (`time_limited`): a verifier that hangs (math-verify on 9^{9^{9^{9}}}) is cut
+off in every mode. On the main thread (inline scoring, a process-pool worker, a grader) a
+SIGALRM timer interrupts it; a thread cannot be interrupted, and CPython's big-integer
+power holds the GIL, stopping every thread, so off the main thread math_equal runs
+math-verify in a grader process that is killed if it overruns. A verifier's own limit
+raises `ScoreTimeout`, which the pool and score_inline count as "timeout".
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
 import math
 import multiprocessing
 import queue
 import re
+import signal
 import sys
 import threading
 import time
@@ -72,7 +85,7 @@ import sandbox
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)  # a fence tagged python, py or untagged
 CORRECT_SCORE = 1.0  # reasoning-gym's score for an exact answer; anything less is partial credit
-MATH_TIMEOUT_S = 5  # math-verify's own parse and verify limits, where it may use signal.alarm (main thread)
+MATH_TIMEOUT_S = 5.0  # a math_equal call's limit when its caller sets none (RewardPool and score_inline do)
 JUDGE_OUTCOMES = {"better": 1.0, "tie": 0.5, "worse": 0.0}  # P(completion beats the reference)
 
 
@@ -85,7 +98,12 @@ class Item:
 
 
 class ItemList:
-    """A task's prompts as a list of Item (`self.items`), indexable, with eval de-duplication."""
+    """A task's prompts as a list of Item (`self.items`), indexable, with eval de-duplication.
+
+    A task (TaskMix here; data.MathTask and data.HumanEvalTask for a user's files) also has
+    score(completion, item) -> float (binary, may raise ScoreTimeout), user_message(item)
+    -> str (the prompt's text for a chat model) and demonstration(item) -> str (an SFT target).
+    """
     items: list[Item]
 
     def __len__(self):
@@ -97,6 +115,10 @@ class ItemList:
     def exclude(self, questions: set[str]) -> list[Item]:
         """The items whose question is not in `questions` (eval de-duplication)."""
         return [it for it in self.items if it.question not in questions]
+
+    def user_message(self, item: Item) -> str:
+        """The prompt's text for a chat model; by default the question as it is."""
+        return item.question
 
 
 class TaskMix(ItemList):
@@ -137,15 +159,18 @@ class TaskMix(ItemList):
         # not the score itself: partial credit would pay a verbose answer that merely contains the gold one
         return 1.0 if score >= CORRECT_SCORE else 0.0
 
+    def demonstration(self, item: Item) -> str:
+        return demonstration(item)
+
 
 def demonstration(item: Item) -> str:
-    """The completion an SFT warm-up imitates: the gold answer in answer tags."""
+    """The completion an SFT warm-up imitates on a TaskMix: the gold answer in answer tags."""
     return f"<answer>{item.answer}</answer>"
 
 
 # ----------------------------------------------------------------------------- math
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
     """Contents of the last \\boxed{...}, braces balanced; None if absent or unclosed."""
     start = text.rfind("\\boxed{")
     if start < 0:
@@ -160,69 +185,80 @@ def _last_boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer of a completion: last <answer> span, else last \\boxed{}, else after the last '####'."""
+    """The final answer of a completion: last <answer> span, else last \\boxed{}, else after the last '####'.
+
+    Only the last one counts: an <answer> span that holds several \\boxed{} is read as its last.
+    """
     # the tag the prompt asks for first, then MATH's \boxed{} convention, then GSM8K's "#### n" line
     if found := ANSWER_RE.findall(text):
-        return found[-1].strip()
-    if (boxed := _last_boxed(text)) is not None:
+        span = found[-1]
+        # "<answer>\boxed{3} or \boxed{4}</answer>" lists candidates; as anywhere else, the last box is the answer
+        return (last_boxed(span) if "\\boxed{" in span else span).strip()
+    if (boxed := last_boxed(text)) is not None:
         return boxed.strip()
     if "####" in text:  # only the rest of that line: an explanation may follow the number
         return text.rsplit("####", 1)[1].strip().split("\n", 1)[0].strip()
     return None
 
 
+# A number as the plain-text fallback reads it: sign, digits (thousands commas allowed), decimals; a token of its
+# own, not part of a name or of another number ("x-5" holds 5, not -5; "2ab" holds none)
+NUMBER_RE = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\w)")
+# What may surround that number: words (units, "the answer is"), currency and percent signs, punctuation;
+# no operator, bracket, backslash or lone letter (a variable: "2x", "4\pi" are not 2 and 4)
+PROSE_RE = re.compile(r"(?:[A-Za-z]{2,}|[aAI]|[\s$%€£.,:;!?'\"-])*")
+
+
 def math_equal(answer: str, gold: str) -> bool:
     """Whether math-verify finds `answer` equal to `gold` (both LaTeX or plain text).
 
-    Outside the main thread math-verify's signal-based timeouts cannot run; they are
-    turned off there, so callers bound the time themselves (`RewardPool` does).
+    An answer that lists candidates never matches a single gold value: LaTeX is read
+    whole, where "3, 4, 5", "4 \\text{ or } 5" or "4 \\pm 1" are sets of several values;
+    the plain-text fallback ("18 eggs" -> 18) takes only an answer with exactly one number
+    in prose around it. A gold that is itself a set or tuple matches its own answer.
+    Time-limited (see time_limited): on the main thread by a signal, elsewhere by running
+    in a grader process, to the caller's limit or else MATH_TIMEOUT_S; raises ScoreTimeout
+    when it runs out.
     """
+    if threading.current_thread() is threading.main_thread():
+        return time_limited(_math_equal_here, answer, gold, seconds=MATH_TIMEOUT_S)  # an enclosing limit governs
+    # Off the main thread no signal can interrupt math-verify, and CPython's big-integer power (a huge
+    # exponent such as 9^{9^{9^{9}}}) holds the GIL for minutes: every thread of this process, the
+    # pool's watchdog too, would stop. In a grader process it can be killed.
+    return _grade_elsewhere(answer, gold)
+
+
+def _math_equal_here(answer: str, gold: str) -> bool:
+    """math_equal's work, in this process, with no limit of its own."""
     from math_verify import parse, verify  # imports sympy: paid on first use, not on import of this file
-    # math-verify's timeouts use signal.alarm, which only the main thread may set; None turns them off
-    timeout = MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    # None turns math-verify's own timeouts off: they use signal.alarm, the timer time_limited uses
     # delimited, so a LaTeX gold such as \frac{1}{2} is read whole (undelimited LaTeX is cut to a number)
-    gold_parsed = parse(f"${gold}$", parsing_timeout=timeout)
+    gold_parsed = parse(f"${gold}$", parsing_timeout=None)
     if not gold_parsed:  # a gold answer math-verify cannot read: no completion can match it
         return False
-    # boxed first, read as LaTeX; then plain text, where math-verify finds the number in "18 eggs"
-    for form in (f"\\boxed{{{answer}}}", answer):
-        parsed = parse(form, parsing_timeout=timeout)
-        # gold first: math-verify's verify is not symmetric (the first argument is the reference)
-        if parsed and verify(gold_parsed, parsed, timeout_seconds=timeout):
-            return True
-    return False
+    # first_match: the box is read whole or not at all. By default math-verify tries match after match until one
+    # parses, so "3 \lor 4" or "\begin{cases} 3 \\ 4 \end{cases}", which its LaTeX reader cannot take,
+    # would be read as their last number
+    parsed = parse(f"\\boxed{{{answer}}}", parsing_timeout=None, extraction_mode="first_match")
+    # gold first: math-verify's verify is not symmetric (the first argument is the reference)
+    if parsed and verify(gold_parsed, parsed, timeout_seconds=None):
+        return True
+    # Plain text: math-verify's plain-text parse picks one number out of any text ("3 or 4" -> 3 or 4,
+    # whichever it finds), so only an answer with exactly one number, in prose, gets this second reading.
+    numbers = NUMBER_RE.findall(answer)
+    if len(numbers) != 1 or not PROSE_RE.fullmatch(NUMBER_RE.sub(" ", answer)):
+        return False
+    parsed = parse(f"${numbers[0].replace(',', '')}$", parsing_timeout=None)
+    return bool(parsed) and verify(gold_parsed, parsed, timeout_seconds=None)
 
 
 def math_reward(completion: str, gold: str) -> float:
-    """1.0 if the completion's final answer (see extract_answer) equals gold under math-verify, else 0.0."""
+    """1.0 if the completion's final answer (see extract_answer) equals gold under math-verify, else 0.0.
+
+    Raises ScoreTimeout when math-verify runs out of time (see math_equal).
+    """
     answer = extract_answer(completion)
     return 1.0 if answer and math_equal(answer, gold) else 0.0
-
-
-class MathTask(ItemList):
-    """Rows of a GSM8K (question, answer ending '#### n') or MATH-500 (problem, answer) JSONL file.
-
-    Same interface as TaskMix. Raises ValueError on a row with neither layout.
-    """
-
-    def __init__(self, path: str, *, size: int | None = None):
-        self.items = []
-        with open(path) as f:
-            for i, line in enumerate(f):
-                if size is not None and i >= size:
-                    break
-                row = json.loads(line)
-                if "problem" in row:  # MATH-500: the answer is already the final LaTeX expression
-                    self.items.append(Item(row["problem"], row["answer"], 0, i))
-                elif "question" in row and "####" in row.get("answer", ""):  # GSM8K: a worked solution, then #### n
-                    gold = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")  # "1,600" -> "1600"
-                    self.items.append(Item(row["question"], gold, 0, i))
-                else:
-                    raise ValueError(f"{path} row {i}: expected GSM8K (question, answer with ####) "
-                                     f"or MATH (problem, answer) fields, got {sorted(row)}")
-
-    def score(self, completion: str, item: Item) -> float:
-        return math_reward(completion, item.answer)
 
 
 # ----------------------------------------------------------------------------- code
@@ -234,10 +270,11 @@ class CodeTask:
     prompt: str  # imports, the signature and the docstring
     test: str
     entry_point: str
+    canonical_solution: str = ""  # the reference body that continues the prompt ("" if the data has none)
 
 
-def code_program(completion: str, task: CodeTask) -> str:
-    """The program to run: the prompt, the completion's code, the tests and the check call.
+def code_solution(completion: str, task: CodeTask) -> str:
+    """The program the completion stands for: the prompt and the completion's code.
 
     The code is the last ```python block, else the <answer> span, else the whole completion.
     A completion that defines entry_point itself follows the prompt (the prompt's function,
@@ -248,15 +285,20 @@ def code_program(completion: str, task: CodeTask) -> str:
     # HumanEval's completions are function bodies that continue the prompt, which ends inside the function;
     # chat models tend to write the whole function again instead. Both layouts must run.
     defines = re.search(rf"^def {re.escape(task.entry_point)}\s*\(", code, re.MULTILINE)
-    head = f"{task.prompt}\n{code}" if defines else task.prompt + code
-    # HumanEval's test only defines check(candidate); nothing is tested until it is called
-    return f"{head}\n\n{task.test}\n\ncheck({task.entry_point})\n"
+    return f"{task.prompt}\n{code}" if defines else task.prompt + code
 
 
 def code_reward(completion: str, task: CodeTask, *, limits: sandbox.SandboxLimits = sandbox.SandboxLimits()) -> float:
-    """1.0 if the completion passes the task's tests inside the sandbox, else 0.0 (a timeout included)."""
-    # passed: the program ran to its end, so every assert in check() held (sandbox.py's nonce)
-    return 1.0 if sandbox.run(code_program(completion, task), limits).passed else 0.0
+    """1.0 if the completion passes the task's tests inside the sandbox, else 0.0 (a timeout included).
+
+    The tests run apart from the completion's code (sandbox.Check): only plain data crosses
+    between them, so a value rigged to equal anything, a redefined check or builtin, an
+    early exit or a printed pass marker earns nothing (sandbox.py's docstring).
+    """
+    # the prompt goes with the tests too: HumanEval's tests call its helpers (encode_cyclic for decode_cyclic),
+    # and the completion's own versions of them must not be the ones the tests trust
+    check = sandbox.Check(task.test, task.entry_point, context=task.prompt)
+    return 1.0 if sandbox.run(code_solution(completion, task), limits, check=check).passed else 0.0
 
 
 # ----------------------------------------------------------------------------- penalties
@@ -452,25 +494,186 @@ def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg
     return adjust_rewards(correct_G, s_G, margin=cfg.shaping_margin)
 
 
+# ----------------------------------------------------------------------------- time limits
+
+class ScoreTimeout(TimeoutError):
+    """A verifier ran out of time: RewardPool and score_inline make it reward 0, reason "timeout"."""
+
+
+class _Expired(BaseException):
+    """Raised by the alarm inside a time-limited call. Not an Exception: math-verify and sympy catch Exception
+    broadly (around sympy's doit, say), which would swallow the interruption and compute on."""
+
+
+# past its limit the alarm fires again this often, should a bare `except:` swallow one; not more often, so that
+# the cleanup on the way out (a finally block: the sandbox killing its run) is not cut off in turn
+ALARM_REPEAT_S = 1.0
+KILL_GRACE_S = 1.0  # a worker process this far past its own time limit is stuck where no signal reaches: killed
+_alarm_armed = False  # main thread: a time_limited call is running under SIGALRM
+_thread_limit = threading.local()  # off the main thread: .deadline (time.monotonic()) of the enclosing limit
+
+
+def _on_alarm(_signum, frame):
+    if not _alarm_armed:  # an alarm already on its way when the call ended must not hit the caller
+        return
+    while frame is not None:
+        # An import cut off halfway would leave its package half-initialised (sympy's classes made anew on the
+        # next import, unlike the ones already in use): let it finish, the alarm repeats every ALARM_REPEAT_S
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return
+        frame = frame.f_back
+    raise _Expired
+
+
+def time_limited(fn: Callable, *args, seconds: float):
+    """fn(*args), which must finish within `seconds` or raise ScoreTimeout.
+
+    On the main thread a SIGALRM timer interrupts the call between bytecodes and inside
+    CPython's big-integer power, which checks for signals (where math-verify spends a
+    huge exponent's time); it repeats every ALARM_REPEAT_S past the limit. Inside an
+    active limit the enclosing one governs. Off the main thread no signal can interrupt
+    fn: the limit becomes the thread's deadline, which math_equal keeps (its grader
+    process is killed at it); other verifiers run on, and RewardPool's watchdog abandons
+    them at the limit.
+    """
+    global _alarm_armed
+    if seconds <= 0:  # a zero timer would mean no timer at all
+        raise ScoreTimeout(f"no time left ({seconds} s)")
+    if threading.current_thread() is not threading.main_thread():
+        outer = getattr(_thread_limit, "deadline", None)
+        mine = time.monotonic() + seconds
+        _thread_limit.deadline = mine if outer is None else min(outer, mine)
+        try:
+            return fn(*args)
+        finally:
+            _thread_limit.deadline = outer
+    if _alarm_armed:
+        return fn(*args)
+    previous = signal.signal(signal.SIGALRM, _on_alarm)  # the process's one real-time timer is this call's now
+    _alarm_armed = True
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, seconds, ALARM_REPEAT_S)  # inside: however soon it fires
+            return fn(*args)
+        finally:
+            while True:  # an alarm that lands in here before the flag is down is caught, and this retried
+                try:
+                    _alarm_armed = False  # from here on the handler raises nothing
+                    break
+                except _Expired:
+                    pass
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
+    except _Expired:  # converted out here, once no alarm can interrupt the conversion
+        raise ScoreTimeout(f"over {seconds} s") from None
+
+
+def _seconds_left(default: float) -> float:
+    """Off the main thread: the time to the enclosing limit's deadline, else `default`."""
+    deadline = getattr(_thread_limit, "deadline", None)
+    return default if deadline is None else deadline - time.monotonic()
+
+
+def score_inline(fn: Callable[..., float], *args, timeout_s: float) -> tuple[float, str]:
+    """fn(*args) on the calling thread, time-limited, as a RewardPool would score it: (reward, reason).
+
+    For scoring without a pool (train.py's inline path): a verifier that raises, returns a
+    non-finite value or runs past timeout_s gets reward 0 and the reason RewardPool gives
+    ("error: <type>", "timeout"), never a hang (on the main thread; see time_limited).
+    """
+    return _call(functools.partial(time_limited, fn, seconds=timeout_s), args)
+
+
+class _Worker:
+    """A spawned process that answers fn(*args) requests on its main thread (_process_worker)."""
+
+    def __init__(self, fn: Callable, limit_s: float | None):
+        ctx = multiprocessing.get_context("spawn")  # fork is unsafe in a process running torch threads
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_process_worker, args=(child_conn, fn, limit_s), daemon=True)
+        self.proc.start()
+        child_conn.close()
+        try:
+            self.conn.recv()  # "ready": start-up (imports) ends before an item's clock starts
+        except BaseException:
+            self.kill()
+            raise
+
+    def call(self, args: tuple, wait_s: float) -> tuple[float, str] | None:
+        """fn's (reward, reason), or None if none came within wait_s (the process is then killed).
+
+        Raises EOFError or OSError if the process died.
+        """
+        self.conn.send(args)
+        if self.conn.poll(wait_s):  # blocks without the GIL; the worker's CPU time is its own process's
+            return self.conn.recv()
+        self.kill()
+        return None
+
+    def kill(self):
+        self.proc.kill()  # a hung worker may be deep in C code: kill, not ask
+        self.proc.join()
+
+
+def _process_worker(conn, fn, limit_s):
+    if limit_s is not None:  # on the process's main thread: a signal can stop fn at the limit, no kill needed
+        fn = functools.partial(time_limited, fn, seconds=limit_s)
+    conn.send("ready")  # sent once spawn has imported fn's module: the caller starts the item's clock after it
+    while True:
+        try:
+            args = conn.recv()
+        except EOFError:  # the caller's end of the pipe is gone: no more items will come
+            return
+        conn.send(_call(fn, args))
+
+
+_idle_graders: list[_Worker] = []  # math grader processes free for the next thread's math_equal
+_graders_lock = threading.Lock()
+
+
+def _grade(answer: str, gold: str, seconds: float) -> bool:
+    """A grader process's work: math_equal on its own main thread, limited by a signal."""
+    return time_limited(_math_equal_here, answer, gold, seconds=seconds)
+
+
+def _grade_elsewhere(answer: str, gold: str) -> bool:
+    """math_equal in a grader process (one per concurrent caller, kept for reuse), to the thread's limit."""
+    with _graders_lock:
+        grader = _idle_graders.pop() if _idle_graders else None
+    if grader is None:  # a few seconds: the grader imports this file, and math-verify on its first item
+        grader = _Worker(_grade, None)
+    seconds = _seconds_left(MATH_TIMEOUT_S)  # after the start-up, which may have used up the caller's limit
+    result = (0.0, "timeout")
+    if seconds > 0:
+        try:
+            # the grader stops itself at `seconds`; it is killed only if stuck where no signal reaches
+            result = grader.call((answer, gold, seconds), seconds + KILL_GRACE_S)
+        except (EOFError, OSError) as e:  # the grader died (out of memory, say)
+            grader.kill()
+            raise RuntimeError("math grader process died") from e
+    if result is None:
+        raise ScoreTimeout(f"math-verify over {seconds:.1f} s (grader killed)")
+    with _graders_lock:
+        _idle_graders.append(grader)
+    value, reason = result
+    if reason == "timeout":
+        raise ScoreTimeout(f"math-verify over {seconds:.1f} s")
+    if reason != "ok":
+        raise RuntimeError(f"math grader: {reason}")
+    return value == 1.0
+
+
 # ----------------------------------------------------------------------------- overlapped scoring
 
 def _call(fn: Callable[..., float], args: tuple) -> tuple[float, str]:
     try:
         value = float(fn(*args))
+    except ScoreTimeout:
+        return 0.0, "timeout"
     except Exception as e:  # a verifier's failure is reward 0, never a crash
         return 0.0, f"error: {type(e).__name__}"
     # a NaN or inf would reach its group's mean and std and make every advantage of that group NaN
     return (value, "ok") if math.isfinite(value) else (0.0, "error: non-finite reward")
-
-
-def _process_worker(conn, fn):
-    conn.send("ready")  # sent once spawn has imported fn's module: the runner starts the item's clock after it
-    while True:
-        try:
-            args = conn.recv()
-        except EOFError:  # the runner's end of the pipe is gone: no more items will come
-            return
-        conn.send(_call(fn, args))
 
 
 GIL_SWITCH_INTERVAL_S = 0.05  # while a thread-mode RewardPool is open (see its docstring)
@@ -480,13 +683,15 @@ class RewardPool:
     """Scores submitted items on `workers` workers while the caller goes on (e.g. generating).
 
     fn(*args) -> float is the verifier. Threads (default) suit verifiers that wait (a
-    sandbox subprocess, a remote model) or are quick; processes=True runs fn in spawned
-    worker processes (fn and args must pickle), where CPU-bound Python does not hold the
-    caller's GIL and math-verify's own timeouts work. Each item's timeout counts from when
-    a worker starts it. Thread mode calls fn on the worker thread itself and a watchdog
-    gives an item that overruns reward 0 ("timeout") and starts a fresh worker in place of
-    the stuck one, which is abandoned (a thread cannot be killed; it ends on its own or
-    with the process); a timed-out process is killed and replaced. No thread is started
+    sandbox subprocess, a remote model, math_equal's grader process) or are quick;
+    processes=True runs fn in spawned worker processes (fn and args must pickle), where
+    CPU-bound Python does not hold the caller's GIL. Each item's timeout counts from when
+    a worker starts it. Thread mode calls fn on the worker thread itself, under
+    time_limited (math_equal's grader keeps the limit), and a watchdog gives an item that
+    overruns reward 0 ("timeout") and starts a fresh worker in place of the stuck one,
+    which is abandoned (a thread cannot be killed; it ends on its own or with the process).
+    A worker process stops fn itself at the timeout (a signal on its main thread) and is
+    killed and replaced if still silent KILL_GRACE_S later. No thread is started
     per item: thread churn slows the generation it overlaps. While a thread-mode pool is
     open the interpreter's GIL switch interval is at least GIL_SWITCH_INTERVAL_S: at the
     default 5 ms, workers waking to record a score make the generating thread hand the
@@ -588,15 +793,16 @@ class RewardPool:
                 continue
             with self._cond:  # registered with the watchdog; the item's timeout counts from here
                 self._running[me] = (key, time.monotonic())
-            result = _call(self.fn, args)  # on this thread: no thread per item, whose churn slows generation
+            # on this thread: no thread per item, whose churn slows generation; time_limited hands the limit to
+            # verifiers that keep it themselves (math_equal's grader), so they end when the watchdog gives up
+            result = _call(functools.partial(time_limited, self.fn, seconds=self.timeout_s), args)
             with self._cond:
                 abandoned = self._running.pop(me, None) is None  # the watchdog timed this item out
             if abandoned:
                 return  # a fresh runner took this one's place
             self._finish(key, result)
         if worker is not None:  # the stop sentinel: end this runner's worker process with it
-            worker[0].kill()
-            worker[0].join()
+            worker.kill()
 
     def _watch(self):
         """Thread mode: time out items that overrun, replacing their runners."""
@@ -615,25 +821,18 @@ class RewardPool:
             for _, key in late:  # the late items' one result each: their runners will discard theirs
                 self._finish(key, (0.0, "timeout"))
 
-    def _in_process(self, args: tuple, worker):
-        """Score in this runner's worker process (started on first use, replaced after a timeout or death)."""
+    def _in_process(self, args: tuple, worker: _Worker | None) -> tuple[tuple[float, str], _Worker | None]:
+        """Score in this runner's worker process (started on first use, replaced after a kill or death)."""
         try:
             if worker is None:
-                ctx = multiprocessing.get_context("spawn")  # fork is unsafe in a process running torch threads
-                conn, child_conn = ctx.Pipe()
-                proc = ctx.Process(target=_process_worker, args=(child_conn, self.fn), daemon=True)
-                proc.start()
-                child_conn.close()
-                worker = (proc, conn)
-                conn.recv()  # "ready": start-up (imports) does not count against the item's timeout
-            proc, conn = worker
-            conn.send(args)
-            if conn.poll(self.timeout_s):  # blocks without the GIL; the worker's CPU time is its own process's
-                return conn.recv(), worker
-            reason = "timeout"
+                worker = _Worker(self.fn, self.timeout_s)
+            # the worker stops fn itself at timeout_s (a signal on its main thread); a worker still silent
+            # KILL_GRACE_S later is stuck where no signal reaches and is killed
+            result = worker.call(args, self.timeout_s + KILL_GRACE_S)
+            if result is not None:
+                return result, worker
+            return (0.0, "timeout"), None
         except (EOFError, OSError):  # the worker exited or crashed (e.g. out of memory) mid-item
-            reason = "error: worker died"
-        if worker is not None:  # a hung worker may be deep in C code: kill, not ask; the next item spawns anew
-            worker[0].kill()
-            worker[0].join()
-        return (0.0, reason), None
+            if worker is not None:
+                worker.kill()
+            return (0.0, "error: worker died"), None

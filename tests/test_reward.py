@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import signal
 import threading
 import time
 
@@ -13,12 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reward
+from data import load_task
 from espo import group_advantages
-from reward import (CodeTask, MathTask, RewardPool, StubJudge, StubRewardModel, adjust_rewards, code_reward,
-                    extract_answer, judge_score, math_reward, overlong_penalty, repetition_penalty, rm_score)
+from reward import (CodeTask, RewardPool, ScoreTimeout, StubJudge, StubRewardModel, adjust_rewards, code_reward,
+                    extract_answer, judge_score, math_reward, overlong_penalty, repetition_penalty, rm_score, score_inline)
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data")
-needs_data = pytest.mark.skipif(not os.path.isdir(DATA), reason=f"real datasets not found at {DATA}")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.environ.get("EVERYPROMPT_DATA", os.path.join(REPO, "..", "shared", "data"))
+needs_data = pytest.mark.skipif(not os.path.isdir(DATA), reason=f"real datasets not found at {DATA} (EVERYPROMPT_DATA)")
 
 
 # ----------------------------------------------------------------------------- math
@@ -54,13 +57,11 @@ def raw_golds(path: str) -> list[str]:
     return [r["answer"] if "problem" in r else r["answer"].rsplit("####", 1)[1].strip() for r in rows]
 
 
-@needs_data
-@pytest.mark.parametrize("name", ["gsm8k_test.jsonl", "math500_test.jsonl"])
-def test_gold_answers_written_as_a_model_would_are_graded_correct_and_perturbed_ones_wrong(name):
+def check_gold_answers(name: str, size: int | None):
     path = os.path.join(DATA, name)
-    task = MathTask(path)
-    golds = raw_golds(path)
-    assert len(task) == len(golds) >= 500
+    task = load_task(path, size=size)
+    golds = raw_golds(path)[:size]
+    assert len(task) == len(golds) and task.skipped == []
     forms = [lambda g: f"Let me work it out.\n<answer>{g}</answer>", lambda g: f"So the answer is $\\boxed{{{g}}}$."]
     for form in forms:
         right = sum(task.score(form(g), it) for g, it in zip(golds, task.items))
@@ -69,11 +70,52 @@ def test_gold_answers_written_as_a_model_would_are_graded_correct_and_perturbed_
     assert wrong <= 0.005 * len(task), (name, wrong)
 
 
-def test_math_task_rejects_rows_of_an_unknown_layout(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"prompt": "1+1", "solution": "2"}) + "\n")
-    with pytest.raises(ValueError, match="expected GSM8K"):
-        MathTask(str(path))
+@needs_data
+@pytest.mark.parametrize("name", ["gsm8k_test.jsonl", "math500_test.jsonl"])
+def test_gold_answers_written_as_a_model_would_are_graded_correct_and_perturbed_ones_wrong(name):
+    check_gold_answers(name, size=100)
+
+
+@needs_data
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gsm8k_test.jsonl", "math500_test.jsonl"])
+def test_every_gold_answer_of_the_real_test_sets_is_graded_correct(name):
+    check_gold_answers(name, size=None)
+
+
+# An answer that lists candidates earns nothing, whichever of them is the gold.
+LISTS = ["\\boxed{3, 4, 5}", "\\boxed{\\{3, 4, 5\\}}", "\\boxed{[3, 5]}", "\\boxed{(3, 5)}", "\\boxed{4 \\pm 1}",
+         "\\boxed{3 \\text{ or } 4}", "\\boxed{3 \\lor 4}", "\\boxed{3 | 4}", "\\boxed{x = 3 \\text{ or } x = 4}",
+         "\\boxed{\\begin{cases} 3 \\\\ 4 \\end{cases}}", "\\boxed{3;4}", "<answer>3 or 4</answer>",
+         "<answer>3, 4</answer>", "<answer>the answer is 3 or 4</answer>", "<answer>$3$ or $4$</answer>",
+         "<answer>3 4 5 eggs</answer>", "<answer>between 3 and 5</answer>"]
+
+
+@pytest.mark.parametrize("completion", LISTS)
+@pytest.mark.parametrize("gold", ["3", "4", "5"])
+def test_an_answer_listing_candidates_earns_nothing_for_the_one_that_is_right(completion, gold):
+    assert math_reward(completion, gold) == 0.0
+
+
+def test_only_the_last_of_several_boxed_answers_counts():
+    assert math_reward("\\boxed{3} no, \\boxed{4}", "4") == 1.0
+    assert math_reward("\\boxed{4} no, \\boxed{3}", "4") == 0.0
+    assert math_reward("<answer>\\boxed{4} or \\boxed{3}</answer>", "4") == 0.0
+    assert math_reward("<answer>\\boxed{3} or \\boxed{4}</answer>", "4") == 1.0
+
+
+@pytest.mark.parametrize("answer, gold", [("(1, 2)", "(1,2)"), ("\\{1, 2\\}", "\\{1,2\\}"), ("1, 2", "1, 2"),
+                                          ("2, 1", "1, 2"), ("[3,5]", "[3, 5]"),
+                                          ("(3, \\frac{\\pi}{2})", "\\left( 3, \\frac{\\pi}{2} \\right)")])
+def test_a_gold_that_is_a_set_tuple_or_interval_still_matches_its_own_answer(answer, gold):
+    assert math_reward(f"\\boxed{{{answer}}}", gold) == 1.0
+
+
+@pytest.mark.parametrize("answer, reward_", [("18 eggs", 1.0), ("The answer is 18.", 1.0), ("$18", 1.0),
+                                             ("18 eggs, 9 each day", 0.0), ("18x", 0.0), ("18 x", 0.0),
+                                             ("18\\pi", 0.0), ("x-18", 0.0), ("18 or 19 eggs", 0.0)])
+def test_the_plain_text_reading_takes_one_number_in_words_only(answer, reward_):
+    assert math_reward(f"<answer>{answer}</answer>", "18") == reward_
 
 
 # ----------------------------------------------------------------------------- code
@@ -94,6 +136,57 @@ def test_code_reward_runs_humaneval_format_tasks(completion):
 @pytest.mark.parametrize("completion", ["    return a - b\n", "    return a +\n", "    import sys; sys.exit(0)\n"])
 def test_code_reward_is_zero_for_wrong_broken_or_exiting_code(completion):
     assert code_reward(completion, ADD) == 0.0
+
+
+# Prints every 32-hex string in its reach (its stack, gc's dicts), then ends at once: it would pass if the
+# runner's nonce were among them (it is, without a sandbox.Check: tests/test_sandbox.py)
+PRINT_MARKERS = ("import gc, os, re, sys\nfound, frame = [], sys._getframe()\n"
+                 "while frame:\n    found += [v for v in frame.f_locals.values() if isinstance(v, str)]\n"
+                 "    frame = frame.f_back\n"
+                 "found += [v for o in gc.get_objects() if isinstance(o, dict) for v in o.values() if isinstance(v, str)]\n"
+                 "print('\\n'.join(v for v in found if re.fullmatch('[0-9a-f]{32}', v)))\nos._exit(0)\n")
+RIGGED = "class Any:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+
+
+@pytest.mark.parametrize("completion", [
+    RIGGED + "def add(a, b):\n    return Any()\n",  # equal to anything
+    "class Int(int):\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Int(0)\n",
+    "class Str(str):\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Str()\n",
+    "class F(float):\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return F(0)\n",
+    "def add(a, b):\n    return 0\ndef check(candidate):\n    pass\n",  # its own check
+    "def add(a, b):\n    return 0\ncheck = lambda candidate: None\n",
+    "import sys\nsys.exit(0)\n",  # exits before the tests run
+    "import os\nos._exit(0)\n",
+    "def add(a, b):\n    raise SystemExit(0)\n",  # exits inside check
+    "def add(a, b):\n    import os; os._exit(0)\n",
+    "import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\ndef add(a, b):\n    return 0\n",
+    PRINT_MARKERS,  # prints every string in its reach that could be the pass marker, then exits
+])
+def test_code_reward_is_zero_for_rigged_values_early_exits_and_redefined_checks(completion):
+    assert code_reward(completion, ADD) == 0.0
+
+
+def test_a_completion_cannot_change_the_builtins_or_prompt_helpers_its_tests_use():
+    prompt = ("def shift(s):\n    return ''.join(chr(ord(c) + 1) for c in s)\n\n"
+              "def unshift(s):\n    \"\"\"Undo shift.\"\"\"\n")
+    test = "def check(candidate):\n    assert abs(len(candidate(shift('abc'))) - 3) == 0\n    assert candidate(shift('abc')) == 'abc'\n"
+    task = CodeTask("toy/1", prompt, test, "unshift")
+    assert code_reward("    return ''.join(chr(ord(c) - 1) for c in s)\n", task) == 1.0
+    # shift redefined as the identity, so that the identity would undo it
+    assert code_reward("def shift(s):\n    return s\ndef unshift(s):\n    return s\n", task) == 0.0
+    assert code_reward("import builtins\nbuiltins.abs = lambda x: 0\ndef unshift(s):\n    return s\n", task) == 0.0
+
+
+def test_the_tests_expected_values_are_not_in_the_completions_memory():
+    """A completion that could read the test source would return its expected values."""
+    # every string held by a frame of its stack or by a container gc tracks (nested containers are tracked too)
+    probe = ("import gc, sys\nNEEDLE = 'candidate(2' + ', 3) == 5'\n"
+             "def strings(o):\n    values = o.values() if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else []\n"
+             "    return [v for v in values if isinstance(v, str)]\n"
+             "frames, f = [], sys._getframe()\nwhile f:\n    frames.append(f.f_locals)\n    f = f.f_back\n"
+             "FOUND = any(NEEDLE in s and s != NEEDLE for o in frames + gc.get_objects() for s in strings(o))\n"
+             "def add(a, b):\n    assert not FOUND, 'the test source is readable'\n    return a + b\n")
+    assert code_reward(probe, ADD) == 1.0
 
 
 # ----------------------------------------------------------------------------- penalties
@@ -174,6 +267,9 @@ def flaky(x):
         return math.nan
     if x == "hang":
         time.sleep(30)
+    if x == "stuck":  # where no signal reaches: only a kill ends it
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(30)
     return float(len(x))
 
 
@@ -220,14 +316,65 @@ def test_pool_scores_while_the_caller_goes_on():
         assert pool.gather([0]) == ([1.0], ["ok"])
 
 
-def test_process_pool_kills_a_hung_worker_and_goes_on():
-    with RewardPool(flaky, workers=1, timeout_s=1.0, processes=True) as pool:
-        for k in ("hang", "boom", "fine"):
+def test_process_pool_stops_a_hung_item_kills_a_stuck_worker_and_goes_on():
+    with RewardPool(flaky, workers=1, timeout_s=0.5, processes=True) as pool:
+        keys = ("hang", "stuck", "boom", "fine")
+        for k in keys:
             pool.submit(k, k)
-        assert pool.gather(["hang", "boom", "fine"]) == ([0.0, 0.0, 4.0], ["timeout", "error: ZeroDivisionError", "ok"])
+        assert pool.gather(list(keys)) == ([0.0, 0.0, 0.0, 4.0], ["timeout", "timeout", "error: ZeroDivisionError", "ok"])
 
 
 def test_math_verify_runs_off_the_main_thread():
     with RewardPool(reward.math_reward, workers=1, timeout_s=30) as pool:
         pool.submit("a", "<answer>\\frac{1}{2}</answer>", "0.5")
         assert pool.gather(["a"]) == ([1.0], ["ok"])
+
+
+# ----------------------------------------------------------------------------- time limits
+
+BOMB = "\\boxed{9^{9^{9^{9}}}}"  # math-verify computes the power: minutes of CPython big-integer arithmetic
+
+
+def test_inline_scoring_cuts_off_a_hanging_math_verify_and_leaves_no_alarm_behind():
+    before = signal.getsignal(signal.SIGALRM)
+    assert score_inline(math_reward, BOMB, "4", timeout_s=0.5) == (0.0, "timeout")
+    assert score_inline(math_reward, "\\boxed{4}", "4", timeout_s=30) == (1.0, "ok")
+    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_direct_math_verify_call_keeps_its_own_limit(monkeypatch):
+    monkeypatch.setattr(reward, "MATH_TIMEOUT_S", 0.5)
+    with pytest.raises(ScoreTimeout):
+        math_reward(BOMB, "4")
+
+
+def swallows_exceptions():
+    while True:
+        try:
+            time.sleep(1)
+        except Exception:  # as math-verify's and sympy's broad handlers do
+            pass
+
+
+def test_a_verifier_that_catches_every_exception_is_still_cut_off():
+    assert score_inline(swallows_exceptions, timeout_s=0.2) == (0.0, "timeout")
+
+
+def test_thread_pool_cuts_off_a_hanging_math_verify_without_stopping_the_process():
+    """In a thread, math-verify's big-integer power would hold the GIL for minutes, watchdog and caller too."""
+    # off the main thread math_equal runs in a grader process; one started here, so that its start-up
+    # (imports) is not counted against the items' timeout
+    warm = threading.Thread(target=reward.math_equal, args=("4", "4"))
+    warm.start()
+    warm.join()
+    with RewardPool(math_reward, workers=1, timeout_s=1.0) as pool:
+        pool.submit("right", "\\boxed{4}", "4")
+        pool.submit("bomb", BOMB, "4")
+        assert pool.gather(["right", "bomb"]) == ([1.0, 0.0], ["ok", "timeout"])
+
+
+def test_process_pool_cuts_off_a_hanging_math_verify():
+    with RewardPool(math_reward, workers=1, timeout_s=1.0, processes=True) as pool:
+        pool.submit("bomb", BOMB, "4")
+        pool.submit("right", "\\boxed{4}", "4")
+        assert pool.gather(["bomb", "right"]) == ([0.0, 1.0], ["timeout", "ok"])

@@ -116,3 +116,84 @@ def test_network_connection_to_the_host_never_arrives(layers):
             server.accept()  # nothing ever arrived
     assert not result.passed
     assert_host_clean(result)
+
+
+# ----------------------------------------------------------------------------- a Check: tests apart from the program
+
+def check_of(test: str, entry_point: str = "f", context: str = "") -> sandbox.Check:
+    return sandbox.Check(test, entry_point, context=context)
+
+
+def test_a_check_passes_only_when_its_tests_hold_against_the_programs_function():
+    check = check_of("def check(candidate):\n    assert candidate(2) == 4\n")
+    ok = sandbox.run("def f(x):\n    return x * x\n", FAST, check=check)
+    assert ok.passed, ok.output
+    bad = sandbox.run("def f(x):\n    return x + 1\n", FAST, check=check)
+    assert not bad.passed and bad.reason == "failed: AssertionError:"
+    assert_host_clean(bad)
+
+
+def test_plain_data_crosses_to_the_program_and_back_with_its_exact_types():
+    value = '{"t": (1, 2.5, None, True), frozenset({1}): [b"\\x00", 1 + 2j, {3}], "big": 10 ** 5000, "neg": -0.0}'
+    test = ("import math\n"
+            f"VALUE = {value}\n"
+            "def check(candidate):\n"
+            "    got = candidate(VALUE, key='k')\n"
+            "    assert got == (VALUE, 'k') and type(got[0]['t']) is tuple and type(got[0][frozenset({1})][2]) is set\n"
+            "    assert type(got[0]['t'][3]) is bool and math.copysign(1, got[0]['neg']) == -1\n"
+            "    assert math.isnan(candidate(float('nan'), key=None)[0])\n")
+    result = sandbox.run("def f(x, key):\n    return x, key\n", FAST, check=check_of(test))
+    assert result.passed, result.output
+
+
+def test_a_value_rigged_to_equal_anything_is_refused_even_inside_a_container():
+    program = "class Any:\n    def __eq__(self, other):\n        return True\ndef f():\n    return [1, Any()]\n"
+    test = "def check(candidate):\n    try:\n        assert candidate() == [1, 2]\n    except Exception:\n        pass\n"
+    result = sandbox.run(program, FAST, check=check_of(test))
+    assert not result.passed and result.reason == "failed: NotPlainData: f returned a list, not plain data"
+
+
+def test_a_builtins_subclass_arrives_as_its_base_types_value_whatever_its_eq_says():
+    program = ("import collections\nclass Int(int):\n    def __eq__(self, other):\n        return True\n"
+               "Pair = collections.namedtuple('Pair', 'a b')\n"
+               "def f(x):\n    return Int(x), Pair(x, x), collections.Counter('aab')\n")
+    test = ("def check(candidate):\n    n, pair, counts = candidate(3)\n"
+            "    assert type(n) is int and n != 4 and n == 3\n"
+            "    assert type(pair) is tuple and pair == (3, 3) and type(counts) is dict and counts == {'a': 2, 'b': 1}\n")
+    result = sandbox.run(program, FAST, check=check_of(test))
+    assert result.passed, result.output
+
+
+def test_the_functions_exception_reaches_the_tests_as_the_builtin_of_that_name():
+    test = "def check(candidate):\n    try:\n        candidate(-1)\n    except ValueError as e:\n        assert str(e) == 'negative'\n" \
+           "    else:\n        raise AssertionError('no ValueError')\n"
+    result = sandbox.run("def f(x):\n    raise ValueError('negative')\n", FAST, check=check_of(test))
+    assert result.passed, result.output
+
+
+NONCE_PRINTER = ("import gc, os, re, sys\nfound, frame = [], sys._getframe()\n"
+                 "while frame:\n    found += [v for v in frame.f_locals.values() if isinstance(v, str)]\n"
+                 "    frame = frame.f_back\n"
+                 "found += [v for o in gc.get_objects() if isinstance(o, dict) for v in o.values() if isinstance(v, str)]\n"
+                 "print('\\n'.join(v for v in found if re.fullmatch('[0-9a-f]{32}', v)), flush=True)\nos._exit(0)\n")
+
+
+def test_a_program_that_prints_the_runners_nonce_passes_only_without_a_check():
+    # without a Check the nonce is a local of the runner's frame, below the program's (the module
+    # docstring's limit 3); with one it never enters the program's process
+    assert sandbox.run(NONCE_PRINTER, FAST).passed
+    result = sandbox.run(NONCE_PRINTER + "def f():\n    return 1\n", FAST, check=check_of("def check(c):\n    assert c() == 1\n"))
+    assert not result.passed and "ProgramEnded" in result.reason
+
+
+def test_the_program_cannot_read_the_runners_stdin_or_memory():
+    program = ("import os\n"
+               "def f(name):\n"
+               "    try:\n"
+               "        with open(f'/proc/{os.getppid()}/{name}', 'rb') as file:\n"
+               "            return file.read(1).hex()\n"
+               "    except OSError as e:\n"
+               "        return type(e).__name__\n")
+    test = "def check(candidate):\n    assert candidate('fd/0') == candidate('mem') == 'PermissionError'\n"
+    result = sandbox.run(program, FAST, check=check_of(test))
+    assert result.passed, result.output

@@ -1,0 +1,237 @@
+"""Datasets a user brings: JSONL or parquet files of GSM8K, MATH or HumanEval rows, as tasks.
+
+`load_task(path, size=...)` reads a file, detects its format from the first row's fields,
+checks every row before any work (a ValueError names the file, the 1-based line, or row
+of a parquet file, and what was expected) and returns a task with the interface of
+reward.TaskMix (reward.ItemList): `items`, `score(completion, item)`, `exclude`,
+`user_message(item)` and `demonstration(item)`.
+
+Formats, tried in this order on the first row; every row must then have that format:
+1. HumanEval (arXiv 2107.03374): prompt, test (defining check(candidate)), entry_point;
+   task_id and canonical_solution optional. Scored in the sandbox (reward.code_reward);
+   `HumanEvalTask.problems[item.index]` is an item's reward.CodeTask.
+2. MATH (arXiv 2103.03874): problem and answer (MATH-500's layout), or problem and
+   solution, whose last \\boxed{} is the gold. Scored by reward.math_reward.
+3. GSM8K (arXiv 2110.14168): question and answer, whose last `####` line holds the gold
+   (thousands commas removed: "1,600" -> "1600"). Scored by reward.math_reward.
+
+Notable choices:
+1. A math row whose gold math-verify cannot read as an expression is skipped and counted
+   (`task.skipped`, the rows' line numbers), not an error: only an answer of that very
+   text could match it, and one odd row among thousands should not stop a run. A gold that is a plain number is readable
+   and not parsed, so a GSM8K file loads without math-verify's cost per row.
+2. An empty file, an empty gold answer, bad JSON, a missing field or one of the wrong
+   type are errors, raised before any row becomes a task. A missing value in parquet
+   (None) counts as a missing field.
+3. The prompt for a chat model (`user_message`): math appends MATH_INSTRUCTION, the
+   instruction of Qwen2.5-Math's README and of DeepSeek-R1's usage recommendations
+   (arXiv 2501.12948); code asks for the completed function in a ```python block.
+4. `size` keeps the first `size` usable rows; every row of the file is still checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from reward import (MATH_TIMEOUT_S, CodeTask, Item, ItemList, ScoreTimeout, code_reward, last_boxed, math_reward,
+                    time_limited)
+
+# the math instruction of Qwen2.5-Math's README (CoT) and DeepSeek-R1's usage recommendations (arXiv 2501.12948)
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+CODE_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a ```python code block."
+PLAIN_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")  # a gold math-verify surely reads: no need to parse it
+CHECK_RE = re.compile(r"^def check\s*\(", re.MULTILINE)  # HumanEval's test defines check(candidate)
+
+
+class MathTask(ItemList):
+    """GSM8K or MATH rows, graded by reward.math_reward. `skipped`: line numbers of rows whose gold
+    math-verify cannot read (see the module docstring)."""
+
+    def __init__(self, items: list[Item], *, skipped: list[int] | None = None):
+        self.items, self.skipped = items, skipped or []
+
+    def score(self, completion: str, item: Item) -> float:
+        """1.0 if the completion's final answer equals the gold; raises reward.ScoreTimeout past its limit."""
+        return math_reward(completion, item.answer)
+
+    def user_message(self, item: Item) -> str:
+        return f"{item.question}\n{MATH_INSTRUCTION}"
+
+    def demonstration(self, item: Item) -> str:
+        """The gold in \\boxed{}, the form user_message asks for."""
+        return f"\\boxed{{{item.answer}}}"
+
+
+class HumanEvalTask(ItemList):
+    """HumanEval-format problems, run in the sandbox by reward.code_reward; `problems[item.index]` is an
+    item's CodeTask, and an item's answer its canonical solution ("" if the data has none)."""
+
+    def __init__(self, problems: list[CodeTask]):
+        self.problems = problems
+        self.items = [Item(p.prompt, p.canonical_solution, 0, i) for i, p in enumerate(problems)]
+
+    def score(self, completion: str, item: Item) -> float:
+        return code_reward(completion, self.problems[item.index])
+
+    def user_message(self, item: Item) -> str:
+        return f"{CODE_INSTRUCTION}\n\n```python\n{item.question.rstrip()}\n```"
+
+    def demonstration(self, item: Item) -> str:
+        """The prompt completed by the canonical solution, in a ```python block. Raises ValueError without one."""
+        problem = self.problems[item.index]
+        if not problem.canonical_solution:
+            raise ValueError(f"{problem.task_id} has no canonical_solution to make a demonstration of")
+        return f"```python\n{problem.prompt}{problem.canonical_solution.rstrip()}\n```"
+
+
+def load_task(path: str, *, size: int | None = None) -> MathTask | HumanEvalTask:
+    """The task of a JSONL or parquet file of GSM8K, MATH or HumanEval rows (module docstring).
+
+    size: keep the first `size` usable rows (None: all). Raises ValueError on a file that
+    is empty, not JSONL or parquet, or holds a row that does not fit the first row's
+    format; FileNotFoundError if there is no such file.
+    """
+    if size is not None and size < 1:
+        raise ValueError(f"size={size} must be >= 1 (or None for every row)")
+    rows = _read_rows(path)
+    if not rows:
+        raise ValueError(f"{path}: no rows (an empty file)")
+    where = _where(path, rows[0][0])
+    kind = _detect(rows[0][1])
+    if kind is None:
+        raise ValueError(f"{where}: unknown row format, fields {sorted(rows[0][1])}; expected HumanEval "
+                         f"(prompt, test, entry_point), MATH (problem, answer or solution) or GSM8K (question, answer)")
+    parse_row = {"HumanEval": _humaneval_row, "MATH": _math_row, "GSM8K": _gsm8k_row}[kind]
+    parsed = []
+    for line, row in rows:  # every row, before any work: a bad one anywhere stops the run here
+        try:
+            parsed.append((line, parse_row(row, f"{os.path.basename(path)}:{line}")))
+        except _RowError as e:
+            raise ValueError(f"{_where(path, line)}: {e} ({kind} format, from the first row)") from None
+    if kind == "HumanEval":
+        return HumanEvalTask([problem for _, problem in parsed[:size]])
+    items, skipped = [], []
+    for line, (question, gold) in parsed:
+        if size is not None and len(items) == size:
+            break
+        if _readable(gold):
+            items.append(Item(question, gold, 0, len(items)))
+        else:
+            skipped.append(line)
+    return MathTask(items, skipped=skipped)
+
+
+class _RowError(Exception):
+    """What is wrong with one row; load_task adds the file and line."""
+
+
+def _where(path: str, line: int) -> str:
+    return f"{path}, {'row' if path.endswith('.parquet') else 'line'} {line}"
+
+
+def _read_rows(path: str) -> list[tuple[int, dict]]:
+    """(1-based line or row number, row) of a JSONL or parquet file; blank JSONL lines are not rows."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet  # here: only a parquet file needs it (the `datasets` requirement brings it)
+        try:
+            table = pyarrow.parquet.read_table(path)
+        except (OSError, pyarrow.ArrowException) as e:  # ArrowInvalid: not parquet at all
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise ValueError(f"{path}: not a readable parquet file ({e})") from e
+        return list(enumerate(table.to_pylist(), 1))
+    if not path.endswith((".jsonl", ".json")):
+        raise ValueError(f"{path}: expected a .jsonl (one JSON object per line) or .parquet file")
+    rows = []
+    with open(path, "rb") as f:
+        for line, raw in enumerate(f, 1):
+            where = _where(path, line)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg}, column {e.colno}); expected one JSON object "
+                                 f"per line") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got a {type(row).__name__}")
+            rows.append((line, row))
+    return rows
+
+
+def _detect(row: dict) -> str | None:
+    if {"prompt", "test", "entry_point"} <= row.keys():
+        return "HumanEval"
+    if "problem" in row and ("answer" in row or "solution" in row):
+        return "MATH"
+    if {"question", "answer"} <= row.keys():
+        return "GSM8K"
+    return None
+
+
+def _text(row: dict, field: str, *, required: bool = True) -> str | None:
+    """row[field] as a non-empty string; None for an absent optional field. Raises _RowError otherwise."""
+    value = row.get(field)
+    if value is None:
+        if required:
+            raise _RowError(f"missing field {field!r} (fields: {sorted(row)})")
+        return None
+    if not isinstance(value, str):
+        raise _RowError(f"field {field!r} must be a string, got {type(value).__name__} {str(value)[:50]!r}")
+    if required and not value.strip():
+        raise _RowError(f"field {field!r} is empty")
+    return value
+
+
+def _gsm8k_row(row: dict, _name: str) -> tuple[str, str]:
+    question, answer = _text(row, "question"), _text(row, "answer")
+    if "####" not in answer:
+        raise _RowError("answer has no '#### <gold>' line (GSM8K's final answer)")
+    # the rest of the last #### line: the gold; "1,600" -> "1600" as math-verify reads numbers without commas
+    gold = answer.rsplit("####", 1)[1].split("\n", 1)[0].strip().replace(",", "")
+    if not gold:
+        raise _RowError("empty gold answer after '####'")
+    return question, gold
+
+
+def _math_row(row: dict, _name: str) -> tuple[str, str]:
+    problem = _text(row, "problem")
+    if row.get("answer") is not None:  # MATH-500: the final answer as its own field
+        return problem, _text(row, "answer").strip()
+    gold = last_boxed(_text(row, "solution"))
+    if gold is None:
+        raise _RowError("solution has no \\boxed{...} (MATH's final answer) and there is no answer field")
+    if not gold.strip():
+        raise _RowError("empty gold answer: the solution's last \\boxed{} is empty")
+    return problem, gold.strip()
+
+
+def _humaneval_row(row: dict, name: str) -> CodeTask:
+    prompt, test, entry_point = _text(row, "prompt"), _text(row, "test"), _text(row, "entry_point")
+    if not entry_point.isidentifier():
+        raise _RowError(f"entry_point {entry_point!r} is not a Python name")
+    if not CHECK_RE.search(test):
+        raise _RowError("test does not define check(candidate)")
+    task_id = _text(row, "task_id", required=False) or name  # name: file:line, as unique as the row
+    return CodeTask(task_id, prompt, test, entry_point, _text(row, "canonical_solution", required=False) or "")
+
+
+def _readable(gold: str) -> bool:
+    """Whether math-verify reads gold as an expression, delimited as math_equal reads it; bounded by MATH_TIMEOUT_S.
+
+    Not readable: nothing parses, so only an answer of the very same text could match it.
+    """
+    if PLAIN_NUMBER_RE.fullmatch(gold):
+        return True
+    from math_verify import parse
+    try:  # no_fallback: without it parse returns the text itself when it reads no expression
+        return bool(time_limited(lambda: parse(f"${gold}$", parsing_timeout=None, fallback_mode="no_fallback"),
+                                 seconds=MATH_TIMEOUT_S))
+    except ScoreTimeout:
+        return False
