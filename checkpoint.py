@@ -1,13 +1,13 @@
-"""Checkpoints: resumable state with torch.distributed.checkpoint, and the final safetensors model.
+"""Checkpoints: resumable state with torch.distributed.checkpoint.
 
-This file owns everything a run writes to resume from, and the model it leaves behind:
+This file owns everything a run writes to resume from (the final model is hf.save_hf's, in the
+hub layout):
 - write_checkpoint saves model and optimizer (each rank its shards) plus the replicated
   trainer state (RNG states, data position, filter history, length predictor, evals) to
   out_dir/ckpt/step_<position>/, atomically, and keeps the newest cfg.ckpt_keep;
 - read_checkpoint loads one written by any number of ranks into a model and optimizer;
 - resume_path / latest_checkpoint pick the folder `resume=` names (`auto`: the newest
-  complete one); rng_state / set_rng_state carry the generators across;
-- save_checkpoint writes the final model.safetensors and config.json at the end of a run.
+  complete one); rng_state / set_rng_state carry the generators across.
 A resumed run ends bit-exactly where an uninterrupted one would (train.py restores the RNGs
 last, so nothing draws between the restore and the next step).
 
@@ -33,8 +33,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from distributed import rank_world
-from hf import umask_mode
-from rollout import full_tensor, policy_tensors
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -197,30 +195,3 @@ def resume_path(cfg: TrainConfig) -> str | None:
         raise ValueError(f"resume={cfg.resume!r}: not a complete checkpoint folder (valid: '', 'auto', or a folder "
                          f"under {os.path.join(cfg.out_dir, CKPT_SUBDIR)} holding {COMPLETE_MARKER})")
     return cfg.resume
-
-
-def save_checkpoint(model, cfg: TrainConfig, out_dir: str):
-    """model.safetensors (config JSON in its metadata) and config.json, written atomically.
-
-    Multi-rank: every rank gathers the full tensors (a collective), rank 0 writes.
-    """
-    from safetensors.torch import save_file, save_model
-    cfg_json = json.dumps(dataclasses.asdict(cfg), default=str, indent=1)
-    tmp = os.path.join(out_dir, "model.safetensors.tmp")
-    rank, world = rank_world()
-    if any(hasattr(p, "full_tensor") for p in model.parameters()):  # sharded (several ranks, or one in bf16)
-        # Gathering the shards is a collective: every rank iterates, though only rank 0 keeps and
-        # writes the result. safetensors stores only contiguous tensors. policy_tensors yields a tied
-        # lm_head once, so save_file sees no shared storage.
-        tensors = {n: full_tensor(t).contiguous() for n, t in policy_tensors(model)}
-        if rank == 0:
-            save_file(tensors, tmp, metadata={"config": cfg_json})
-    else:
-        # save_model, not save_file: it drops the duplicate name of a tied weight, which save_file refuses.
-        save_model(model, tmp, metadata={"config": cfg_json})
-    if rank == 0:
-        umask_mode(tmp)  # safetensors creates the file 0600; give it the mode an ordinary open() would
-        # os.replace is atomic: a reader sees the old model.safetensors or the new one, never a partial one.
-        os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            f.write(cfg_json)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import runpy
 from dataclasses import dataclass, field
 
@@ -39,20 +40,34 @@ DEFAULT_TASKS = [
     ("basic_arithmetic", dict(min_terms=2, max_terms=4, min_digits=1, max_digits=1, operators=("+", "-"),
                               allow_parentheses=False, allow_negation=False)),
 ]
+# What a run from a real checkpoint (init_hf) starts from instead of the defaults below, which are the tiny
+# demo's: no SFT warm-up (the checkpoint already answers), and the lengths, batch and optimizer of a
+# published recipe, DAPO's (arXiv 2503.14476: lr 1e-6 with 10 warm-up steps, weight decay 0.1, 16 rollouts
+# per prompt), with fewer prompts per step and shorter completions as a first run's starting point. A field
+# the config file or the command line sets wins over these.
+CHECKPOINT_DEFAULTS = dict(
+    sft_steps=0, rl_steps=500, lr=1e-6, lr_warmup_steps=10, weight_decay=0.1, prompts_per_step=128, group_size=16,
+    max_prompt_tokens=1024, max_new_tokens=4096, num_minibatches=4, microbatch_tokens=16384, gen_batch_rows=2048,
+    eval_every=25, eval_size=500, eval_batch_rows=2048, ckpt_every=50)
+
+
 @dataclass
 class TrainConfig:
     out_dir: str = "out/run"
-    """Folder of the run's outputs: metrics.jsonl, ckpt/, tokenizer.tiktoken, model.safetensors, config.json and
-    plot.png."""
+    """Folder of the run's outputs: the final model in the HF hub layout (config.json, model.safetensors, the
+    tokenizer files), run_config.json, metrics.jsonl, plot.png and ckpt/."""
     seed: int = 1337
     """Seed of the model init, the training-prompt order and rollout sampling."""
     device: str = "cpu"
     """torch device of the trainer and the engine ('cpu', 'cuda'); under torchrun with CUDA, each rank's own GPU."""
     init_from: str = ""
-    """Output folder of an earlier run to start from (its model.safetensors and tokenizer); "" = random init."""
+    """Output folder of an earlier run of this project to start from (its model and tokenizer, e.g. after its
+    SFT warm-up); the defaults stay this file's. "" = random init and a tokenizer trained on the task."""
     init_hf: str = ""
-    """HF hub-layout checkpoint folder (config.json + safetensors) whose weights start the policy; its
-    shape must be model's; the tokenizer is still this run's. Multi-rank, each rank reads only its slice."""
+    """HF hub-layout checkpoint folder (config.json, safetensors, tokenizer.json, tokenizer_config.json or
+    chat_template.jinja, generation_config.json): the run's model shape, weights, tokenizer, chat template
+    and stop tokens. Unset fields take CHECKPOINT_DEFAULTS (no SFT; a real recipe's lengths, lr, batch); a
+    model field that disagrees with config.json is an error. Multi-rank, each rank reads only its slice."""
     dry_run: bool = False
     """Build the model on the meta device, print parameter counts and the per-GPU memory plan, and exit."""
     gpus_per_node: int = 8
@@ -82,8 +97,15 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model shape; a config file sets it as a dict of deltas."""
     # task
+    train_data: str = ""
+    """Training prompts: a JSONL or parquet file of GSM8K, MATH or HumanEval rows (the format is read from the
+    fields; reward.load_task). "" = the reasoning-gym `tasks`. Needs eval_data."""
+    eval_data: str = ""
+    """Held-out prompts for the evals, a file as train_data (the first eval_size rows that fit)."""
+    system_prompt: str = ""
+    """System message of a chat template's prompt ("" = none); only with a checkpoint's chat template."""
     tasks: list = field(default_factory=lambda: list(DEFAULT_TASKS))
-    """(reasoning-gym dataset name, kwargs) pairs, mixed round-robin."""
+    """(reasoning-gym dataset name, kwargs) pairs, mixed round-robin (without train_data)."""
     train_seed: int = 1
     """reasoning-gym seed of the training pool."""
     train_size: int = 8_000
@@ -344,7 +366,30 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
             values[key] = _parse(value, getattr(defaults, key), key)
         else:
             raise _unknown(key, fields)
+    if values.get("init_hf"):  # a real checkpoint: its shape, and CHECKPOINT_DEFAULTS under what was set
+        return TrainConfig(**{**CHECKPOINT_DEFAULTS, **values}, model=checkpoint_model(values["init_hf"], model_kw))
     return TrainConfig(**values, model=ModelConfig(**model_kw))
+
+
+def checkpoint_model(path: str, model_kw: dict) -> ModelConfig:
+    """The ModelConfig of the HF checkpoint folder `path` (its config.json, hf.config_from_hf).
+
+    model_kw, the model fields a config file or the command line set, must agree with it, except
+    max_seq_len, which may be shorter (the same function on the positions it allows). Raises
+    ValueError naming the field otherwise, or the missing config.json.
+    """
+    from hf import config_from_hf  # hf imports the model and the engine's tensor helpers: only when needed
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"init_hf={path!r}: no config.json there; need a hub-layout folder (config.json, "
+                         f"*.safetensors, tokenizer.json, tokenizer_config.json)")
+    model = config_from_hf(file)
+    for k, v in model_kw.items():
+        theirs = getattr(model, k)
+        if v != theirs and not (k == "max_seq_len" and 0 < v < theirs):
+            raise ValueError(f"model.{k}={v!r} disagrees with {file} ({theirs!r}): the checkpoint sets the model's "
+                             f"shape; drop model.{k} (only max_seq_len may be set, and only shorter)")
+    return dataclasses.replace(model, **{k: v for k, v in model_kw.items() if k == "max_seq_len"})
 
 
 def parse_args(argv: list[str]) -> TrainConfig:

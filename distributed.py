@@ -132,23 +132,25 @@ def build_model(cfg: TrainConfig, meshes: Meshes | None = None, init_state: dict
     Weights come from init_state (a full state dict) or, absent it, from a full model
     initialised on CPU under the current torch seed, so N ranks start from exactly the
     weights one process would (every rank builds the same full model, then keeps its slice).
-    With cfg.init_hf the weights come from that HF checkpoint instead (hf.load_hf; a
-    sharded model is built on meta and each rank reads only its slice, never the full model).
+    With cfg.init_hf (or cfg.init_from, an earlier run's output in the same layout) the weights
+    come from that HF checkpoint instead (hf.load_hf; a sharded model is built on meta and each
+    rank reads only its slice, never the full model).
     Parameters, gradients and optimizer state are fp32; in bf16 FSDP gathers the weights in bf16
     for the forward and backward (`mixed_precision`). In fp32 multi-rank losses match the
     1-process run to float rounding.
     Raises ValueError (from load_hf) if the checkpoint lacks a tensor or has another shape.
     """
     from hf import load_hf
+    source = cfg.init_hf or cfg.init_from  # a hub-layout folder, or "" for a random init
     if meshes is None:
         model = Transformer(cfg.model)
-        if cfg.init_hf:
-            load_hf(cfg.init_hf, model)
+        if source and init_state is None:
+            load_hf(source, model)
         model = model.to(cfg.device)
         if init_state is not None:
             model.load_state_dict(init_state)
         return checkpoint_and_compile(model, activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile)
-    if cfg.init_hf:
+    if source and init_state is None:
         # Every weight comes from the checkpoint, so no rank needs an initialised full model:
         # build the shapes on meta, shard them, allocate only this rank's slices, then read them.
         with torch.device("meta"):
@@ -161,7 +163,7 @@ def build_model(cfg: TrainConfig, meshes: Meshes | None = None, init_state: dict
             # uninitialised memory); load_hf overwrites it where the checkpoint stores one (GLM-4.5's).
             for b in model.buffers():
                 b.zero_()
-        load_hf(cfg.init_hf, model)
+        load_hf(source, model)
         return model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     # Why every rank builds the whole model before keeping its slice: the init draws from torch's

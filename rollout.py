@@ -36,7 +36,8 @@ Notable choices:
 3. Batch-invariant sampling. Temperature / top-k / top-p with one uniform per row per
    step, drawn by inverse CDF, from a counter-based stream keyed by (seed, group id,
    sample index): a rollout never depends on its batch-mates, their order or the rank
-   that generated it. Each row stops on its own EOS.
+   that generated it. Each row stops on its own first stop token (EOS, or any of a chat
+   model's several).
 4. What a `Rollout` records, for the trainer: the logprob of each sampled token under
    softmax(logits / temperature) before top-k/top-p truncation (what the trainer computes
    for the same token); the top-k expert ids every MoE layer used for every token that
@@ -62,7 +63,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -443,9 +444,15 @@ def decode_step(model: Transformer, tokens_B: torch.Tensor, state: DecodeState, 
 class NativeEngine:
     """A PyTorch rollout engine holding its own copy of the policy weights (optionally FP8)."""
 
-    def __init__(self, cfg: ModelConfig, *, eos_id: int, pad_id: int, device="cpu", dtype=torch.float32,
-                 fp8: bool = False, compile: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        self.cfg, self.eos_id, self.pad_id = cfg, eos_id, pad_id
+    def __init__(self, cfg: ModelConfig, *, eos_id: int | Sequence[int], pad_id: int, device="cpu",
+                 dtype=torch.float32, fp8: bool = False, compile: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 num_tokens: int | None = None):
+        # eos_id: one id or several (a chat model stops at <|im_end|> and at <|endoftext|>).
+        # num_tokens: the tokenizer's ids, 0..num_tokens - 1; a checkpoint's embedding may have more rows (Qwen3:
+        # 151,936 for 151,665 tokens), which are never sampled: no id the tokenizer cannot decode. Their
+        # probability mass (nil in a trained model) is what the engine's logprobs then differ by from the trainer's.
+        self.cfg, self.pad_id, self.num_tokens = cfg, pad_id, num_tokens
+        self.stop_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
         self.device, self.dtype, self.fp8, self.bucket_bytes = torch.device(device), dtype, fp8, bucket_bytes
         # no gradients, ever; the initial values are placeholders until the first update_weights
         self.model = Transformer(cfg).to(self.device, dtype).eval().requires_grad_(False)
@@ -542,8 +549,10 @@ class NativeEngine:
         logp_BC, routes_BSLK, pads = logp_BC.float().cpu(), state.routes_BSLK.cpu(), pad_B.tolist()
         rollouts = []
         for i, row in enumerate(ids):
-            stop = self.eos_id in row
-            c = row.index(self.eos_id) + 1 if stop else steps  # an EOS ends the completion and belongs to it
+            # the first stop token ends the completion and belongs to it
+            c = next((j + 1 for j, tok in enumerate(row) if tok in self.stop_ids), None)
+            stop = c is not None
+            c = c or steps
             # routes: columns [pad, T + c - 1) = the row's prompt and all but its last completion token, i.e. the
             # tokens fed to the model; clone() so a rollout does not keep the whole batch's tensor alive
             rollouts.append(Rollout(
@@ -606,13 +615,16 @@ class NativeEngine:
         ids_BC = torch.full((B, C), self.pad_id, dtype=torch.long, device=dev)
         logp_BC = torch.zeros(B, C, device=dev)
         done_B = torch.zeros(B, dtype=torch.bool, device=dev)
+        stops = torch.tensor(self.stop_ids, dtype=torch.long, device=dev)
         for t in range(C):
             # draw t of each row's own stream: the same whichever rows share this batch
+            if self.num_tokens is not None and self.num_tokens < last_BV.shape[1]:
+                last_BV[:, self.num_tokens:] = float("-inf")  # the padding rows of the vocabulary
             ids_B, logp_B = sample(last_BV, params, row_uniforms(keys_B, t))
             ids_B = ids_B.masked_fill_(done_B, self.pad_id)  # finished rows emit padding
             ids_BC[:, t] = ids_B
             logp_BC[:, t] = logp_B
-            done_B |= ids_B == self.eos_id  # a finished row still runs (no shape depends on data); generate cuts it
+            done_B |= torch.isin(ids_B, stops)  # a finished row still runs (no shape depends on data); generate cuts it
             # the only host sync of a step: every STOP_CHECK_EVERY steps, whether all rows are done
             if t == C - 1 or (t % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1 and bool(done_B.all())):
                 break  # no decode step after the last sample: it is never fed back

@@ -70,7 +70,7 @@ def sglang_engine_args(model_path: str, *, fp8: bool, tp_size: int = 1, mem_frac
 SGLANG_SEED_BITS = 31  # per-request sampling_seed kept a non-negative int32, a range every SGLang version takes
 
 
-def sglang_request(prompts: list[list[int]], params: SamplingParams, *, n: int, seed: int | None, eos_id: int,
+def sglang_request(prompts: list[list[int]], params: SamplingParams, *, n: int, seed: int | None, eos_id,
                    group_ids: list[int] | None = None) -> dict:
     """Keyword arguments of `sglang.Engine.generate` for n samples of each prompt, prompt-major.
 
@@ -84,8 +84,9 @@ def sglang_request(prompts: list[list[int]], params: SamplingParams, *, n: int, 
     rows = [list(p) for p in prompts for _ in range(n)]  # row i = sample i % n of prompt i // n, as NativeEngine
     # stop on EOS; no_stop_trim and skip_special_tokens=False ask SGLang to remove nothing from the output, so the
     # EOS stays part of the completion, as in NativeEngine's
+    stop_ids = [eos_id] if isinstance(eos_id, int) else list(eos_id)  # one id, or a chat model's several
     base = dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-                top_k=params.top_k if params.top_k > 0 else -1, stop_token_ids=[eos_id], skip_special_tokens=False,
+                top_k=params.top_k if params.top_k > 0 else -1, stop_token_ids=stop_ids, skip_special_tokens=False,
                 no_stop_trim=True)
     per_row = [dict(base) for _ in rows]  # a copy per request: each gets its own sampling_seed
     if seed is not None:  # without a seed, sampling is SGLang's own (its engine-wide random_seed)

@@ -36,21 +36,23 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import tiktoken
 import torch
 from tqdm import tqdm
 
-from checkpoint import read_checkpoint, resume_path, rng_state, save_checkpoint, set_rng_state, write_checkpoint
+from checkpoint import read_checkpoint, resume_path, rng_state, set_rng_state, write_checkpoint
 from config import TrainConfig, parse_args
 from distributed import Meshes, all_gather_list, build_model, rank_world, reference_copy, setup_distributed
 from espo import LossConfig, ragged_group_advantages
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, FilterConfig, PromptHistory, Scored, is_informative, oversample_size,
                     post_rollout_filter, pre_rollout_filter, probe_decisions)
+from hf import save_hf
 from metrics import MetricsLog, plot
-from reward import Item, RewardConfig, RewardPool, TaskMix, demonstration, reward_model_for, shaped_rewards
+from data import load_task
+from reward import (Item, ItemList, RewardConfig, RewardPool, TaskMix, demonstration, reward_model_for, score_inline,
+                    shaped_rewards)
 from rollout import NativeEngine, Rollout, SamplingParams, full_tensor, policy_tensors
 from scheduler import LengthPredictor, Pipeline, generation_batches
-from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, save_tokenizer, train_tokenizer
+from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer
 from trainer import TrainBatch, lr_at, sft_step, train_on_rollouts
 
 STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds (probes, the rest, over-sampling)
@@ -60,12 +62,14 @@ ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken a
 @dataclass
 class Prompts:
     """The training prompts in one fixed random order, drawn in sequence and cycled (SFT and RL), each
-    tokenized once, up front (`ids`, by question). Prompts longer than max_tokens leave the order
-    (`skipped` counts them); none left raises ValueError."""
-    task: TaskMix
+    tokenized once, up front (`ids`, by question: the task's wording, in the chat template if the
+    tokenizer has one). Prompts longer than max_tokens leave the order (`skipped` counts them); none
+    left raises ValueError."""
+    task: ItemList  # reasoning-gym's TaskMix, or a dataset file's (reward.load_task)
     order: list[int]  # a permutation of the task's items
-    tok: tiktoken.Encoding
+    tok: Tokenizer
     max_tokens: int  # cfg.prompt_limit()
+    system: str = ""  # cfg.system_prompt
     used: int = 0  # items drawn so far: the data position a checkpoint saves
     ids: dict[str, list[int]] = field(init=False)  # question -> its prompt's token ids
     items: list[Item] = field(init=False)  # the task's prompts, in its own order
@@ -75,7 +79,7 @@ class Prompts:
         self.items, self.ids = [self.task[i] for i in range(len(self.task))], {}
         for it in self.items:
             if it.question not in self.ids:  # a question the task repeats is tokenized once
-                self.ids[it.question] = encode_prompt(self.tok, it.question)
+                self.ids[it.question] = prompt_ids(self.tok, self.task, it, self.system)
         keep = [i for i in self.order if len(self.ids[self.items[i].question]) <= self.max_tokens]
         self.skipped, self.order = len(self.order) - len(keep), keep
         if not keep:
@@ -94,12 +98,12 @@ class Run:
     built from cfg here (config.py), so the step passes them on and never reads a sentinel."""
     cfg: TrainConfig
     engine: NativeEngine  # generates rollouts; takes the policy's weights after every update
-    tok: tiktoken.Encoding
+    tok: Tokenizer
     prompts: Prompts
     model: torch.nn.Module | None = None  # the policy (FSDP/EP-sharded under torchrun)
     opt: torch.optim.Optimizer | None = None  # the RL optimizer (SFT has its own)
     ref_model: torch.nn.Module | None = None  # the KL penalty's frozen reference
-    held_out: TaskMix | None = None  # the eval prompts' task (their verifier), and the prompts:
+    held_out: ItemList | None = None  # the eval prompts' task (their verifier), and the prompts:
     eval_items: list[Item] = field(default_factory=list)
     log: MetricsLog = field(default_factory=MetricsLog)  # in memory only, unless given MetricsLog(cfg)
     pool: RewardPool | None = None  # reward workers that score while generation goes on
@@ -260,8 +264,10 @@ def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int,
         mine = sorted({r.group_id for r in rollouts})
         rewards, reasons = run.pool.gather([(stream, i, j) for i in mine for j in range(n)])
     else:
-        rewards = [run.prompts.task.score(completion_text(run.tok, r), items[r.group_id]) for r in rollouts]
-        reasons = ["ok"] * len(rollouts)
+        # on this thread, each bounded by reward_timeout_s as a worker's would be
+        results = [score_inline(run.prompts.task.score, completion_text(run.tok, r), items[r.group_id],
+                                timeout_s=run.cfg.reward_timeout_s) for r in rollouts]
+        rewards, reasons = [w for w, _ in results], [why for _, why in results]
     scored = [Scored(reward=w, num_tokens=len(r.completion_ids), payload=r, reason=why)
               for w, r, why in zip(rewards, rollouts, reasons)]
     if rank_world()[1] > 1:
@@ -275,8 +281,13 @@ def predicted_length(run: Run, item: Item, prompt_len: int) -> float:
     return run.predictor.predict(item.question, task=item.task, prompt_len=prompt_len)
 
 
-def completion_text(tok: tiktoken.Encoding, r: Rollout) -> str:
-    """The completion as text, without its EOS token."""
+def prompt_ids(tok: Tokenizer, task: ItemList, item: Item, system: str = "") -> list[int]:
+    """An item's prompt as token ids: the task's wording of it, in the tokenizer's chat template (if any)."""
+    return tok.prompt_ids(task.user_message(item), system)
+
+
+def completion_text(tok: Tokenizer, r: Rollout) -> str:
+    """The completion as text, without its stop token."""
     ids = r.completion_ids[:-1] if r.finish_reason == "stop" else r.completion_ids
     return tok.decode(ids)
 
@@ -293,7 +304,7 @@ def kept_batch(run: Run, groups, keep_P: torch.Tensor, zero_var_P: torch.Tensor,
     zvp = {j: rollouts[i][1].reward > 0 for j, i in enumerate(kept) if zero_var_P[rollouts[i][0]]}
     return TrainBatch(seqs=[x.prompt_ids + x.completion_ids for x in r], starts=[len(x.prompt_ids) for x in r],
                       routes=[x.routes for x in r], adv_B=adv[kept], infer_logp=[x.logprobs for x in r], zvp=zvp,
-                      pad_id=run.tok.encode_single_token(PAD))
+                      pad_id=run.tok.pad_id)
 
 
 def rollout_metrics(step: int, groups, correct, lengths, filtered: dict, t_generate: float) -> dict:
@@ -410,15 +421,15 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
 def sft(run: Run, opt, start: int):
     """Cold-start SFT on the task's demonstrations, steps start..sft_steps - 1."""
     cfg, tok = run.cfg, run.tok
-    eos, pad = tok.encode_single_token(EOS), tok.encode_single_token(PAD)
+    eos = tok.stop_ids[0]  # a chat model's end of turn (<|im_end|>) comes first: generation_config's order
     bar = tqdm(range(start, cfg.sft_steps), desc="sft", dynamic_ncols=True, initial=start, total=cfg.sft_steps,
                disable=rank_world()[0] != 0)
     for step in bar:
         items = run.prompts.draw(cfg.sft_batch_size)
         prompts = [run.prompts.ids[it.question] for it in items]
-        seqs = [p + tok.encode_ordinary(demonstration(it)) + [eos] for p, it in zip(prompts, items)]
+        seqs = [p + tok.encode(run.prompts.task.demonstration(it)) + [eos] for p, it in zip(prompts, items)]
         lr = lr_at(step, cfg.sft_lr, cfg.lr_warmup_steps, cfg.sft_steps, cosine=True)
-        loss = sft_step(run.model, opt, seqs, [len(p) for p in prompts], pad, lr, cfg)
+        loss = sft_step(run.model, opt, seqs, [len(p) for p in prompts], tok.pad_id, lr, cfg)
         bar.set_postfix(loss=f"{loss:.3f}")
         run.log({"stage": "sft", "step": step, "loss": loss, "lr": lr})
         checkpoint(run, opt, "sft", step)
@@ -453,7 +464,8 @@ def evaluate(run: Run, *, samples: int, temperature: float) -> torch.Tensor:
         if c % world != rank:  # multi-rank: rank r takes chunks r, r + world, ...: the 1-process chunks and seeds
             continue
         chunk = items[i:i + rows]
-        outs = run.engine.generate([encode_prompt(run.tok, it.question) for it in chunk], params, n=samples,
+        outs = run.engine.generate([prompt_ids(run.tok, run.held_out, it, cfg.system_prompt) for it in chunk],
+                                   params, n=samples,
                                    seed=cfg.seed + i)
         scores.append((i, [run.held_out.score(completion_text(run.tok, r), chunk[r.group_id]) for r in outs]))
     scores = [x for _, part in sorted(all_gather_list(scores)) for x in part]  # chunks back in item order
@@ -499,39 +511,67 @@ def checkpoint(run: Run, opt, phase: str, step: int):
 
 def start_run(cfg: TrainConfig, meshes: Meshes | None, resumed: dict | None) -> Run:
     """Tokenizer, prompts, policy, engine, metrics log and filter state of a fresh (or resumed) run."""
-    rank, world = rank_world()
-    # the tiny demo's own tokenizer: BPE learned from its prompts and answers (tokenizer.py)
-    task = TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size)
-    if cfg.init_from:  # start from an earlier run's weights and tokenizer (e.g. its SFT warm-up)
-        tok = load_tokenizer(os.path.join(cfg.init_from, "tokenizer.tiktoken"), cfg.model.vocab_size)
-    else:
-        tok = train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
-                              vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges)
-    if rank == 0:
-        save_tokenizer(tok, os.path.join(cfg.out_dir, "tokenizer.tiktoken"))
-        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+    task, held_out = load_tasks(cfg)
+    tok = run_tokenizer(cfg, task)
+    if rank_world()[0] == 0:
+        with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
             f.write(json.dumps(dataclasses.asdict(cfg), default=str, indent=1))
-    # held-out prompts from a far seed, minus any the training pool also holds (reasoning-gym repeats questions)
-    held_out = TaskMix(cfg.tasks, seed=cfg.eval_seed, size=4 * cfg.eval_size)
+    # held-out prompts no training prompt repeats (reasoning-gym repeats questions), as long as Prompts allows
     unseen = held_out.exclude({it.question for it in task.items})
-    fits = (it for it in unseen if len(encode_prompt(tok, it.question)) <= cfg.prompt_limit())  # as Prompts skips
+    fits = (it for it in unseen if len(prompt_ids(tok, held_out, it, cfg.system_prompt)) <= cfg.prompt_limit())
     eval_items = list(itertools.islice(fits, cfg.eval_size))
     if len(eval_items) < cfg.eval_size:
-        raise ValueError(f"only {len(eval_items)} held-out prompts are unseen in training and at most "
-                         f"max_prompt_tokens={cfg.prompt_limit()} long; need eval_size={cfg.eval_size}")
-    init_state = None
-    if cfg.init_from:
-        from safetensors.torch import load_file
-        init_state = load_file(os.path.join(cfg.init_from, "model.safetensors"))
-    model = build_model(cfg, meshes, init_state)  # before the engine: both draw their init from torch's RNG
-    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD),
-                          device=cfg.device, dtype=cfg.compute_dtype(), compile=cfg.compile)
+        raise ValueError(f"only {len(eval_items)} held-out prompts ({cfg.eval_data or 'reasoning-gym'}) are unseen in "
+                         f"training and at most max_prompt_tokens={cfg.prompt_limit()} long; need eval_size={cfg.eval_size}")
+    model = build_model(cfg, meshes)  # before the engine: both draw their init from torch's RNG
+    engine = NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device,
+                          dtype=cfg.compute_dtype(), compile=cfg.compile, num_tokens=tok.enc.n_vocab)
     # the data order from its own generator: it does not depend on what else drew from torch's RNG
     order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    return Run(cfg=cfg, engine=engine, tok=tok, prompts=Prompts(task, order, tok, cfg.prompt_limit()), model=model,
-               held_out=held_out, eval_items=eval_items, log=MetricsLog(cfg, keep=resumed["num_records"] if resumed else None),
+    return Run(cfg=cfg, engine=engine, tok=tok, prompts=Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt),
+               model=model, held_out=held_out, eval_items=eval_items,
+               log=MetricsLog(cfg, keep=resumed["num_records"] if resumed else None),
                pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
                if cfg.reward_workers else None)
+
+
+def load_tasks(cfg: TrainConfig) -> tuple[ItemList, ItemList]:
+    """The training task and the held-out one: the dataset files (train_data, eval_data), else
+    reasoning-gym's tasks, held out by a seed far from the training one (and 4x eval_size of them,
+    as some repeat a training question)."""
+    if cfg.train_data:
+        return load_task(cfg.train_data), load_task(cfg.eval_data)
+    return (TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size),
+            TaskMix(cfg.tasks, seed=cfg.eval_seed, size=4 * cfg.eval_size))
+
+
+def run_tokenizer(cfg: TrainConfig, task: ItemList) -> Tokenizer:
+    """The checkpoint's tokenizer (init_hf, or init_from: an earlier run's), else the tiny demo's own
+    BPE learned from the task's prompts and answers (tokenizer.py). Raises ValueError when its ids do
+    not fit the model's vocabulary, or a system prompt has no chat template to go in."""
+    source = cfg.init_hf or cfg.init_from
+    if source:
+        tok = load_hf_tokenizer(source)
+    else:
+        tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
+                                             vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges))
+    if tok.enc.n_vocab > cfg.model.vocab_size:
+        raise ValueError(f"the tokenizer of {source} has {tok.enc.n_vocab} ids; the model's vocab_size is only "
+                         f"{cfg.model.vocab_size}")
+    if cfg.system_prompt and tok.chat_template is None:
+        raise ValueError(f"system_prompt is set but the tokenizer ({source or 'the demo BPE'}) has no chat template "
+                         f"to put it in")
+    return tok
+
+
+def save_model(run: Run):
+    """The final policy in the HF hub layout in out_dir: config.json and safetensors (hf.save_hf, a
+    parameter at a time, written by rank 0 shard by shard) with the tokenizer files beside them, so
+    transformers, SGLang and this project's init_hf/init_from load it."""
+    write = rank_world()[0] == 0
+    save_hf(run.model, run.cfg.out_dir, write=write)
+    if write:
+        run.tok.save(run.cfg.out_dir)
 
 
 def run(cfg: TrainConfig, meshes: Meshes | None = None) -> dict:
@@ -590,7 +630,7 @@ def run(cfg: TrainConfig, meshes: Meshes | None = None) -> dict:
     if r.pool is not None:
         r.pool.close()
     r.log.close()
-    save_checkpoint(r.model, cfg, cfg.out_dir)
+    save_model(r)
     return summarize(r)
 
 
@@ -611,7 +651,8 @@ def summarize(run: Run) -> dict:
         summary[["sampled", "greedy"][k]] = {"sft_acc": a0, "sft_se": s0, "rl_acc": a1, "rl_se": s1,
                                              "gain": gain, "gain_paired_se": paired_se}
     if rank == 0:
-        print(f"wrote {cfg.out_dir}/: metrics.jsonl, model.safetensors, config.json, tokenizer.tiktoken, plot.png"
+        print(f"wrote {cfg.out_dir}/: the model in the HF hub layout (config.json, safetensors, tokenizer.json), "
+              f"run_config.json, metrics.jsonl, plot.png"
               f"{', ckpt/' if os.path.isdir(os.path.join(cfg.out_dir, 'ckpt')) else ''} "
               f"in {time.perf_counter() - run.t_start:.0f}s")
     return summary
@@ -634,7 +675,20 @@ def check_config(cfg: TrainConfig):
     if cfg.sft_batch_size < int(os.environ.get("WORLD_SIZE", "1")):
         raise ValueError(f"sft_batch_size={cfg.sft_batch_size} must be >= the world size "
                          f"{os.environ.get('WORLD_SIZE')}")
-    if cfg.eval_seed - cfg.train_seed <= cfg.train_size:
+    if bool(cfg.train_data) != bool(cfg.eval_data):
+        raise ValueError(f"train_data={cfg.train_data!r}, eval_data={cfg.eval_data!r}: give both (a dataset file to "
+                         f"train on and one held out for the evals), or neither (reasoning-gym's tasks)")
+    for key in ("train_data", "eval_data", "init_hf", "init_from", "pass_rate_file"):
+        path = getattr(cfg, key)
+        if path and not os.path.exists(path):
+            raise ValueError(f"{key}={path!r}: no such file or folder")
+    if cfg.model.tie_embeddings and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # parallelize shards lm_head and the embedding as two tensors: training would untie them
+        raise ValueError("model.tie_embeddings (a checkpoint's tie_word_embeddings) runs in one process for now; "
+                         f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}")
+    if cfg.init_hf and cfg.init_from:
+        raise ValueError(f"init_hf={cfg.init_hf!r} and init_from={cfg.init_from!r}: start from one of them")
+    if not cfg.train_data and cfg.eval_seed - cfg.train_seed <= cfg.train_size:
         raise ValueError(f"eval_seed={cfg.eval_seed} overlaps the training items: it must exceed "
                          f"train_seed + train_size = {cfg.train_seed + cfg.train_size}")
     if (cfg.ckpt_every < 0 or cfg.ckpt_keep < 1 or cfg.dist_timeout_s <= 0

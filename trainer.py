@@ -33,6 +33,7 @@ from config import TrainConfig
 from distributed import all_gather_list, all_reduce_float, idle_forward, padded_microbatches, rank_world
 from espo import LossConfig, mismatch_metrics, policy_loss
 from filter import zvp_token_advantages
+from model import NO_TARGET
 
 LR_FLOOR = 0.1  # the SFT schedule's cosine ends at this fraction of the peak learning rate
 
@@ -41,18 +42,21 @@ def sequence_batch(seqs: list[list[int]], starts: list[int], pad_id: int, routes
                    num_layers: int = 0, top_k: int = 0):
     """Right-padded next-token batch from full sequences (prompt + completion).
 
-    Returns inputs_BT, targets_BT (int64), mask_BT (1 where the target is a completion
-    token: positions >= start - 1) and, if routes are given, routes_BTLK (-1 on padding).
+    Returns inputs_BT, targets_BT (int64; NO_TARGET where no loss reads the position: the prompt
+    and padding), mask_BT (1 where the target is a completion token: positions >= start - 1) and,
+    if routes are given, routes_BTLK (-1 on padding).
     """
     B, T = len(seqs), max(len(s) for s in seqs) - 1
     inputs = torch.full((B, T), pad_id, dtype=torch.long)
-    targets = torch.full((B, T), pad_id, dtype=torch.long)
+    # the model skips the logprob of a NO_TARGET position: for long prompts and short completions most of the
+    # lm_head's [tokens, V] work would otherwise go to positions the loss multiplies by zero
+    targets = torch.full((B, T), NO_TARGET, dtype=torch.long)
     mask = torch.zeros(B, T)
     routes_BTLK = torch.full((B, T, num_layers, top_k), -1, dtype=torch.int32) if routes is not None else None
     for i, (s, start) in enumerate(zip(seqs, starts)):
         n = len(s) - 1
         inputs[i, :n] = torch.tensor(s[:-1])
-        targets[i, :n] = torch.tensor(s[1:])  # position t predicts token t + 1
+        targets[i, start - 1:n] = torch.tensor(s[start:])  # position t predicts token t + 1
         mask[i, start - 1:n] = 1.0  # the last prompt position predicts the first completion token
         if routes is not None:
             routes_BTLK[i, :n] = routes[i]  # the engine recorded routes for every token fed to the model

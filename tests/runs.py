@@ -5,9 +5,9 @@ import torch
 import train
 from config import TrainConfig, load_config
 from model import Transformer
-from reward import Item, RewardPool
+from reward import Item, ItemList, RewardPool
 from rollout import NativeEngine
-from tokenizer import EOS, PAD, build_tokenizer
+from tokenizer import build_tokenizer, demo_tokenizer
 
 MICRO = """
 model = dict(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
@@ -25,17 +25,11 @@ eval_every = 2
 """
 
 
-class ParityTask:
+class ParityTask(ItemList):
     """Stand-in task: prompts "question i", reward 1 for completions of even character length (mixed groups)."""
 
     def __init__(self, size: int = 10_000):
         self.items = [Item(f"question {i}", "0", 0, i) for i in range(size)]
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
 
     def score(self, completion, item):
         return float(len(completion) % 2 == 0)
@@ -51,9 +45,9 @@ def micro_config(tmp_path, overrides=()) -> TrainConfig:
 def make_run(cfg: TrainConfig, task=None) -> train.Run:
     """A Run over `task` (default ParityTask) drawn in order, its engine on the fresh policy's weights."""
     task = task or ParityTask()
-    tok = build_tokenizer(cfg.model.vocab_size)
+    tok = demo_tokenizer(build_tokenizer(cfg.model.vocab_size))
     model = Transformer(cfg.model)
-    engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
+    engine = NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id)
     engine.update_weights(model.named_parameters(), version=0)
     return train.Run(cfg=cfg, engine=engine, tok=tok, model=model,
                      prompts=train.Prompts(task, list(range(len(task))), tok, cfg.prompt_limit()),

@@ -72,13 +72,23 @@ def test_stale_rollouts_show_a_logprob_gap_that_tis_sees(tmp_path):
 
 
 def test_a_producer_error_reaches_the_trainer(tmp_path):
+    run = make_run(micro_config(tmp_path, ["max_staleness=1"]))
+
+    def broken(*args, **kwargs):
+        raise KeyError("engine fell over")
+    run.engine.generate = broken
+    with pytest.raises(KeyError, match="engine fell over"):
+        list(train.rl_loop_async(run))
+
+
+def test_a_verifier_error_is_a_zero_reward_counted_not_a_crash(tmp_path):
     class Broken(ParityTask):
         def score(self, completion, item):
             raise KeyError("verifier fell over")
 
     run = make_run(micro_config(tmp_path, ["max_staleness=1"]), Broken())
-    with pytest.raises(KeyError, match="verifier fell over"):
-        list(train.rl_loop_async(run))
+    metrics = list(train.rl_loop_async(run))
+    assert metrics and all(m["reward"] == 0 and m["reward/errors"] > 0 for m in metrics)
 
 
 def test_main_with_max_staleness_runs_and_logs_staleness(tmp_path):

@@ -9,22 +9,16 @@ import torch
 import train
 from filter import (OFFLINE_WEIGHT, FilterConfig, PromptHistory, PromptRecord, Scored, post_rollout_filter,
                     pre_rollout_filter, probe_decisions, rest_agree_probability, zvp_token_advantages)
-from reward import Item
+from reward import Item, ItemList
 from runs import make_run, micro_config
 
 
-class ScriptedTask:
+class ScriptedTask(ItemList):
     """Prompts named by the script's keys; prompt p's j-th scored rollout gets reward script[p][j % len(script[p])]."""
 
     def __init__(self, script: dict):
         self.script, self.seen = script, {}
         self.items = [Item(p, "0", 0, i) for i, p in enumerate(script)]
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
 
     def score(self, completion, item):
         j = self.seen.get(item.question, 0)

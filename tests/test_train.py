@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -6,9 +7,10 @@ from safetensors.torch import load_file
 
 import train
 from config import TrainConfig, load_config
+from hf import load_hf
 from metrics import MetricsLog
-from model import Transformer
 from runs import MICRO, make_run, micro_config
+from tokenizer import load_hf_tokenizer
 from trainer import TrainBatch, sequence_batch, train_on_rollouts
 
 
@@ -64,7 +66,7 @@ def test_sequence_batch_masks_exactly_the_completion_targets():
                                                          routes=[torch.ones(4, 2, 1), torch.ones(2, 2, 1)],
                                                          num_layers=2, top_k=1)
     assert inputs.tolist() == [[1, 2, 3, 4], [6, 7, 0, 0]]
-    assert targets.tolist() == [[2, 3, 4, 5], [7, 8, 0, 0]]
+    assert targets.tolist() == [[-1, -1, 4, 5], [7, 8, -1, -1]]  # NO_TARGET: no logprob is computed there
     assert mask.tolist() == [[0, 0, 1, 1], [1, 1, 0, 0]]  # targets 4, 5 and 7, 8 are completion tokens
     assert (routes[1, 2:] == -1).all() and (routes[0] == 1).all()
 
@@ -77,7 +79,9 @@ def test_tiny_run_end_to_end_writes_metrics_checkpoint_and_plot(tmp_path):
     result = train.main(train.parse_args([path, "sft_lr=1e-3"]))
     assert set(result) == {"sampled", "greedy"}
     assert set(result["greedy"]) == {"sft_acc", "sft_se", "rl_acc", "rl_se", "gain", "gain_paired_se"}
-    for name in ("metrics.jsonl", "model.safetensors", "config.json", "tokenizer.tiktoken", "plot.png"):
+    # the final model in the HF hub layout, beside the run's own files
+    for name in ("metrics.jsonl", "model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", "run_config.json", "plot.png"):
         assert (out / name).stat().st_size > 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["stage"] == "eval"] == [0, 2, 3]
@@ -85,10 +89,14 @@ def test_tiny_run_end_to_end_writes_metrics_checkpoint_and_plot(tmp_path):
     assert len(rl) == 3 and all(0 <= r["filter/zero_variance_frac"] <= 1 for r in rl)
     # the engine's logprobs equal the trainer's old logprobs under replay, through train.py's own batching
     assert all(r["mismatch/max_abs_logp"] <= 1e-5 for r in rl if "mismatch/max_abs_logp" in r)
-    cfg = load_config(None, [])
-    cfg.model = type(cfg.model)(**json.loads((out / "config.json").read_text())["model"])
-    model = Transformer(cfg.model)
-    model.load_state_dict(load_file(out / "model.safetensors"))
+    # it loads as this project's init_from (the run's own shape, weights and tokenizer)
+    saved = json.loads((out / "run_config.json").read_text())["model"]
+    model = load_hf(str(out))
+    # intermediate_size stands in for the width of dense blocks this model has none of
+    assert dataclasses.asdict(model.cfg) == {**saved, "dense_inter_dim": model.cfg.dense_inter_dim}
+    tok = load_hf_tokenizer(str(out))
+    ids = tok.prompt_ids("1 + 2 =")
+    assert ids[0] == tok.bos_id and tok.decode(ids[1:]) == "1 + 2 =\n"  # the demo's plain layout
 
 
 def test_rl_step_replays_engine_routes_updates_the_policy_and_syncs_the_engine(tmp_path):
@@ -303,7 +311,7 @@ def test_prompts_longer_than_max_prompt_tokens_leave_the_order_counted(tmp_path)
     tok = make_run(cfg).tok
     task = ParityTask(size=4)
     task.items[2] = Item("question " + "long " * 40, "0", 0, 2)
-    limit = len(train.encode_prompt(tok, task.items[0].question))
+    limit = len(train.prompt_ids(tok, task, task.items[0]))
     prompts = train.Prompts(task, [3, 2, 1, 0], tok, limit)
     assert prompts.skipped == 1 and prompts.order == [3, 1, 0]
     assert [it.index for it in prompts.draw(4)] == [3, 1, 0, 3]
