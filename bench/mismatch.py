@@ -40,10 +40,11 @@ sys.path.insert(0, ROOT)
 import train  # noqa: E402
 from config import load_config  # noqa: E402
 from espo import mismatch_metrics  # noqa: E402
+from hf import load_hf  # noqa: E402
 from model import Transformer  # noqa: E402
 from reward import TaskMix, demonstration  # noqa: E402
 from rollout import NativeEngine, SamplingParams, policy_tensors, quantize_fp8  # noqa: E402
-from tokenizer import EOS, PAD, encode_prompt, load_tokenizer, train_tokenizer  # noqa: E402
+from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer  # noqa: E402
 
 
 def load_policy(args):
@@ -53,25 +54,35 @@ def load_policy(args):
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg.model)
     if args.init_from:
-        weights = os.path.join(args.init_from, "model.safetensors")
-        if not os.path.exists(weights):
-            sys.exit(f"--init_from {args.init_from}: no model.safetensors there; make one with "
-                     f"`python train.py configs/tiny.py rl_steps=0 out_dir={args.init_from}`")
-        from safetensors.torch import load_model
-        tok = load_tokenizer(os.path.join(args.init_from, "tokenizer.tiktoken"), cfg.model.vocab_size)
-        load_model(model, weights)
+        tok = load_run_output(args.init_from, model)
     else:
         print(f"no --init_from: running {args.sft_steps} SFT steps first")
-        tok = train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items], vocab_size=cfg.model.vocab_size,
-                              num_merges=cfg.bpe_merges)
+        tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
+                                             vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges))
         cfg.sft_steps = args.sft_steps
         order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        engine = NativeEngine(cfg.model, eos_id=tok.encode_single_token(EOS), pad_id=tok.encode_single_token(PAD))
-        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(task, order, tok, cfg.prompt_limit()), model=model)
+        engine = make_engine(cfg, tok)
+        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, model=model,
+                            prompts=train.Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt))
         train.sft(sft_run, train.sft_optimizer(model, cfg), 0)
     held_out = TaskMix(cfg.tasks, seed=cfg.eval_seed, size=args.prompts)  # prompts the SFT never saw
-    prompts = [encode_prompt(tok, held_out[i].question) for i in range(args.prompts)]
+    prompts = [train.prompt_ids(tok, held_out, held_out[i], cfg.system_prompt) for i in range(args.prompts)]
     return model.eval().requires_grad_(False), tok, cfg, prompts
+
+
+def load_run_output(path: str, model: Transformer) -> Tokenizer:
+    """An earlier train.py run's final model (the HF hub layout train.save_model writes) loaded into
+    `model`, and its tokenizer."""
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        sys.exit(f"{path}: no train.py output there (config.json, model.safetensors and tokenizer.json "
+                 f"in the HF hub layout); make one with `python train.py configs/tiny.py rl_steps=0 out_dir={path}`")
+    load_hf(path, model)
+    return load_hf_tokenizer(path)
+
+
+def make_engine(cfg, tok, **kw) -> NativeEngine:
+    """A rollout engine with the run's stop and pad ids, as train.start_run builds it (kw: fp8, dtype)."""
+    return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, num_tokens=tok.enc.n_vocab, **kw)
 
 
 @torch.no_grad()
@@ -128,11 +139,9 @@ def main():
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model, tok, cfg, prompts = load_policy(args)
-    eos, pad = tok.encode_single_token(EOS), tok.encode_single_token(PAD)
 
-    engines = {"fp8": NativeEngine(cfg.model, eos_id=eos, pad_id=pad, fp8=True),
-               "bf16": NativeEngine(cfg.model, eos_id=eos, pad_id=pad, dtype=torch.bfloat16),
-               "fp32": NativeEngine(cfg.model, eos_id=eos, pad_id=pad)}
+    engines = {"fp8": make_engine(cfg, tok, fp8=True), "bf16": make_engine(cfg, tok, dtype=torch.bfloat16),
+               "fp32": make_engine(cfg, tok)}
     engines["fp8"].update_weights(quantize_fp8(policy_tensors(model)), version=0)  # quantised on the trainer side
     engines["bf16"].update_weights(policy_tensors(model), version=0)
     engines["fp32"].update_weights(policy_tensors(model), version=0)

@@ -40,11 +40,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from reward import Item, RewardPool  # noqa: E402
+from reward import Item, ItemList, RewardPool  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
-from tokenizer import build_tokenizer  # noqa: E402
+from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402
 
 NO_EOS = -1  # an id never sampled, so every row runs to the token limit
+
+
+class RandomPrompts(ItemList):
+    """The bench's prompts as a task: each question is its own user message (the pool scores them)."""
+
+    def __init__(self, items: list[Item]):
+        self.items = items
+
+    def user_message(self, item: Item) -> str:
+        return item.question
+
+    def demonstration(self, item: Item) -> str:
+        return ""  # never trained on
 
 
 def main():
@@ -68,7 +81,7 @@ def main():
     engine.update_weights(Transformer(mcfg).named_parameters(), version=0)
     num_prompts = args.batches * (args.rows // args.group_size)
     # prompts of random bytes: a byte-level tokenizer makes each exactly prompt_len tokens with <|bos|> and "\n"
-    tok = build_tokenizer(mcfg.vocab_size)
+    tok = demo_tokenizer(build_tokenizer(mcfg.vocab_size))
     text = torch.randint(ord("a"), ord("z") + 1, (num_prompts, args.prompt_len - 2)).tolist()
     items = [Item("".join(map(chr, t)), "", 0, i) for i, t in enumerate(text)]
     delay = args.verifier_ms / 1000
@@ -77,7 +90,8 @@ def main():
         time.sleep(delay)
         return float(len(completion) % 2)
 
-    run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(items, list(range(num_prompts)), tok, cfg.prompt_limit()))
+    run = train.Run(cfg=cfg, engine=engine, tok=tok,
+                    prompts=train.Prompts(RandomPrompts(items), list(range(num_prompts)), tok, cfg.prompt_limit()))
 
     def generate(pool=None):
         run.pool = pool  # with a pool, train.generate_rollouts hands each batch to it as soon as it is generated

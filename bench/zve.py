@@ -47,12 +47,13 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]  # the project, and bench/ (mismatch.py's helpers)
 import train  # noqa: E402
 from config import load_config  # noqa: E402
-from reward import Item  # noqa: E402
+from reward import Item, ItemList  # noqa: E402
 from rollout import Rollout  # noqa: E402
-from tokenizer import build_tokenizer, encode_prompt  # noqa: E402
+from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402
 
 BETA = 0.3  # Beta(BETA, BETA) pass rates: U-shaped
 MEAN_TOKENS = 400  # simulated completion length scale
@@ -60,21 +61,21 @@ LENGTH_SPREAD = 0.2  # a simulated completion's length: Gaussian around its prom
 ONE_CALL = 1 << 20  # generation rows per engine call: the simulated engine takes a round in one call
 
 
-class SimTask:
+class SimTask(ItemList):
     """Prompts "p{i}" with pass rate p_i: a rollout's reward is Bernoulli(p_i)."""
 
     def __init__(self, pass_rate: list[float], seed: int):
         self.items = [Item(f"p{i}", "", 0, i) for i in range(len(pass_rate))]
         self.pass_rate, self.gen = pass_rate, random.Random(seed)
 
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
     def score(self, completion, item):
         return float(self.gen.random() < self.pass_rate[item.index])
+
+    def user_message(self, item):
+        return item.question
+
+    def demonstration(self, item):
+        return ""  # never trained on: no SFT here
 
 
 class SimEngine:
@@ -151,11 +152,11 @@ def simulated(args) -> dict:
     def make_run(overrides):
         cfg = load_config(None, overrides + [f"gen_batch_rows={ONE_CALL}", f"max_new_tokens={10 * MEAN_TOKENS}",
                                              f"model.max_seq_len={10 * MEAN_TOKENS + 256}"])  # room for prompts
-        tok = build_tokenizer(cfg.model.vocab_size)
+        tok = demo_tokenizer(build_tokenizer(cfg.model.vocab_size))
         task = SimTask(pass_rate, args.seed + 1)
-        mean_length = {tuple(encode_prompt(tok, it.question)): length[it.index] for it in task.items}
+        mean_length = {tuple(train.prompt_ids(tok, task, it, cfg.system_prompt)): length[it.index] for it in task.items}
         return train.Run(cfg=cfg, engine=SimEngine(mean_length, args.seed + 2), tok=tok,
-                         prompts=train.Prompts(task, order, tok, cfg.prompt_limit()))
+                         prompts=train.Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt))
 
     return compare(make_run, args, steps=args.steps)
 
@@ -164,8 +165,8 @@ def tiny(args) -> dict:
     """The tiny config's model after a short SFT (or --init-from), sampling its own task."""
     from model import Transformer
     from reward import TaskMix, demonstration
-    from rollout import NativeEngine
-    from tokenizer import EOS, PAD, load_tokenizer, train_tokenizer
+    from tokenizer import train_tokenizer
+    from mismatch import load_run_output, make_engine  # bench/mismatch.py: an earlier run's model and tokenizer; the engine
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tiny_config = os.path.join(root, "configs", "tiny.py")
@@ -174,24 +175,24 @@ def tiny(args) -> dict:
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg.model)
     if args.init_from:
-        from safetensors.torch import load_model
-        tok = load_tokenizer(os.path.join(args.init_from, "tokenizer.tiktoken"), cfg.model.vocab_size)
-        load_model(model, os.path.join(args.init_from, "model.safetensors"))
-    engine = NativeEngine(cfg.model, eos_id=0, pad_id=0)  # ids set below, once the tokenizer is known
+        tok = load_run_output(args.init_from, model)
+    else:  # the tokenizer draws nothing from torch's RNG: the engine's init below sees what it saw before
+        tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
+                                             vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges))
+    engine = make_engine(cfg, tok)
     if not args.init_from:
-        tok = train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items], vocab_size=cfg.model.vocab_size,
-                              num_merges=cfg.bpe_merges)
         cfg.sft_steps = args.sft_steps
         order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, prompts=train.Prompts(task, order, tok, cfg.prompt_limit()), model=model)
+        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, model=model,
+                            prompts=train.Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt))
         train.sft(sft_run, train.sft_optimizer(model, cfg), 0)
-    engine.eos_id, engine.pad_id = tok.encode_single_token(EOS), tok.encode_single_token(PAD)
     engine.update_weights(model.named_parameters(), version=0)
 
     def make_run(overrides):
         run_cfg = load_config(tiny_config, overrides)
-        return train.Run(cfg=run_cfg, engine=engine, tok=tok, prompts=train.Prompts(task, list(range(args.tiny_pool)), tok, run_cfg.prompt_limit()),
-                         model=model)
+        return train.Run(cfg=run_cfg, engine=engine, tok=tok, model=model,
+                         prompts=train.Prompts(task, list(range(args.tiny_pool)), tok, run_cfg.prompt_limit(),
+                                               run_cfg.system_prompt))
 
     return compare(make_run, args, steps=args.tiny_steps)
 
