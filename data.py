@@ -35,8 +35,8 @@ import json
 import os
 import re
 
-from reward import (MATH_TIMEOUT_S, CodeTask, Item, ItemList, ScoreTimeout, code_reward, last_boxed, math_reward,
-                    time_limited)
+from reward import MATH_TIMEOUT_S, CodeTask, Item, ItemList, code_reward, last_boxed, math_reward
+from scoring import ScoreTimeout, time_limited
 
 # the math instruction of Qwen2.5-Math's README (CoT) and DeepSeek-R1's usage recommendations (arXiv 2501.12948)
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -53,7 +53,7 @@ class MathTask(ItemList):
         self.items, self.skipped = items, skipped or []
 
     def score(self, completion: str, item: Item) -> float:
-        """1.0 if the completion's final answer equals the gold; raises reward.ScoreTimeout past its limit."""
+        """1.0 if the completion's final answer equals the gold; raises scoring.ScoreTimeout past its limit."""
         return math_reward(completion, item.answer)
 
     def user_message(self, item: Item) -> str:

@@ -158,7 +158,7 @@ class Scored:
     reward: float
     num_tokens: int  # generated tokens
     payload: Any = None  # whatever the caller needs back (e.g. the Rollout)
-    reason: str = "ok"  # how scoring went: "ok", "timeout" or "error: <type>" (reward.RewardPool); such a reward is 0
+    reason: str = "ok"  # how scoring went: "ok", "timeout" or "error: <type>" (scoring.RewardPool); such a reward is 0
 
 
 def rest_agree_probability(probe_reward: float, probe_size: int, rest: int, record: PromptRecord | None) -> float:

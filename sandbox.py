@@ -189,7 +189,7 @@ def run(program: str, limits: SandboxLimits = SandboxLimits(), *, check: Check |
             except BrokenPipeError:  # the child ended before the nonce was read; its exit code says why
                 pass
             code = _wait_unreaped(proc.pid, limits.wall_s + PARENT_GRACE_S)  # the child keeps wall_s itself
-        finally:  # also when the caller's own time limit interrupts the wait (reward.time_limited)
+        finally:  # also when the caller's own time limit interrupts the wait (scoring.time_limited)
             try:  # kill what is left in the child's OS process group (all of it without a PID namespace)
                 os.killpg(proc.pid, signal.SIGKILL)  # the leader is a zombie at most: its group id is still ours
             except ProcessLookupError:

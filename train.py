@@ -8,7 +8,7 @@ the seed paper's figure; each stage is one call into the file that owns it:
       -> batch them by predicted length                                           scheduler.py
       -> generate G rollouts per prompt: tokens, logprobs, routed experts         rollout.py
          [stage 2: k probes first; the other G - k only where the probes differ]  filter.py
-      -> score them [shaped inside the correctness class]                         reward.py
+      -> score them [shaped inside the correctness class]                         reward.py, scoring.py
       -> [over-sampling: more prompts while the step lacks informative groups]    filter.py
       -> stage 3: drop zero-variance groups [or keep them with RL-ZVP]            filter.py
       -> group-relative advantages                                                espo.py
@@ -48,10 +48,10 @@ from filter import (STAGE1_COUNTS, STAGE2_COUNTS, FilterConfig, PromptHistory, S
 from hf import save_hf
 from metrics import MetricsLog, plot
 from data import load_task
-from reward import (Item, ItemList, RewardConfig, RewardPool, TaskMix, demonstration, reward_model_for, score_inline,
-                    shaped_rewards)
+from reward import Item, ItemList, RewardConfig, TaskMix, demonstration, reward_model_for, shaped_rewards
 from rollout import NativeEngine, Rollout, SamplingParams, full_tensor, policy_tensors
 from scheduler import LengthPredictor, Pipeline, generation_batches
+from scoring import RewardPool, score_inline
 from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer
 from trainer import TrainBatch, lr_at, sft_step, train_on_rollouts
 

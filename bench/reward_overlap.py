@@ -1,4 +1,4 @@
-"""Reward overlap: the fraction of reward time hidden behind generation by reward.RewardPool.
+"""Reward overlap: the fraction of reward time hidden behind generation by scoring.RewardPool.
 
 The verifier takes `--verifier-ms` per rollout and waits rather than computes (time.sleep),
 as a sandboxed code run or a remote reward model does. The rollouts come from the tiny
@@ -40,8 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from reward import Item, ItemList, RewardPool  # noqa: E402
+from reward import Item, ItemList  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
+from scoring import RewardPool  # noqa: E402
 from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402
 
 NO_EOS = -1  # an id never sampled, so every row runs to the token limit

@@ -14,10 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reward
+import scoring
 from data import load_task
 from espo import group_advantages
-from reward import (CodeTask, RewardPool, ScoreTimeout, StubJudge, StubRewardModel, adjust_rewards, code_reward,
-                    extract_answer, judge_score, math_reward, overlong_penalty, repetition_penalty, rm_score, score_inline)
+from reward import (CodeTask, StubJudge, StubRewardModel, adjust_rewards, code_reward, extract_answer, judge_score,
+                    math_reward, overlong_penalty, repetition_penalty, rm_score)
+from scoring import RewardPool, ScoreTimeout, score_inline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.environ.get("EVERYPROMPT_DATA", os.path.join(REPO, "..", "shared", "data"))
@@ -298,7 +300,7 @@ def test_thread_pool_raises_the_gil_switch_interval_only_while_open():
     import sys
     before = sys.getswitchinterval()
     with RewardPool(flaky, workers=1, timeout_s=1.0):
-        assert sys.getswitchinterval() == pytest.approx(max(before, reward.GIL_SWITCH_INTERVAL_S))
+        assert sys.getswitchinterval() == pytest.approx(max(before, scoring.GIL_SWITCH_INTERVAL_S))
     assert sys.getswitchinterval() == before
 
 
