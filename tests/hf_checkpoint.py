@@ -59,17 +59,20 @@ def qwen_ranks() -> dict[bytes, int]:
         return {base64.b64decode(t): int(r) for t, r in (line.split() for line in f if line.strip())}
 
 
-def write_qwen_tokenizer(path: str, merges: list[tuple[bytes, bytes]] | None = None) -> str:
+def write_qwen_tokenizer(path: str, merges: list[tuple[bytes, bytes]] | None = None, *, num_ranks: int | None = None,
+                         specials: list[str] = QWEN_SPECIALS) -> str:
     """A Qwen-style checkpoint's tokenizer files in path, tokenizer.json built by the `tokenizers` library
     (not by this project): NFC, Qwen's split, byte-level BPE, Qwen's added tokens; tokenizer_config.json
     with the ChatML template; generation_config.json stopping at <|im_end|> and <|endoftext|>. merges:
-    default one per token in id order, as Qwen's tokenizer.json has them."""
+    default one per token in id order, as Qwen's tokenizer.json has them. num_ranks: keep only Qwen's
+    first ranks (a small vocabulary); the specials (which must hold ChatML's three) follow the ranks."""
     import tokenizers
     from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
     from tokenizer import BYTE_CHARS, bpe_merges
-    ranks = qwen_ranks()
+    ranks = {t: r for t, r in qwen_ranks().items() if num_ranks is None or r < num_ranks}
     merges = bpe_merges(ranks) if merges is None else merges
+    endoftext, im_end = (len(ranks) + specials.index(s) for s in ("<|endoftext|>", "<|im_end|>"))
 
     def hf_str(token: bytes) -> str:  # the byte-level alphabet tokenizer.json spells tokens in
         return "".join(BYTE_CHARS[b] for b in token)
@@ -79,12 +82,12 @@ def write_qwen_tokenizer(path: str, merges: list[tuple[bytes, bytes]] | None = N
     tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated"),
                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in QWEN_SPECIALS])
+    tk.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     os.makedirs(path, exist_ok=True)
     tk.save(os.path.join(path, "tokenizer.json"))
     config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
               "pad_token": "<|endoftext|>", "chat_template": CHATML}
-    generation = {"eos_token_id": [IM_END, ENDOFTEXT], "pad_token_id": ENDOFTEXT}
+    generation = {"eos_token_id": [im_end, endoftext], "pad_token_id": endoftext}
     for name, obj in (("tokenizer_config.json", config), ("generation_config.json", generation)):
         with open(os.path.join(path, name), "w") as f:
             json.dump(obj, f)
@@ -107,13 +110,20 @@ def model_config(family: str, **overrides):
     raise ValueError(f"family={family!r}; valid: {FAMILIES}")
 
 
-def build_checkpoint(path: str, family: str = "qwen3_moe", *, seed: int = 0, **overrides) -> str:
-    """Write a random `family` checkpoint with Qwen's tokenizer and chat template to path; returns path."""
+def build_checkpoint(path: str, family: str = "qwen3_moe", *, seed: int = 0, num_ranks: int | None = None,
+                     specials: list[str] = QWEN_SPECIALS, **overrides) -> str:
+    """Write a random `family` checkpoint with Qwen's tokenizer and chat template to path; returns path.
+    num_ranks, specials: a vocabulary of Qwen's first num_ranks ranks and these specials (write_qwen_tokenizer),
+    the embedding sized to them; default all of Qwen's, padded to QWEN_VOCAB rows."""
     import transformers
     torch.manual_seed(seed)
+    if num_ranks is not None:  # the specials follow the ranks
+        overrides = dict(vocab_size=num_ranks + len(specials), eos_token_id=num_ranks + specials.index("<|im_end|>"),
+                         pad_token_id=num_ranks + specials.index("<|endoftext|>"), **overrides)
     model = transformers.AutoModelForCausalLM.from_config(model_config(family, **overrides), dtype=torch.float32)
     model.save_pretrained(path)
-    return write_qwen_tokenizer(path)  # after save_pretrained: its generation_config.json is replaced
+    # after save_pretrained: its generation_config.json is replaced
+    return write_qwen_tokenizer(path, num_ranks=num_ranks, specials=specials)
 
 
 if __name__ == "__main__":
