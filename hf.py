@@ -285,19 +285,9 @@ def hf_tensors(named_tensors, cfg: ModelConfig):
             yield from zip(keys, t.split(sizes, dim=0))  # row views of t, no copy
 
 
-def load_hf(path: str, model: Transformer | None = None) -> Transformer:
-    """Load an HF checkpoint folder (config.json + model.safetensors or a sharded index).
-
-    Tensors are read lazily with `safe_open`; for a model that `parallelize` sharded, each
-    rank reads only its own slice of each tensor (its experts, its rows). Without a model,
-    one is built from config.json, on the CPU. Checkpoint tensors this model has no place
-    for (e.g. GLM-4.5's multi-token-prediction layers) are skipped and counted. A tied
-    lm_head reads the embedding (HF's checkpoints of tied models have no lm_head.weight).
-    Raises ValueError (config_from_hf's) on a config.json this model does not implement, if a
-    given model's config differs from it (max_seq_len aside), if the weights are quantised, or
-    if a tensor the model needs is missing or has another shape.
-    """
-    from safetensors import safe_open
+def _model_for(path: str, model: Transformer | None) -> Transformer:
+    """The model load_hf fills: `model` checked against path's config.json, or one built from it on
+    the CPU, uninitialised. Raises ValueError as load_hf documents."""
     with open(os.path.join(path, "config.json")) as f:
         hf_config = json.load(f)
     if hf_config.get("quantization_config"):  # e4m3 values copied without their scales would be silently wrong
@@ -316,6 +306,23 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
     differ = {k: (v, getattr(want, k)) for k, v in vars(model.cfg).items() if k not in ignore and getattr(want, k) != v}
     if differ:
         raise ValueError(f"load_hf: the model's config and {path}/config.json differ in (model's, file's) {differ}")
+    return model
+
+
+def load_hf(path: str, model: Transformer | None = None) -> Transformer:
+    """Load an HF checkpoint folder (config.json + model.safetensors or a sharded index).
+
+    Tensors are read lazily with `safe_open`; for a model that `parallelize` sharded, each
+    rank reads only its own slice of each tensor (its experts, its rows). Without a model,
+    one is built from config.json, on the CPU. Checkpoint tensors this model has no place
+    for (e.g. GLM-4.5's multi-token-prediction layers) are skipped and counted. A tied
+    lm_head reads the embedding (HF's checkpoints of tied models have no lm_head.weight).
+    Raises ValueError (config_from_hf's) on a config.json this model does not implement, if a
+    given model's config differs from it (max_seq_len aside), if the weights are quantised, or
+    if a tensor the model needs is missing or has another shape.
+    """
+    from safetensors import safe_open
+    model = _model_for(path, model)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):  # sharded: the index names each tensor's file
         with open(index) as f:
