@@ -31,7 +31,6 @@ Notable choices:
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
 import os
@@ -126,29 +125,6 @@ def train_tokenizer(texts: list[str], *, vocab_size: int, num_merges: int) -> ti
         raise ValueError(f"num_merges={num_merges} does not fit vocab_size={vocab_size}: at most "
                          f"{vocab_size - NUM_BYTES - len(SPECIALS)}")
     return build_tokenizer(vocab_size, train_bpe(texts, num_merges))
-
-
-def save_tokenizer(tok: tiktoken.Encoding, path: str):
-    """The mergeable ranks in tiktoken's own file format (base64 token, rank per line)."""
-    # Only the mergeable ranks are saved: load_tokenizer rebuilds the specials from vocab_size.
-    with open(path, "w") as f:
-        f.writelines(f"{base64.b64encode(t).decode()} {r}\n"
-                     for t, r in sorted(_ranks(tok).items(), key=lambda kv: kv[1]))
-
-
-def load_tokenizer(path: str, vocab_size: int) -> tiktoken.Encoding:
-    """The tokenizer `save_tokenizer` wrote, with specials up to vocab_size."""
-    with open(path) as f:
-        ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in f if line.strip())}
-    # The specials get the ids they had, as they follow the ranks in a fixed order.
-    return build_tokenizer(vocab_size, ranks)
-
-
-def encode_prompt(tok: tiktoken.Encoding, question: str) -> list[int]:
-    """<|bos|> question \\n, as ids. The question's own text is never parsed for specials."""
-    # encode_ordinary: a question that contains "<|eos|>" is data, encoded as its bytes, so no text
-    # can end or restart a sequence.
-    return [tok.encode_single_token(BOS)] + tok.encode_ordinary(question + "\n")
 
 
 # --- Hugging Face byte-level BPE ---------------------------------------------------------------
@@ -383,7 +359,7 @@ class Tokenizer:
         [system (if given), user: question] and a generation prompt, tokenized as transformers'
         apply_chat_template(..., add_generation_prompt=True, tokenize=True) does (an added token's string
         anywhere in the rendered text, the question included, is that token). Without: `[bos_id] +
-        encode(question + "\\n")`, the demo's layout (encode_prompt's ids). Raises ValueError for a system
+        encode(question + "\\n")`, the demo's layout. Raises ValueError for a system
         prompt without a template, and jinja2's TemplateError for what the template refuses."""
         if self.chat_template is None:
             if system:
@@ -520,7 +496,7 @@ def load_hf_tokenizer(path: str) -> Tokenizer:
 
 def demo_tokenizer(enc: tiktoken.Encoding) -> Tokenizer:
     """The demo's BPE (train_tokenizer / build_tokenizer) as a Tokenizer: <|bos|> starts a prompt,
-    <|eos|> ends a completion, <|pad|> pads; no template, so prompt_ids are encode_prompt's."""
+    <|eos|> ends a completion, <|pad|> pads; no template, so prompt_ids are `[bos] question "\\n"`."""
     bos, eos, pad = (enc.encode_single_token(s) for s in SPECIALS)
     return Tokenizer(enc=enc, stop_ids=(eos,), pad_id=pad, bos_id=bos)
 

@@ -11,8 +11,8 @@ import tokenizers
 
 import hf_checkpoint
 from hf_checkpoint import CHATML, ENDOFTEXT, IM_END, IM_START, QWEN_PATTERN, QWEN_SPECIALS, write_qwen_tokenizer
-from tokenizer import (BOS, BYTE_CHARS, EOS, Tokenizer, bpe_merges, build_tokenizer, demo_tokenizer, encode_prompt,
-                       hf_encoding, load_hf_tokenizer, load_tokenizer, save_tokenizer, train_tokenizer)
+from tokenizer import (BOS, BYTE_CHARS, EOS, Tokenizer, bpe_merges, build_tokenizer, demo_tokenizer, hf_encoding,
+                       load_hf_tokenizer, train_tokenizer)
 
 TEXTS = ["State the final answer to the following arithmetic problem: 4 - 12 =\n<answer>-8</answer>"] * 5
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,18 +102,10 @@ def test_every_id_up_to_vocab_size_decodes():
 
 
 def test_prompt_starts_with_bos_and_never_parses_specials_in_the_question():
-    tok = build_tokenizer(300)
-    ids = encode_prompt(tok, f"what is {EOS}?")
-    assert ids[0] == tok.encode_single_token(BOS)
-    assert tok.encode_single_token(EOS) not in ids
-
-
-def test_saved_tokenizer_loads_identically(tmp_path):
-    tok = train_tokenizer(TEXTS, vocab_size=300, num_merges=30)
-    save_tokenizer(tok, tmp_path / "tok.tiktoken")
-    again = load_tokenizer(tmp_path / "tok.tiktoken", 300)
-    assert again.encode_ordinary(TEXTS[0]) == tok.encode_ordinary(TEXTS[0])
-    assert again.encode_single_token(EOS) == tok.encode_single_token(EOS)
+    enc = build_tokenizer(300)
+    ids = demo_tokenizer(enc).prompt_ids(f"what is {EOS}?")
+    assert ids[0] == enc.encode_single_token(BOS)
+    assert enc.encode_single_token(EOS) not in ids
 
 
 def test_too_small_vocab_is_a_value_error():
@@ -121,17 +113,6 @@ def test_too_small_vocab_is_a_value_error():
         build_tokenizer(258)
     with pytest.raises(ValueError, match="num_merges=50"):
         train_tokenizer(TEXTS, vocab_size=300, num_merges=50)
-
-
-def test_save_tokenizer_round_trips_151k_ranks_or_40k_reserved_specials(tmp_path):
-    ranks = qwen_ranks()
-    # Qwen's 151,643 ranks, or the demo's bytes with 40k reserved specials: save_tokenizer was linear in the
-    # ids times the specials (minutes for a demo BPE in a 151k-id model)
-    for name, tok in (("qwen", build_tokenizer(len(ranks) + 3, ranks)), ("bytes", build_tokenizer(40_000))):
-        save_tokenizer(tok, tmp_path / f"{name}.tiktoken")
-        again = load_tokenizer(tmp_path / f"{name}.tiktoken", tok.n_vocab)
-        assert again.encode_ordinary(TRICKY[1] + TEXTS[0]) == tok.encode_ordinary(TRICKY[1] + TEXTS[0])
-        assert again.encode_single_token(EOS) == tok.encode_single_token(EOS)
 
 
 def test_qwen_encoding_equals_tokenizers_library_on_gsm8k_and_math500(qwen, qwen_hf, benchmark_texts):
@@ -252,15 +233,16 @@ def test_saved_template_specials_and_nfc_give_transformers_the_same_prompt_ids(t
     assert (again.stop_ids, again.pad_id, again.normalize, again.eos_token) == ((261, 259), 259, True, "<|im_end|>")
 
 
-def test_demo_prompt_ids_equal_encode_prompt_before_and_after_saving(tmp_path):
+def test_demo_prompt_ids_are_bos_question_newline_before_and_after_saving(tmp_path):
     enc = train_tokenizer(TEXTS, vocab_size=300, num_merges=30)
     tok = demo_tokenizer(enc)
     question = f"4 - 12 = ? {EOS}"
-    assert tok.prompt_ids(question) == encode_prompt(enc, question)
+    expected = [enc.encode_single_token(BOS)] + enc.encode_ordinary(question + "\n")  # the demo's layout
+    assert tok.prompt_ids(question) == expected
     assert tok.encode(question) == enc.encode_ordinary(question)
     tok.save(tmp_path)
     again = load_hf_tokenizer(str(tmp_path))
-    assert again.prompt_ids(question) == encode_prompt(enc, question)
+    assert again.prompt_ids(question) == expected
     assert (again.stop_ids, again.pad_id, again.bos_id) == (tok.stop_ids, tok.pad_id, tok.bos_id)
     assert again.enc.n_vocab == 300
 
