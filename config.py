@@ -380,15 +380,20 @@ def checkpoint_model(path: str, model_kw: dict) -> ModelConfig:
     """
     from hf import config_from_hf  # hf imports the model and the engine's tensor helpers: only when needed
     file = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise ValueError(f"init_hf={path!r}: no such folder")
     if not os.path.isfile(file):
         raise ValueError(f"init_hf={path!r}: no config.json there; need a hub-layout folder (config.json, "
                          f"*.safetensors, tokenizer.json, tokenizer_config.json)")
     model = config_from_hf(file)
     for k, v in model_kw.items():
         theirs = getattr(model, k)
-        if v != theirs and not (k == "max_seq_len" and 0 < v < theirs):
+        if k == "max_seq_len" and not 0 < v <= theirs:
+            raise ValueError(f"model.max_seq_len={v!r}: at most the checkpoint's {theirs} ({file}); a shorter "
+                             f"context may be set, a longer one would need RoPE scaling the checkpoint lacks")
+        if v != theirs and k != "max_seq_len":
             raise ValueError(f"model.{k}={v!r} disagrees with {file} ({theirs!r}): the checkpoint sets the model's "
-                             f"shape; drop model.{k} (only max_seq_len may be set, and only shorter)")
+                             f"shape; drop model.{k}")
     return dataclasses.replace(model, **{k: v for k, v in model_kw.items() if k == "max_seq_len"})
 
 

@@ -55,6 +55,7 @@ Penalties and shaping:
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -216,6 +217,8 @@ def math_equal(answer: str, gold: str) -> bool:
 def _math_equal_here(answer: str, gold: str) -> bool:
     """math_equal's work, in this process, with no limit of its own (a grader process runs it too)."""
     from math_verify import parse, verify  # imports sympy: paid on first use, not on import of this file
+    # math-verify warns that its own timeouts are off: they are, on purpose; time_limited bounds the call instead
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     # None turns math-verify's own timeouts off: they use signal.alarm, the timer time_limited uses
     # delimited, so a LaTeX gold such as \frac{1}{2} is read whole (undelimited LaTeX is cut to a number)
     gold_parsed = parse(f"${gold}$", parsing_timeout=None)

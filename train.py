@@ -602,7 +602,8 @@ def run(cfg: TrainConfig, meshes: Meshes | None = None) -> dict:
             read_checkpoint(ckpt, r.model, opt)
             start, r.prompts.used = resumed["step"] + 1, resumed["used"]
             set_rng_state(resumed["rng"])  # last: nothing may draw between restoring it and the next step
-        sft(r, opt, start)
+        if start < cfg.sft_steps:
+            sft(r, opt, start)
         del opt
         r.engine.update_weights(policy_tensors(r.model), version=0)
         r.evals["after_sft"] = r.evals["after_rl"] = run_eval(r, 0)
@@ -641,7 +642,8 @@ def summarize(run: Run) -> dict:
     summary = {}
     if rank == 0:
         plot(run.log.records, os.path.join(cfg.out_dir, "plot.png"))
-        print(f"{f'held-out accuracy (n={len(run.eval_items)} prompts)':<38}{'after SFT':<17}{'after RL':<17}RL gain")
+        start = "after SFT" if cfg.sft_steps else "before RL"  # a checkpoint's run has no SFT warm-up
+        print(f"{f'held-out accuracy (n={len(run.eval_items)} prompts)':<38}{start:<17}{'after RL':<17}RL gain")
     for k, name in enumerate([f"sampled (mean of {cfg.eval_samples}, T={cfg.temperature})", "greedy"]):
         (a0, s0), (a1, s1) = mean_se(after_sft[k]), mean_se(after_rl[k])
         gain, paired_se = mean_se(after_rl[k] - after_sft[k])  # same prompts before and after: a paired difference
@@ -686,6 +688,15 @@ def check_config(cfg: TrainConfig):
         # parallelize shards lm_head and the embedding as two tensors: training would untie them
         raise ValueError("model.tie_embeddings (a checkpoint's tie_word_embeddings) runs in one process for now; "
                          f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}")
+    if cfg.train_data:  # a bad row is named now, before any work (start_run reads the files again)
+        load_task(cfg.train_data), load_task(cfg.eval_data)
+    source = cfg.init_hf or cfg.init_from
+    if source and not any(os.path.exists(os.path.join(source, f)) for f in ("model.safetensors",
+                                                                            "model.safetensors.index.json")):
+        raise ValueError(f"{source!r} holds no model.safetensors or model.safetensors.index.json: need a "
+                         f"hub-layout checkpoint folder")
+    if source and not os.path.exists(os.path.join(source, "tokenizer.json")):
+        raise ValueError(f"{source!r} holds no tokenizer.json: the run takes the checkpoint's tokenizer from it")
     if cfg.init_hf and cfg.init_from:
         raise ValueError(f"init_hf={cfg.init_hf!r} and init_from={cfg.init_from!r}: start from one of them")
     if not cfg.train_data and cfg.eval_seed - cfg.train_seed <= cfg.train_size:

@@ -5,6 +5,7 @@ vocabulary and a ChatML template: tests/hf_checkpoint.py), runs a few RL steps o
 rows, and loads what the run saved in transformers.
 """
 import json
+import shutil
 
 import pytest
 import torch
@@ -89,3 +90,22 @@ def test_a_model_field_that_disagrees_with_the_checkpoint_is_refused(checkpoints
         load_config("configs/hf_tiny.py", [f"init_hf={checkpoints['qwen3_moe']}", "model.dim=32"])
     # a shorter context is the same function on the positions it allows
     assert load_config(None, [f"init_hf={checkpoints['qwen3_moe']}", "model.max_seq_len=128"]).model.max_seq_len == 128
+    with pytest.raises(ValueError, match=r"model\.max_seq_len=1024: at most the checkpoint's 512"):
+        load_config(None, [f"init_hf={checkpoints['qwen3_moe']}", "model.max_seq_len=1024"])
+
+
+def test_a_bad_data_row_or_an_incomplete_checkpoint_is_refused_before_any_work(tmp_path, checkpoints):
+    good = write_jsonl(tmp_path / "good.jsonl", gsm8k_rows(4))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(gsm8k_rows(1)[0]) + "\n{not json\n")
+    cfg = load_config("configs/hf_tiny.py", [f"init_hf={checkpoints['qwen3_moe']}", f"train_data={bad}",
+                                             f"eval_data={good}"])
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2"):
+        train.check_config(cfg)
+    empty = tmp_path / "no_tokenizer"
+    empty.mkdir()
+    for name in ("config.json", "model.safetensors"):  # the weights without the tokenizer files
+        shutil.copy(f"{checkpoints['qwen3_moe']}/{name}", empty / name)
+    cfg = load_config("configs/hf_tiny.py", [f"init_hf={empty}", f"train_data={good}", f"eval_data={good}"])
+    with pytest.raises(ValueError, match="holds no tokenizer.json"):
+        train.check_config(cfg)
