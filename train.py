@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from checkpoint import read_checkpoint, resume_path, rng_state, set_rng_state, write_checkpoint
-from config import TrainConfig, parse_args
+from config import TrainConfig, check_config, parse_args
 from distributed import Meshes, all_gather_list, build_model, rank_world, reference_copy, setup_distributed
 from espo import LossConfig, ragged_group_advantages
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, FilterConfig, PromptHistory, Scored, is_informative, oversample_size,
@@ -658,55 +658,6 @@ def summarize(run: Run) -> dict:
               f"{', ckpt/' if os.path.isdir(os.path.join(cfg.out_dir, 'ckpt')) else ''} "
               f"in {time.perf_counter() - run.t_start:.0f}s")
     return summary
-
-
-def check_config(cfg: TrainConfig):
-    """Refuse settings that cannot run, before any work (tokenizer, SFT). Raises ValueError naming
-    the value and what would be valid."""
-    cfg.loss_config(), cfg.filter_config(), cfg.sampling_params(), cfg.reward_config()  # each checks its own settings
-    cfg.prompt_limit()
-    if cfg.zero_variance not in ("drop", "rl-zvp"):
-        raise ValueError(f"zero_variance={cfg.zero_variance!r} (valid: 'drop', 'rl-zvp')")
-    if cfg.max_staleness < 0 or cfg.rollout_threads < 0 or cfg.trainer_threads < 0:
-        raise ValueError(f"max_staleness={cfg.max_staleness}, rollout_threads={cfg.rollout_threads}, "
-                         f"trainer_threads={cfg.trainer_threads}: each must be >= 0")
-    if cfg.max_staleness and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # the producer thread would need its own process group for the collectives of its rollouts
-        raise ValueError(f"max_staleness={cfg.max_staleness} runs in one process for now "
-                         f"(WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}): use max_staleness=0 with several ranks")
-    if cfg.sft_batch_size < int(os.environ.get("WORLD_SIZE", "1")):
-        raise ValueError(f"sft_batch_size={cfg.sft_batch_size} must be >= the world size "
-                         f"{os.environ.get('WORLD_SIZE')}")
-    if bool(cfg.train_data) != bool(cfg.eval_data):
-        raise ValueError(f"train_data={cfg.train_data!r}, eval_data={cfg.eval_data!r}: give both (a dataset file to "
-                         f"train on and one held out for the evals), or neither (reasoning-gym's tasks)")
-    for key in ("train_data", "eval_data", "init_hf", "init_from", "pass_rate_file"):
-        path = getattr(cfg, key)
-        if path and not os.path.exists(path):
-            raise ValueError(f"{key}={path!r}: no such file or folder")
-    if cfg.model.tie_embeddings and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # parallelize shards lm_head and the embedding as two tensors: training would untie them
-        raise ValueError("model.tie_embeddings (a checkpoint's tie_word_embeddings) runs in one process for now; "
-                         f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}")
-    if cfg.train_data:  # a bad row is named now, before any work (start_run reads the files again)
-        load_task(cfg.train_data), load_task(cfg.eval_data)
-    source = cfg.init_hf or cfg.init_from
-    if source and not any(os.path.exists(os.path.join(source, f)) for f in ("model.safetensors",
-                                                                            "model.safetensors.index.json")):
-        raise ValueError(f"{source!r} holds no model.safetensors or model.safetensors.index.json: need a "
-                         f"hub-layout checkpoint folder")
-    if source and not os.path.exists(os.path.join(source, "tokenizer.json")):
-        raise ValueError(f"{source!r} holds no tokenizer.json: the run takes the checkpoint's tokenizer from it")
-    if cfg.init_hf and cfg.init_from:
-        raise ValueError(f"init_hf={cfg.init_hf!r} and init_from={cfg.init_from!r}: start from one of them")
-    if not cfg.train_data and cfg.eval_seed - cfg.train_seed <= cfg.train_size:
-        raise ValueError(f"eval_seed={cfg.eval_seed} overlaps the training items: it must exceed "
-                         f"train_seed + train_size = {cfg.train_seed + cfg.train_size}")
-    if (cfg.ckpt_every < 0 or cfg.ckpt_keep < 1 or cfg.dist_timeout_s <= 0
-            or cfg.logger not in ("none", "tensorboard", "wandb")):
-        raise ValueError(f"need ckpt_every >= 0, ckpt_keep >= 1, dist_timeout_s > 0 and logger in 'none', "
-                         f"'tensorboard', 'wandb'; got {cfg.ckpt_every}, {cfg.ckpt_keep}, {cfg.dist_timeout_s}, "
-                         f"{cfg.logger!r}")
 
 
 def main(cfg: TrainConfig) -> dict:
