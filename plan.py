@@ -37,7 +37,8 @@ import warnings
 
 import torch
 
-from model import LOGITS_CHUNK_TOKENS, ModelConfig, Transformer
+from logprobs import LOGITS_CHUNK_TOKENS
+from model import ModelConfig, Transformer
 
 GB = 1024 ** 3
 GPU_MEMORY_GB = {"H100 80GB": 80, "H200 141GB": 141}

@@ -33,7 +33,7 @@ from config import TrainConfig
 from distributed import all_gather_list, all_reduce_float, idle_forward, padded_microbatches, rank_world
 from espo import LossConfig, mismatch_metrics, policy_loss
 from filter import zvp_token_advantages
-from model import NO_TARGET
+from logprobs import NO_TARGET
 
 LR_FLOOR = 0.1  # the SFT schedule's cosine ends at this fraction of the peak learning rate
 

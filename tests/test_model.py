@@ -183,7 +183,7 @@ def test_compiled_blocks_equal_eager_in_fp32_with_grads(tiny_cfg):
 def test_logprobs_from_targets_equal_the_full_logits_path_with_gradients(tiny_cfg):
     """The trainer's forward (targets given) gives token_logprobs and token_entropy of the full logits, and
     the same gradients, while holding only chunks of logits (here 4 positions of 3 x 7)."""
-    from model import chunked_logprobs, token_entropy, token_logprobs
+    from logprobs import chunked_logprobs, token_entropy, token_logprobs
     model = Transformer(tiny_cfg)
     tokens = torch.randint(0, tiny_cfg.vocab_size, (3, 8))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

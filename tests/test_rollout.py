@@ -4,7 +4,8 @@ import dataclasses
 import pytest
 import torch
 
-from model import Transformer, token_logprobs
+from logprobs import token_logprobs
+from model import Transformer
 from rollout import SamplingParams, NativeEngine, sample
 
 EOS, PAD = 1, 0

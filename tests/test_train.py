@@ -226,7 +226,7 @@ def test_logged_mismatch_is_espo_mismatch_metrics_of_the_engine_against_pi_old(t
     """The trainer's mismatch/* metrics are espo.mismatch_metrics over the sampled tokens, with pi_old the
     trainer's own logprobs (routes replayed); an engine on other weights shows the gap."""
     from espo import mismatch_metrics
-    from model import token_logprobs
+    from logprobs import token_logprobs
     run = make_run(micro_config(tmp_path, ["temperature=1.5", "num_minibatches=1"]))
     with torch.no_grad():
         for p in run.engine.model.parameters():
