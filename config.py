@@ -144,7 +144,19 @@ class TrainConfig:
     top_k: int = 0
     """Rollout top-k sampling: only the k most likely tokens can be drawn (0 = off)."""
     gen_batch_rows: int = 256
-    """Rows (prompts x G) per engine.generate call; a call holds at least one prompt whatever this is."""
+    """Rows (prompts x G) per engine.generate call on each rank (the KV cache holds this many); a call holds at
+    least one prompt whatever this is. Under torchrun a generation batch spans every rank: world x this."""
+    engine: str = "native"
+    """Rollout engine: 'native' (rollout.NativeEngine, PyTorch; under torchrun it decodes on the policy's own
+    shards, no replica) or 'sglang' (sglang_engine.py: CUDA and the sglang package only)."""
+    sglang_urls: str = ""
+    """engine='sglang': comma-separated base URLs of external SGLang servers (weights pushed over an NCCL group);
+    "" = one SGLang engine per node colocated on the training GPUs, its memory released while the trainer trains."""
+    sglang_mem_fraction: float = 0.8
+    """engine='sglang', colocated: the fraction of each GPU's memory SGLang's static pool (weights, KV cache) may take."""
+    rollout_fp8: bool = False
+    """Rollouts with blockwise-FP8 weights (DeepSeek-V3's recipe): SGLang's FP8 serving, or the native engine in
+    one process; the trainer stays bf16/fp32."""
     lr: float = 5e-5
     """RL AdamW learning rate (constant after a short warm-up)."""
     lr_warmup_steps: int = 5
@@ -231,7 +243,7 @@ class TrainConfig:
     # async rollouts (scheduler.Pipeline)
     max_staleness: int = 0
     """Rollouts may come from weights up to this many RL steps old, generated while the trainer trains
-    (0 = synchronous on-policy; > 0 needs a single process)."""
+    (0 = synchronous on-policy). Under torchrun the producer decodes on a sharded copy of the policy."""
     rollout_threads: int = 0
     """With max_staleness > 0: torch CPU threads of the rollout producer thread (0 = half of torch's on CPU,
     else torch's default)."""
@@ -311,10 +323,6 @@ def check_config(cfg: TrainConfig):
     if cfg.max_staleness < 0 or cfg.rollout_threads < 0 or cfg.trainer_threads < 0:
         raise ValueError(f"max_staleness={cfg.max_staleness}, rollout_threads={cfg.rollout_threads}, "
                          f"trainer_threads={cfg.trainer_threads}: each must be >= 0")
-    if cfg.max_staleness and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # the producer thread would need its own process group for the collectives of its rollouts
-        raise ValueError(f"max_staleness={cfg.max_staleness} runs in one process for now "
-                         f"(WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}): use max_staleness=0 with several ranks")
     if cfg.sft_batch_size < int(os.environ.get("WORLD_SIZE", "1")):
         raise ValueError(f"sft_batch_size={cfg.sft_batch_size} must be >= the world size "
                          f"{os.environ.get('WORLD_SIZE')}")

@@ -21,6 +21,8 @@ Notable choices:
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,6 +72,29 @@ def build_meshes(world_size: int, ep: int = 1) -> Meshes:
     efsdp = world_size // ep  # the ranks left to shard each expert over once ep has split them
     return Meshes(fsdp=dims.get_mesh("fsdp"), ep=dims.get_mesh("ep") if ep > 1 else None,
                   efsdp=dims.get_mesh("efsdp") if ep > 1 and efsdp > 1 else None)
+
+
+def own_meshes(world_size: int, ep: int = 1) -> Meshes:
+    """Meshes laid out as `build_meshes` lays them out (ep groups of consecutive ranks, efsdp groups
+    strided by ep: torchtitan's ["efsdp", "ep"] order), so a model parallelized on them holds the same
+    shards, but over process groups of their own: the async producer's collectives then never share a
+    communicator with the trainer's. (A mesh dim spanning every rank would otherwise reuse the default
+    group, as torchtitan's meshes do.) Every rank must call it: each group is created by all ranks."""
+    import torch.distributed as dist
+    rank, dev = dist.get_rank(), "cuda" if torch.cuda.is_available() else "cpu"
+
+    def mesh(groups: list[list[int]], name: str) -> DeviceMesh:
+        for ranks in groups:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = DeviceMesh.from_group(group, dev, mesh=torch.tensor(ranks), mesh_dim_names=(name,))
+        return mine
+
+    efsdp = world_size // ep
+    return Meshes(fsdp=mesh([list(range(world_size))], "fsdp"),
+                  ep=mesh([list(range(i, i + ep)) for i in range(0, world_size, ep)], "ep") if ep > 1 else None,
+                  efsdp=mesh([list(range(j, world_size, ep)) for j in range(ep)], "efsdp") if ep > 1 and efsdp > 1
+                  else None)
 
 
 def rank_world() -> tuple[int, int]:
@@ -189,9 +214,10 @@ def build_model(cfg: TrainConfig, meshes: Meshes | None = None, init_state: dict
 
 
 def reference_copy(model, cfg: TrainConfig, meshes: Meshes | None = None) -> Transformer:
-    """A frozen copy of the policy's current weights, the KL penalty's reference model: a deep copy
-    of a plain model, or (meshes given) a model parallelized as the policy is, each rank copying its
-    own shards (no full tensor is gathered)."""
+    """A frozen copy of the policy's current weights: the KL penalty's reference model, or the async
+    producer's policy. A deep copy of a plain model, or (meshes given) a model parallelized as the
+    policy is, each rank copying its own shards (no full tensor is gathered). meshes may be the
+    policy's or another set over the same ranks (`build_meshes` again: its own process groups)."""
     import copy
     if meshes is None:
         return copy.deepcopy(model).requires_grad_(False)
@@ -206,8 +232,39 @@ def reference_copy(model, cfg: TrainConfig, meshes: Meshes | None = None) -> Tra
         for (name, r), (src_name, p) in zip([*ref.named_parameters(), *ref.named_buffers()],
                                             [*model.named_parameters(), *model.named_buffers()]):
             assert name == src_name, (name, src_name)  # a copy into the wrong twin would pass silently otherwise
-            r.copy_(p)  # DTensor to DTensor with equal placements: a local copy, no communication
+            local(r).copy_(local(p))  # equal placements: this rank's shard into its twin, no communication
     return ref.requires_grad_(False)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (t itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def load_shards(model, named: dict[str, torch.Tensor]):
+    """Copy each tensor's local shard into model's twin of the same name (policy_tensors names, the same
+    placements): the async producer taking the trainer's published weights, with no communication."""
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            if name in named:  # a tied name appears once in policy_tensors
+                local(t).copy_(local(named[name]))
+
+
+# ----------------------------------------------------------------------------- collectives
+
+_thread = threading.local()  # .group: the process group this thread's collectives run on (None = the default)
+
+
+@contextmanager
+def collective_group(group):
+    """Run this file's collectives called on this thread on `group`: the async loop's producer thread
+    has its own group, so its collectives never interleave with the trainer thread's on one communicator."""
+    before = getattr(_thread, "group", None)
+    _thread.group = group
+    try:
+        yield
+    finally:
+        _thread.group = before
 
 
 def all_gather_list(items: list) -> list:
@@ -218,12 +275,12 @@ def all_gather_list(items: list) -> list:
     import torch.distributed as dist
     out = [None] * world
     # all_gather_object pickles, so the lists may hold any objects and differ in length by rank.
-    dist.all_gather_object(out, items)
+    dist.all_gather_object(out, items, group=getattr(_thread, "group", None))
     return [x for part in out for x in part]  # rank order, so every rank gets the same list
 
 
 def all_reduce_float(x: float, op: str = "sum") -> float:
-    """Sum (or max) of a float over ranks."""
+    """Sum (or max, or min) of a float over ranks."""
     if rank_world()[1] == 1:
         return x
     import torch.distributed as dist
@@ -231,8 +288,47 @@ def all_reduce_float(x: float, op: str = "sum") -> float:
     # tensors (gloo CPU ones), so with nccl the value goes to this rank's GPU, the current device
     # that setup_distributed set.
     t = torch.tensor([x], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    dist.all_reduce(t, op=ops[op], group=getattr(_thread, "group", None))
     return t.item()
+
+
+def all_ranks(flag: bool) -> bool:
+    """True when flag is true on every rank (the sharded engine's stop check: ranks decode in lockstep)."""
+    return all_reduce_float(float(flag), "min") > 0
+
+
+@contextmanager
+def gathered(model):
+    """The sharded policy's weights gathered whole for a rollout phase, freed when the block exits.
+
+    Every FSDP unit is all-gathered once (in its param_dtype: bf16 in a bf16 run, the router gates
+    fp32) and stays gathered through every forward of the phase, instead of being gathered and
+    freed around each decode step's forward; experts split by expert parallelism stay split, their
+    tokens sent by the all-to-all as in training. On exit every unit is resharded (FSDP2's
+    reset_iter_state), so the trainer finds the model as it left it. A collective: every rank of the
+    policy's meshes enters and leaves together. A model without FSDP units passes through.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield model
+        return
+    with torch.no_grad():
+        # FSDP2 picks its root at the first forward through the root module; the engine calls blocks through
+        # Transformer.hidden, which a fresh model has not yet run: one token's forward settles it first
+        model(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device))
+    inner = [u for u in units if u is not model]  # the root already keeps its weights gathered after forward
+    for u in inner:
+        u.set_reshard_after_forward(False, recurse=False)  # gathered until the phase ends, not per forward
+    try:
+        for u in units:  # module order: the same sequence of all-gathers on every rank
+            u.unshard()
+        yield model
+    finally:
+        for u in inner:
+            u.set_reshard_after_forward(True, recurse=False)
+        model.reset_iter_state()  # reshards every unit and clears FSDP's per-iteration forward records
 
 
 def padded_microbatches(micro: list[list[int]]) -> list[list[int]]:

@@ -62,6 +62,7 @@ Notable choices:
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -103,12 +104,45 @@ class Rollout:
     prompt_ids: list[int]
     completion_ids: list[int]  # includes the EOS token when finish_reason == "stop"
     logprobs: torch.Tensor  # [C] fp32, engine's log pi(completion token): pi_infer, before top-k/top-p truncation
-    # [T + C - 1, L, K] int32 routed expert ids, T this prompt's tokens: every token fed to the model, i.e. all
+    # [T + C - 1, L, K] routed expert ids (route_dtype: uint8 up to 256 experts), T this prompt's tokens: every token fed to the model, i.e. all
     # but the last completion token, whose logits are never computed (SGLang's layout; replayed by the trainer)
     routes: torch.Tensor
     finish_reason: str  # "stop" (EOS sampled) or "length" (max_new_tokens reached)
     group_id: int  # index of the prompt in the generate() call (or group_ids[i]); rollouts of one prompt share it
     weight_version: int  # the engine's version when it generated this rollout (staleness = trainer's - this)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    def summary(self, rank: int, with_tokens: bool = False) -> RolloutSummary:
+        """Its scalars, for the other ranks (with the completion's ids if with_tokens)."""
+        return RolloutSummary(len(self.prompt_ids), len(self.completion_ids), self.finish_reason, self.group_id,
+                              self.weight_version, rank, list(self.completion_ids) if with_tokens else None)
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype that holds expert ids 0..num_experts - 1: what a Rollout's routes are
+    kept and moved in (uint8 up to 256 experts: a quarter of SGLang's int32). The trainer pads with -1
+    only once they are in its own int32 batch."""
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        if num_experts - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    raise ValueError(f"num_experts={num_experts} exceeds int32 expert ids")
+
+
+@dataclass(frozen=True)
+class RolloutSummary:
+    """What the other ranks learn of a rollout: its scalars, never its tokens, logprobs or routes (those
+    stay on the rank that generated it, which trains it). completion_ids only when reward shaping reads
+    the group's completions."""
+    prompt_len: int
+    num_tokens: int
+    finish_reason: str
+    group_id: int
+    weight_version: int
+    rank: int
+    completion_ids: list[int] | None = None
 
 
 def sample(logits_BV: torch.Tensor, params: SamplingParams, u_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,7 +458,7 @@ class DecodeState:
     # column T + t written by decode step t
     pos_BS: torch.Tensor  # RoPE position of each row's columns (left padding shifts a row's positions)
     bias_B11S: torch.Tensor  # fp32 additive mask: 0 on a row's real columns, -inf on its left padding
-    routes_BSLK: torch.Tensor  # int32 routed experts of every token fed to the model
+    routes_BSLK: torch.Tensor  # routed experts (route_dtype) of every token fed to the model
 
 
 def decode_step(model: Transformer, tokens_B: torch.Tensor, state: DecodeState, col: int) -> torch.Tensor:
@@ -437,16 +471,25 @@ def decode_step(model: Transformer, tokens_B: torch.Tensor, state: DecodeState, 
     """
     h_B1D, routes_B1LK = model.hidden(tokens_B[:, None], pos_BT=state.pos_BS[:, col:col + 1], return_routes=True,
                                       cache=state.cache, cache_start=col, mask_B1TS=state.bias_B11S[..., :col + 1])
-    state.routes_BSLK[:, col] = routes_B1LK[:, 0]  # (B, L, K) int64 -> int32: the experts this token used
+    state.routes_BSLK[:, col] = routes_B1LK[:, 0]  # (B, L, K) int64 -> route_dtype: the experts this token used
     return model.lm_head(h_B1D[:, 0]).float()  # (B, V) fp32 for the sampler
 
 
 class NativeEngine:
-    """A PyTorch rollout engine holding its own copy of the policy weights (optionally FP8)."""
+    """A PyTorch rollout engine: its own copy of the policy weights (optionally FP8) in one process, or,
+    given `policy` (a multi-rank run's FSDP/EP-sharded model), no copy at all.
+
+    On the sharded policy (distributed.gathered): for each rollout phase (`phase()`; a generate call
+    outside one opens its own) the dense weights are gathered once and freed after it, the experts
+    stay expert-parallel with the training all-to-all, and every rank decodes its own rows; ranks
+    step in lockstep (the stop check is a collective) because each forward's all-to-all needs all
+    of them, and a rank without prompts decodes one placeholder row. Weight sync is free: the engine
+    reads the tensors the optimizer just wrote. The KV cache is this rank's, in the run's dtype.
+    """
 
     def __init__(self, cfg: ModelConfig, *, eos_id: int | Sequence[int], pad_id: int, device="cpu",
                  dtype=torch.float32, fp8: bool = False, compile: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 num_tokens: int | None = None):
+                 num_tokens: int | None = None, policy: nn.Module | None = None):
         # eos_id: one id or several (a chat model stops at <|im_end|> and at <|endoftext|>).
         # num_tokens: the tokenizer's ids, 0..num_tokens - 1; a checkpoint's embedding may have more rows (Qwen3:
         # 151,936 for 151,665 tokens), which are never sampled: no id the tokenizer cannot decode. Their
@@ -454,6 +497,15 @@ class NativeEngine:
         self.cfg, self.pad_id, self.num_tokens = cfg, pad_id, num_tokens
         self.stop_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
         self.device, self.dtype, self.fp8, self.bucket_bytes = torch.device(device), dtype, fp8, bucket_bytes
+        self.weight_version, self.sharded, self._phase = 0, policy is not None, None
+        self.kv_bytes = 0  # the largest KV cache a generate call allocated (the run logs it)
+        self._decode_step = torch.compile(decode_step, dynamic=True) if compile else decode_step
+        if policy is not None:
+            if fp8:
+                raise ValueError("rollout_fp8 with the sharded native engine (several ranks) is not built: FP8 rollouts "
+                                 "run with engine='sglang', or the native engine in one process")
+            self.model = policy  # the trainer's own module: nothing to copy, nothing to sync
+            return
         # no gradients, ever; the initial values are placeholders until the first update_weights
         self.model = Transformer(cfg).to(self.device, dtype).eval().requires_grad_(False)
         for block in self.model.layers:
@@ -469,8 +521,31 @@ class NativeEngine:
         self._required = {n for n, _ in list(self.model.named_parameters()) + list(self.model.named_buffers())
                           if n in persistent}
         self._fp8_weights = {n for n, t in self._slots.items() if t.dtype == FP8}  # quantise these on arrival
-        # dynamic=True: col, a Python int, changes every step; as a symbolic int it does not recompile per column
-        self._decode_step = torch.compile(decode_step, dynamic=True) if compile else decode_step
+
+    @contextmanager
+    def phase(self):
+        """A rollout phase: on the sharded policy the weights stay gathered across every generate call
+        inside it (a collective: every rank enters and leaves together). One process: nothing to do."""
+        if not self.sharded or self._phase is not None:
+            yield
+            return
+        from distributed import gathered
+        with gathered(self.model):
+            self._phase = weight_bytes(self.model, self.dtype)  # measured while gathered: what decoding holds
+            try:
+                yield
+            finally:
+                self._phase = None
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank's engine holds: its weights (dense and routed experts; on the sharded policy
+        the gathered ones, which live only during a rollout phase) and its largest KV cache so far."""
+        if self.sharded:
+            with self.phase():
+                weights = dict(self._phase)
+        else:
+            weights = weight_bytes(self.model, self.dtype)
+        return {**weights, "kv_cache": self.kv_bytes}
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Named, version: int):
@@ -479,7 +554,11 @@ class NativeEngine:
         weight is quantised on arrival). Every parameter and persistent buffer must arrive.
 
         Raises ValueError on an unknown name, a shape mismatch or a missing tensor.
+        On the sharded policy nothing moves: the engine already reads the trainer's tensors.
         """
+        if self.sharded:
+            self.weight_version = version
+            return
         seen = set()
         # a DTensor shard (FSDP, EP) is gathered whole (the engine holds unsharded weights), then cast to its
         # slot's dtype before any transfer: a bf16 engine receives bf16 bytes
@@ -527,6 +606,15 @@ class NativeEngine:
         Raises ValueError on an empty prompt, max_new_tokens < 1, or a prompt that cannot
         fit max_new_tokens within max_seq_len.
         """
+        if self.sharded:  # lockstep with the other ranks, inside a rollout phase
+            with self.phase():
+                if prompts:
+                    return self._generate(prompts, params, n, seed, group_ids)
+                self._generate([[self.pad_id]], params, 1, 0, None)  # joins the others' collectives; dropped
+                return []
+        return self._generate(prompts, params, n, seed, group_ids)
+
+    def _generate(self, prompts, params, n, seed, group_ids) -> list[Rollout]:
         if not prompts:
             return []
         max_new_tokens = params.max_new_tokens  # >= 1: SamplingParams checks it
@@ -592,12 +680,13 @@ class NativeEngine:
 
         # (n_layers, B, J, S, d): columns >= T are written by decode step t = col - T before any read
         cache = KVCache(cfg, B, S, dtype=self.dtype, device=dev)
+        self.kv_bytes = max(self.kv_bytes, 2 * cache.k.numel() * cache.k.element_size())
         for layer in range(cfg.n_layers):  # each row copies its prompt's prefill, a layer at a time: (B, J, T, d)
             # per layer, so the gathered copy in between is one layer's, not the whole cache's
             cache.k[layer, :, :, :T] = prefill.k[layer, row_u]
             cache.v[layer, :, :, :T] = prefill.v[layer, row_u]
-        # int32, SGLang's dtype and the Rollout's; columns past a row's last fed token are never read
-        routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=torch.int32, device=dev)
+        # the Rollout's dtype (route_dtype); columns past a row's last fed token are never read
+        routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=route_dtype(cfg.num_experts), device=dev)
         routes_BSLK[:, :T] = routes_UTLK[row_u]  # (U, T, L, K) -> (B, T, L, K)
         pad_B = pad_U[row_u]  # (B,)
         col_S = torch.arange(S, device=dev)
@@ -626,7 +715,28 @@ class NativeEngine:
             logp_BC[:, t] = logp_B
             done_B |= torch.isin(ids_B, stops)  # a finished row still runs (no shape depends on data); generate cuts it
             # the only host sync of a step: every STOP_CHECK_EVERY steps, whether all rows are done
-            if t == C - 1 or (t % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1 and bool(done_B.all())):
+            if t == C - 1 or (t % STOP_CHECK_EVERY == STOP_CHECK_EVERY - 1 and self._all_done(done_B)):
                 break  # no decode step after the last sample: it is never fed back
             last_BV = self._decode_step(self.model, ids_B, state, T + t)  # completion token t sits at column T + t
         return ids_BC, logp_BC, t + 1
+
+    def _all_done(self, done_B: torch.Tensor) -> bool:
+        """Every row has stopped: this rank's, or on the sharded policy every rank's (all decode in lockstep)."""
+        if not self.sharded:
+            return bool(done_B.all())
+        from distributed import all_ranks
+        return all_ranks(bool(done_B.all()))
+
+
+def weight_bytes(model: nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of a model's weights as an engine computes with them: "dense" (every tensor but the routed
+    experts; the router gate in fp32) and "experts" (this rank's routed experts). A DTensor counts its
+    local shard (this rank's experts under expert parallelism); floating tensors count in `dtype`,
+    which the engine casts them to. The plan's engine_bytes computes the same from the shapes."""
+    out = {"dense": 0, "experts": 0}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        size = local.element_size() if not local.is_floating_point() or local.dtype == FP8 or ".gate." in name else \
+            torch.tensor([], dtype=dtype).element_size()
+        out["experts" if ".mlp.experts." in name else "dense"] += local.numel() * size
+    return out

@@ -1,9 +1,9 @@
 """Length-aware scheduling and the bounded-staleness rollout/train pipeline.
 
 Owns how a step's work is laid out: `LengthPredictor` (a prompt's completion length),
-`length_buckets` (generation batches of similar predicted length), `balance` (those
-batches over ranks, longest processing time first), `generation_batches` (the two for
-one step's prompts) and `Pipeline` (a producer thread that generates rollouts at most
+`length_buckets` (generation batches of similar predicted length), `balance` (work over
+workers, longest processing time first), `generation_batches` (one step's batches, each
+spread over the ranks) and `Pipeline` (a producer thread that generates rollouts at most
 `max_staleness` weight versions behind the trainer). The trainer packs its own
 micro-batches (trainer.pack_microbatches). Papers: "Each Prompt Matters" (arXiv 2512.07710), whose system measures
 include length-based load balancing and rollout overlapped with training; LPT from
@@ -119,19 +119,19 @@ def balance(costs: list[float], num_workers: int) -> list[list[int]]:
 
 
 def generation_batches(predictor: LengthPredictor, requests: list[tuple], rows_per_batch: int, *,
-                       num_workers: int = 1, worker: int = 0) -> list[tuple[int, list[int]]]:
-    """This worker's generation batches of a step's prompts: (batch index, request indices) pairs.
+                       num_workers: int = 1, worker: int = 0) -> list[list[int]]:
+    """This worker's share of each generation batch of a step's prompts (request indices; a share may be empty).
 
     requests: (key, task, prompt_len) of each prompt; each is predicted to take prompt_len plus
-    its predicted completion tokens. Batches of <= rows_per_batch similar lengths
-    (`length_buckets`) go longest first to the least-loaded worker (`balance`, cost = rows x
-    longest row, since a batch decodes until its longest row stops). Every worker computes the
-    same split; the batch index names a batch the same way on every worker.
+    its predicted completion tokens. Batches of <= rows_per_batch prompts per worker and similar
+    lengths (`length_buckets`), longest first; each batch spans every worker, dealt round-robin in
+    its longest-first order, so every worker is busy, holds at most rows_per_batch prompts (what its
+    KV cache is sized for) and gets about the same predicted work (its neighbours in length).
+    Every worker computes the same split and gets as many shares as there are batches: workers
+    that decode in lockstep (the sharded engine) make the same calls.
     """
     predicted = [n + predictor.predict(key, task=task, prompt_len=n) for key, task, n in requests]
-    buckets = length_buckets(predicted, rows_per_batch)
-    mine = balance([len(b) * max(predicted[i] for i in b) for b in buckets], num_workers)[worker]
-    return [(b, buckets[b]) for b in sorted(mine)]
+    return [sorted(bucket[worker::num_workers]) for bucket in length_buckets(predicted, rows_per_batch * num_workers)]
 
 
 class Pipeline:

@@ -41,7 +41,8 @@ from tqdm import tqdm
 
 from checkpoint import read_checkpoint, resume_path, rng_state, set_rng_state, write_checkpoint
 from config import TrainConfig, check_config, parse_args
-from distributed import Meshes, all_gather_list, build_model, rank_world, reference_copy, setup_distributed
+from distributed import (Meshes, all_gather_list, build_model, collective_group, load_shards, own_meshes, rank_world,
+                         reference_copy, setup_distributed)
 from espo import LossConfig, ragged_group_advantages
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, FilterConfig, PromptHistory, Scored, is_informative, oversample_size,
                     post_rollout_filter, pre_rollout_filter, probe_decisions)
@@ -131,7 +132,8 @@ class Run:
 
 def rl_step(run: Run, step: int) -> dict:
     """One synchronous RL step: collect_rollouts, then update_policy. Returns its metrics."""
-    m, batch = collect_rollouts(run, step)
+    with run.engine.phase():  # the sharded policy's weights gathered for the rollouts, freed before training
+        m, batch = collect_rollouts(run, step)
     if batch is None:  # every group was zero-variance and dropped: nothing to learn from this step
         m["skipped_update"] = 1
         return m
@@ -141,8 +143,9 @@ def rl_step(run: Run, step: int) -> dict:
 
 def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     """The first half of an RL step: prompts -> scored groups -> advantages, as a TrainBatch (None when
-    every group was dropped), and metrics. Never touches the policy, so the async loop runs it on its
-    producer thread."""
+    every group was dropped), and metrics. Never changes the policy, so the async loop runs it on its
+    producer thread. Callers run it inside one rollout phase of the engine (on the sharded policy the
+    weights are gathered once for all of its generate calls)."""
     cfg, filt = run.cfg, run.filt
     t0 = time.perf_counter()
     groups = []  # (item, [Scored]) in draw order: what the stages have kept so far
@@ -182,7 +185,7 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     t_generate = time.perf_counter() - t0
     for item, g in groups:  # every completion teaches the length predictor (generation buckets, stage 1's estimates)
         for s in g:
-            run.predictor.observe(item.question, s.num_tokens, task=item.task, prompt_len=len(s.payload.prompt_ids))
+            run.predictor.observe(item.question, s.num_tokens, task=item.task, prompt_len=s.payload.prompt_len)
 
     correct = [torch.tensor([s.reward for s in g]) for _, g in groups]  # the verifier's 0/1
     # shaping (penalties, reward model, judge) moves a reward only inside its correctness class, so no
@@ -208,6 +211,7 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
               "oversample_rounds": rounds, "prompts_drawn": drawn,
               "groups_informative": sum(is_informative(g) for _, g in groups)}
     m = rollout_metrics(step, groups, correct, lengths, {**filtered, **counts}, t_generate)
+    m.update({f"engine/{k}_bytes": v for k, v in run.engine.memory().items()})  # this rank's: no replica if sharded
     return m, kept_batch(run, groups, keep_P, zero_var_P, adv)
 
 
@@ -218,7 +222,7 @@ def update_policy(run: Run, batch: TrainBatch, step: int) -> dict:
     # version = RL steps trained (policy updates): the next step's rollouts record which weights produced them
     run.engine.update_weights(policy_tensors(run.model), version=step + 1)
     m["t_train"] = time.perf_counter() - t0
-    m["trained_sequences"] = len(batch.seqs)
+    m["trained_sequences"] = len(batch.all_lens)  # every rank's
     return m
 
 
@@ -235,20 +239,20 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
     with reward workers each batch is handed to them as soon as it is generated.
 
     stream: which of the step's generate rounds this is (probes, the rest, over-sampling), so each
-    draws its own random numbers. Multi-rank: each rank generates its share of the batches (LPT by
-    predicted work), each with the prompts and seed it has in a 1-process run (sampling is
-    batch-invariant: the same rollouts), and returns only those.
+    draws its own random numbers. A rollout's random stream is keyed by (step, stream, group id,
+    sample index) alone (sampling is batch-invariant), so how prompts are batched, and on which
+    rank, does not change what is sampled. Multi-rank: each batch spans every rank, each rank
+    generates its share (all ranks in the same calls, in lockstep) and returns only its own rollouts.
     """
     cfg = run.cfg
     prompts = [run.prompts.ids[it.question] for it in items]
     rank, world = rank_world()
-    batches = generation_batches(run.predictor, [(it.question, it.task, len(p)) for it, p in zip(items, prompts)],
-                                 max(1, cfg.gen_batch_rows // n), num_workers=world, worker=rank)
+    seed = (cfg.seed + step) * 1000 + stream * STREAM_SEED_STRIDE
     rollouts = []
-    for b, bucket in batches:  # bucket: indices into items, which become the rollouts' group ids
-        # batch b's seed depends only on (step, b, stream): whichever rank generates it samples the same rollouts
-        generated = run.engine.generate([prompts[i] for i in bucket], run.sampling, n=n, group_ids=bucket,
-                                        seed=(cfg.seed + step) * 1000 + b + stream * STREAM_SEED_STRIDE)
+    for share in generation_batches(run.predictor, [(it.question, it.task, len(p)) for it, p in zip(items, prompts)],
+                                    max(1, cfg.gen_batch_rows // n), num_workers=world, worker=rank):
+        # share: this rank's indices into items (maybe none), which become the rollouts' group ids
+        generated = run.engine.generate([prompts[i] for i in share], run.sampling, n=n, group_ids=share, seed=seed)
         if run.pool is not None:  # rollouts of a prompt come out in order, so (stream, group, j) names each one
             for j, r in enumerate(generated):
                 run.pool.submit((stream, r.group_id, j % n), completion_text(run.tok, r), items[r.group_id])
@@ -259,7 +263,9 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
 
 def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int, stream: int) -> list[list[Scored]]:
     """The verifier's reward of each rollout (waiting for the reward workers, if any), as groups of n
-    per item. Multi-rank: every rank gets every scored rollout, so filter, advantages and history agree."""
+    per item. Multi-rank: every rank learns every rollout's reward and lengths (a RolloutSummary as the
+    payload of the others' rollouts), so filter, advantages and history agree; tokens and routes stay on
+    the rank that generated them (with reward shaping, the completions' ids travel too)."""
     if run.pool is not None:
         mine = sorted({r.group_id for r in rollouts})
         rewards, reasons = run.pool.gather([(stream, i, j) for i in mine for j in range(n)])
@@ -270,8 +276,13 @@ def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int,
         rewards, reasons = [w for w, _ in results], [why for _, why in results]
     scored = [Scored(reward=w, num_tokens=len(r.completion_ids), payload=r, reason=why)
               for w, r, why in zip(rewards, rollouts, reasons)]
-    if rank_world()[1] > 1:
-        scored = sorted(all_gather_list(scored), key=lambda s: s.payload.group_id)  # a group is generated on one rank
+    rank, world = rank_world()
+    if world > 1:
+        tokens = bool(run.shaping.shapes)
+        everyone = all_gather_list([dataclasses.replace(s, payload=s.payload.summary(rank, tokens)) for s in scored])
+        mine = iter(scored)  # this rank's part of the gathered list, in the same order: keep the full rollouts
+        scored = [next(mine) if s.payload.rank == rank else s for s in everyone]
+        scored.sort(key=lambda s: s.payload.group_id)  # stable: a group is generated on one rank, in sample order
     # sorted by group id, n per group and the sort stable: group i is the i-th slice of n, in sample order
     return [scored[i * n:(i + 1) * n] for i in range(len(items))]
 
@@ -299,12 +310,14 @@ def kept_batch(run: Run, groups, keep_P: torch.Tensor, zero_var_P: torch.Tensor,
     kept = [i for i, (p, _) in enumerate(rollouts) if keep_P[p]]
     if not kept:
         return None
-    r = [rollouts[i][1].payload for i in kept]
+    # this rank's kept rollouts (all of them in one process); the others' are numbered but stay where they are
+    mine = [j for j, i in enumerate(kept) if isinstance(rollouts[i][1].payload, Rollout)]
+    r = [rollouts[kept[j]][1].payload for j in mine]
     # a zero-variance group is all correct or all wrong: one rollout's reward says which (RL-ZVP's sign)
-    zvp = {j: rollouts[i][1].reward > 0 for j, i in enumerate(kept) if zero_var_P[rollouts[i][0]]}
-    return TrainBatch(seqs=[x.prompt_ids + x.completion_ids for x in r], starts=[len(x.prompt_ids) for x in r],
-                      routes=[x.routes for x in r], adv_B=adv[kept], infer_logp=[x.logprobs for x in r], zvp=zvp,
-                      pad_id=run.tok.pad_id)
+    zvp = {a: rollouts[kept[j]][1].reward > 0 for a, j in enumerate(mine) if zero_var_P[rollouts[kept[j]][0]]}
+    return TrainBatch(seqs=[x.prompt_ids + x.completion_ids for x in r], starts=[x.prompt_len for x in r],
+                      routes=[x.routes for x in r], adv_B=adv[kept][mine], infer_logp=[x.logprobs for x in r], zvp=zvp,
+                      pad_id=run.tok.pad_id, ids=mine, all_lens=[rollouts[i][1].num_tokens for i in kept])
 
 
 def rollout_metrics(step: int, groups, correct, lengths, filtered: dict, t_generate: float) -> dict:
@@ -350,7 +363,8 @@ def rl_loop(run: Run, start: int):
 
 def rl_loop_async(run: Run, start: int = 0, sync_after=None):
     """RL steps start..rl_steps - 1 with rollouts up to cfg.max_staleness weight versions old; yields each
-    step's metrics. One process only (check_config refuses several ranks).
+    step's metrics. Under torchrun the producer decodes on a sharded copy of the policy with process
+    groups of its own (`producer_engine`), loading each published version shard by shard.
 
     A producer thread (scheduler.Pipeline) runs collect_rollouts for steps s+1..s+k on its own engine
     copy while the trainer runs update_policy for step s. After each step the trainer publishes a
@@ -373,7 +387,9 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
     cfg = run.cfg
     # the producer's view of the run: its own engine; prompts, history, predictor and RNG are shared (only
     # the producer touches them during RL, and the trainer reads them for checkpoints while it waits)
-    producer = dataclasses.replace(run, engine=copy.deepcopy(run.engine))
+    producer, group = dataclasses.replace(run, engine=producer_engine(run)), None
+    if producer.engine.sharded:  # its own process groups: its collectives never interleave with the trainer's
+        group = producer.engine.model.meshes.fsdp.get_group()
     threads = torch.get_num_threads()
     rollout_threads, trainer_threads = cfg.rollout_threads, cfg.trainer_threads
     if torch.device(cfg.device).type == "cpu":  # split the cores; on a GPU each thread only launches work
@@ -386,11 +402,14 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
         if rollout_threads:
             torch.set_num_threads(rollout_threads)  # OpenMP teams are per thread
         t = time.perf_counter()
-        m, batch = collect_rollouts(producer, step)
+        with collective_group(group), producer.engine.phase():
+            m, batch = collect_rollouts(producer, step)
         m["t_rollout"] = time.perf_counter() - t
         return m, batch
 
     def apply(weights, version):  # on the producer thread, between its steps
+        if producer.engine.sharded:
+            load_shards(producer.engine.model, weights)  # this rank's shards: no communication
         producer.engine.update_weights(weights.items(), version=version)
 
     sync_after = sync_after or (lambda step: False)
@@ -416,6 +435,19 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
     finally:
         pipe.close()
         torch.set_num_threads(threads)
+
+
+def producer_engine(run: Run) -> NativeEngine:
+    """The async producer's engine: a copy of the one-process engine, or under torchrun the native engine
+    on a sharded copy of the policy parallelized over meshes of its own (other process groups)."""
+    if not run.engine.sharded:
+        return copy.deepcopy(run.engine)
+    meshes = own_meshes(rank_world()[1], run.cfg.ep)
+    twin = reference_copy(run.model, run.cfg, meshes)
+    twin.meshes = meshes
+    engine = build_engine(run.cfg, run.tok, twin)
+    engine.weight_version = run.engine.weight_version  # the version its copy holds (a resumed run's, say)
+    return engine
 
 
 def sft(run: Run, opt, start: int):
@@ -460,15 +492,16 @@ def evaluate(run: Run, *, samples: int, temperature: float) -> torch.Tensor:
     scores = []
     rows = max(1, cfg.eval_batch_rows // samples)
     rank, world = rank_world()
-    for c, i in enumerate(range(0, len(items), rows)):
-        if c % world != rank:  # multi-rank: rank r takes chunks r, r + world, ...: the 1-process chunks and seeds
-            continue
-        chunk = items[i:i + rows]
-        outs = run.engine.generate([prompt_ids(run.tok, run.held_out, it, cfg.system_prompt) for it in chunk],
-                                   params, n=samples,
-                                   seed=cfg.seed + i)
-        scores.append((i, [run.held_out.score(completion_text(run.tok, r), chunk[r.group_id]) for r in outs]))
-    scores = [x for _, part in sorted(all_gather_list(scores)) for x in part]  # chunks back in item order
+    mine = list(range(rank, len(items), world))  # multi-rank: rank r takes items r, r + world, ...
+    calls = -(-len(items) // (rows * world))  # as many on every rank (the sharded engine's calls are collectives)
+    with run.engine.phase():
+        for c in range(calls):
+            chunk = mine[c * rows:(c + 1) * rows]
+            # item i's stream is keyed by (cfg.seed, i, sample): the same whichever rank and call generate it
+            outs = run.engine.generate([prompt_ids(run.tok, run.held_out, items[i], cfg.system_prompt) for i in chunk],
+                                       params, n=samples, seed=cfg.seed, group_ids=chunk)
+            scores += [(r.group_id, run.held_out.score(completion_text(run.tok, r), items[r.group_id])) for r in outs]
+    scores = [x for _, x in sorted(all_gather_list(scores), key=lambda s: s[0])]  # item order, samples in order
     return torch.tensor(scores).view(len(items), samples).mean(dim=1)  # (items, samples) -> mean per item
 
 
@@ -524,8 +557,7 @@ def start_run(cfg: TrainConfig, meshes: Meshes | None, resumed: dict | None) -> 
         raise ValueError(f"only {len(eval_items)} held-out prompts ({cfg.eval_data or 'reasoning-gym'}) are unseen in "
                          f"training and at most max_prompt_tokens={cfg.prompt_limit()} long; need eval_size={cfg.eval_size}")
     model = build_model(cfg, meshes)  # before the engine: both draw their init from torch's RNG
-    engine = NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device,
-                          dtype=cfg.compute_dtype(), compile=cfg.compile, num_tokens=tok.enc.n_vocab)
+    engine = build_engine(cfg, tok, model)
     # the data order from its own generator: it does not depend on what else drew from torch's RNG
     order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     return Run(cfg=cfg, engine=engine, tok=tok, prompts=Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt),
@@ -533,6 +565,14 @@ def start_run(cfg: TrainConfig, meshes: Meshes | None, resumed: dict | None) -> 
                log=MetricsLog(cfg, keep=resumed["num_records"] if resumed else None),
                pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
                if cfg.reward_workers else None)
+
+
+def build_engine(cfg: TrainConfig, tok: Tokenizer, model) -> NativeEngine:
+    """The rollout engine: under torchrun the native engine on the sharded policy itself (no replica;
+    NativeEngine's docstring), in one process a copy of the policy (FP8 with rollout_fp8)."""
+    on_policy = model if rank_world()[1] > 1 else None
+    return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device, dtype=cfg.compute_dtype(),
+                        compile=cfg.compile, num_tokens=tok.enc.n_vocab, fp8=cfg.rollout_fp8, policy=on_policy)
 
 
 def load_tasks(cfg: TrainConfig) -> tuple[ItemList, ItemList]:

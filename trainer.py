@@ -14,9 +14,10 @@ step (`TrainBatch`: sequences, the engine's routes and logprobs, advantages):
      accumulated over token-budget micro-batches (`pack_microbatches`).
   4. The train-inference mismatch: k3 of KL(pi_infer || pi_old) and friends (espo.mismatch_metrics).
 
-Several ranks: rank r trains members r, r + world, ... of each mini-batch, with the whole
-mini-batch's normaliser and its loss scaled by world (FSDP averages gradients), so a step
-equals the 1-process step; ranks with fewer micro-batches run idle forwards so FSDP's and
+Several ranks: each rank trains the rollouts it generated (they never leave it: `TrainBatch`
+holds this rank's sequences and every rank's completion lengths), each mini-batch's members that
+it holds, with the whole mini-batch's normaliser and its loss scaled by world (FSDP averages
+gradients), so a step equals the 1-process step; ranks with fewer micro-batches run idle forwards so FSDP's and
 the expert all-to-all's collectives stay matched (distributed.py).
 
 Legend (README): B sequences, T tokens, L MoE layers, K experts per token, V vocabulary.
@@ -162,6 +163,22 @@ class TrainBatch:
     old_logp: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] log pi_old (set_old)
     old_ent: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] entropy of pi_old (nats)
     adv_tokens: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] token advantages
+    # Several ranks: the step's kept sequences are numbered 0..N-1 the same way on every rank; this rank holds
+    # those it generated, ids[i] being sequence i's number, and knows every one's completion length (all_lens,
+    # the loss normaliser). Defaults: one process, which holds them all.
+    ids: list[int] | None = None
+    all_lens: list[int] | None = None
+
+    def __post_init__(self):
+        if self.ids is None:
+            self.ids = list(range(len(self.seqs)))
+        if self.all_lens is None:
+            self.all_lens = [len(q) - st for q, st in zip(self.seqs, self.starts)]
+
+    def local(self, members: list[int]) -> list[int]:
+        """The members (numbers among all ranks' sequences) this rank holds, as its own indices, in order."""
+        pos = {g: i for i, g in enumerate(self.ids)}
+        return [pos[g] for g in members if g in pos]
 
     def set_old(self, idx: list[int], logp_BT: torch.Tensor, ent_BT: torch.Tensor, zvp_alpha: float):
         """Record pi_old and its entropy for sequences idx (rows of the padded [B, T] tensors), and the
@@ -248,13 +265,12 @@ def minibatch_backward(model, batch: TrainBatch, members: list[int], first: bool
     """Accumulate the gradient of one mini-batch's loss (this rank's share of `members`); returns the
     loss (summed over ranks) and each micro-batch's loss metrics. first: the step's first mini-batch,
     whose pi_old comes from this forward."""
-    rank, world = rank_world()
+    world = rank_world()[1]
     # the loss of one optimizer step is a mean over the whole mini-batch, not per micro-batch
-    normalizer = (sum(len(batch.seqs[i]) - batch.starts[i] for i in members) if loss_cfg.aggregation == "token-mean"
-                  else len(members))
+    normalizer = sum(batch.all_lens[g] for g in members) if loss_cfg.aggregation == "token-mean" else len(members)
     needs_infer = loss_cfg.tis_cap is not None or loss_cfg.icepop_bounds is not None
     total, metrics = 0.0, []
-    for idx in rank_microbatches(batch, members[rank::world], cfg):
+    for idx in rank_microbatches(batch, batch.local(members), cfg):
         if not idx:  # this rank has run out of micro-batches: join the others' collectives
             idle_forward(model, cfg, backward=True)
             if ref_model is not None:
@@ -287,11 +303,10 @@ def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig
     ratio is taken against the current weights and pi_infer / pi_old is what TIS or IcePop
     correct. ref_model: the frozen reference of the KL penalty (needed when loss_cfg.kl_coef != 0).
     """
-    rank, world = rank_world()
-    split = minibatches(len(batch.seqs), cfg, step)
+    split = minibatches(len(batch.all_lens), cfg, step)  # over every rank's sequences, the same on all
     # pi_old must be taken before the first optimizer step moves the weights. Mini-batch 0's loss forward
     # runs before it, so its pi_old comes detached from that forward; the others need a no-grad pass now.
-    later = sorted(i for members in split[1:] for i in members[rank::world])
+    later = sorted(i for members in split[1:] for i in batch.local(members))
     old_logprobs(model, batch, later, cfg)
     m, losses, lmetrics = {}, [], []
     lr = lr_at(step, cfg.lr, cfg.lr_warmup_steps, cfg.rl_steps, cosine=False)

@@ -171,12 +171,14 @@ def test_pipeline_rejects_negative_staleness():
         Pipeline(lambda s: s, lambda w, v: None, steps=1, max_staleness=-1)
 
 
-def test_generation_batches_split_the_length_buckets_over_workers_by_predicted_work():
+def test_generation_batches_spread_each_length_bucket_over_every_worker():
     predictor = LengthPredictor(prior=10.0)
-    for key, completion in (("a", 10), ("b", 90), ("c", 10), ("d", 20)):
+    for key, completion in (("a", 10), ("b", 90), ("c", 10), ("d", 20), ("e", 5)):
         predictor.observe(key, completion)
-    requests = [("a", 0, 5), ("b", 0, 10), ("c", 0, 5), ("d", 0, 10)]  # (key, task, prompt_len): 15, 100, 15, 30
+    # (key, task, prompt_len): predicted 15, 100, 15, 30, 10 tokens
+    requests = [("a", 0, 5), ("b", 0, 10), ("c", 0, 5), ("d", 0, 10), ("e", 0, 5)]
     one = generation_batches(predictor, requests, 2)
-    assert one == [(0, [1, 3]), (1, [0, 2])]  # longest first, similar lengths together
+    assert one == [[1, 3], [0, 2], [4]]  # longest first, similar lengths together
     two = [generation_batches(predictor, requests, 1, num_workers=2, worker=w) for w in (0, 1)]
-    assert two == [[(0, [1])], [(1, [3]), (2, [0]), (3, [2])]]  # the 100-token batch alone, the rest on worker 1
+    # the same batches, each dealt over both workers: as many calls on each (lockstep), none above 1 prompt
+    assert two == [[[1], [0], [4]], [[3], [2], []]]

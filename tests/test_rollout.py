@@ -6,7 +6,7 @@ import torch
 
 from logprobs import token_logprobs
 from model import Transformer
-from rollout import SamplingParams, NativeEngine, sample
+from rollout import NativeEngine, SamplingParams, route_dtype, sample
 
 EOS, PAD = 1, 0
 
@@ -33,7 +33,7 @@ def test_trainer_forward_with_replayed_routes_matches_engine_logprobs_and_routes
         logits, used = model(seq[None, :-1], routed_experts=r.routes[None], return_routes=True)
         logp = token_logprobs(logits, seq[None, 1:])[0, P - 1:]
         torch.testing.assert_close(logp, r.logprobs, rtol=0, atol=1e-5)
-        assert torch.equal(used[0].to(torch.int32), r.routes)  # the trainer used exactly the recorded experts
+        assert torch.equal(used[0], r.routes.long())  # the trainer used exactly the recorded experts
 
 
 def test_engine_routes_equal_the_models_own_uncached_routes(tiny_cfg):
@@ -41,7 +41,7 @@ def test_engine_routes_equal_the_models_own_uncached_routes(tiny_cfg):
     for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=10), n=1, seed=1):
         seq = torch.tensor(r.prompt_ids + r.completion_ids)
         _, own = model(seq[None, :-1], return_routes=True)
-        assert torch.equal(own[0].to(torch.int32), r.routes)
+        assert torch.equal(own[0], r.routes.long())
 
 
 def test_same_seed_gives_the_same_rollouts(tiny_cfg):
@@ -105,7 +105,7 @@ def test_cached_decode_equals_an_uncached_full_forward(tiny_cfg):
         logits, own = model(seq[None, :-1], return_routes=True)  # no cache, no replay
         logp = token_logprobs(logits, seq[None, 1:])[0, len(r.prompt_ids) - 1:]
         torch.testing.assert_close(logp, r.logprobs, rtol=0, atol=1e-5)
-        assert torch.equal(own[0].to(torch.int32), r.routes)
+        assert torch.equal(own[0], r.routes.long())
 
 
 def test_a_rollout_does_not_depend_on_its_batch_mates(tiny_cfg):
@@ -173,7 +173,7 @@ def test_update_weights_syncs_the_sigmoid_routers_expert_bias(tiny_cfg):
     r = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6), seed=0)[0]
     seq = torch.tensor(r.prompt_ids + r.completion_ids)
     _, own = model(seq[None, :-1], return_routes=True)
-    assert torch.equal(own[0].to(torch.int32), r.routes)
+    assert torch.equal(own[0], r.routes.long())
 
 
 class _Sharded:
@@ -269,7 +269,13 @@ def test_sglang_output_decodes_to_a_rollout_with_moe_layers_only(tiny_cfg):
     r = decode_sglang_output(_sglang_output(ids, logps, all_layers), prompt, cfg=cfg, group_id=4, weight_version=2)
     assert r.completion_ids == ids and r.finish_reason == "stop" and r.group_id == 4 and r.weight_version == 2
     torch.testing.assert_close(r.logprobs, torch.tensor(logps))
-    assert r.routes.dtype == torch.int32 and torch.equal(r.routes, all_layers[:, 1:].to(torch.int32))  # dense layer 0 dropped
+    # dense layer 0 dropped; SGLang's int32 ids kept in the smallest dtype that holds them
+    assert r.routes.dtype == route_dtype(cfg.num_experts) and torch.equal(r.routes.long(), all_layers[:, 1:])
+
+
+def test_routes_travel_in_the_smallest_integer_type_that_holds_every_expert_id():
+    assert [route_dtype(e) for e in (2, 128, 256, 257, 32768, 32769)] == [
+        torch.uint8, torch.uint8, torch.uint8, torch.int16, torch.int16, torch.int32]
 
 
 def test_sglang_payload_of_the_wrong_size_is_a_value_error(tiny_cfg):
