@@ -323,6 +323,8 @@ def check_config(cfg: TrainConfig):
     if cfg.max_staleness < 0 or cfg.rollout_threads < 0 or cfg.trainer_threads < 0:
         raise ValueError(f"max_staleness={cfg.max_staleness}, rollout_threads={cfg.rollout_threads}, "
                          f"trainer_threads={cfg.trainer_threads}: each must be >= 0")
+    from sglang_engine import check_sglang_config  # lazily, as checkpoint_model imports hf; sglang itself is not imported
+    check_sglang_config(cfg)  # engine, sglang_urls, sglang_mem_fraction, and what engine='sglang' needs
     if cfg.sft_batch_size < int(os.environ.get("WORLD_SIZE", "1")):
         raise ValueError(f"sft_batch_size={cfg.sft_batch_size} must be >= the world size "
                          f"{os.environ.get('WORLD_SIZE')}")

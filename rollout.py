@@ -531,11 +531,17 @@ class NativeEngine:
             return
         from distributed import gathered
         with gathered(self.model):
-            self._phase = weight_bytes(self.model, self.dtype)  # measured while gathered: what decoding holds
+            self._phase = weight_bytes(self.model)  # measured while gathered: what decoding holds
             try:
                 yield
             finally:
                 self._phase = None
+
+    def sleep(self):
+        """Nothing to release: an SGLang engine gives its memory back while the trainer trains."""
+
+    def wake(self):
+        """Nothing to resume (see sleep)."""
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank's engine holds: its weights (dense and routed experts; on the sharded policy
@@ -544,7 +550,7 @@ class NativeEngine:
             with self.phase():
                 weights = dict(self._phase)
         else:
-            weights = weight_bytes(self.model, self.dtype)
+            weights = weight_bytes(self.model)
         return {**weights, "kv_cache": self.kv_bytes}
 
     @torch.no_grad()
@@ -728,15 +734,14 @@ class NativeEngine:
         return all_ranks(bool(done_B.all()))
 
 
-def weight_bytes(model: nn.Module, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes of a model's weights as an engine computes with them: "dense" (every tensor but the routed
-    experts; the router gate in fp32) and "experts" (this rank's routed experts). A DTensor counts its
-    local shard (this rank's experts under expert parallelism); floating tensors count in `dtype`,
-    which the engine casts them to. The plan's engine_bytes computes the same from the shapes."""
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the weights an engine decodes with: "dense" (every tensor but the routed experts) and
+    "experts" (this rank's routed experts), each at its own dtype: a replica's are in the engine dtype
+    (router gates fp32), a gathered policy's in FSDP's param dtype, and a DTensor counts its local
+    shard (this rank's experts under expert parallelism). The plan's engine_bytes computes the same
+    from the shapes."""
     out = {"dense": 0, "experts": 0}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         local = t.to_local() if hasattr(t, "to_local") else t
-        size = local.element_size() if not local.is_floating_point() or local.dtype == FP8 or ".gate." in name else \
-            torch.tensor([], dtype=dtype).element_size()
-        out["experts" if ".mlp.experts." in name else "dense"] += local.numel() * size
+        out["experts" if ".mlp.experts." in name else "dense"] += local.numel() * local.element_size()
     return out

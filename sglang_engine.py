@@ -1,45 +1,141 @@
-"""SGLangEngine: rollouts from `sglang.Engine` with routed-expert capture, FP8 and weight sync.
+"""SGLangEngine: rollouts from SGLang servers, with routed-expert capture, FP8 and weight sync.
 
-The same interface and `Rollout` record as rollout.NativeEngine: `generate(prompts, params, *,
-n, seed, group_ids) -> list[Rollout]` and `update_weights(named_tensors, version)`, so the
-trainer and its router replay (R3, arXiv 2510.11370) need not know which engine ran.
-SGLang is imported lazily (GPU machines only, requirements-gpu.txt); building the engine
-without it or without CUDA raises with what to install.
+The same interface and `Rollout` record as rollout.NativeEngine (`generate`, `update_weights`),
+so the trainer and its router replay (R3, arXiv 2510.11370) need not know which engine ran;
+plus `sleep()` / `wake()`, which train.py calls around the trainer. `build_sglang_engine(cfg,
+tok, model_path)` builds it from the config (engine='sglang'). SGLang is imported lazily (GPU
+machines only, requirements-gpu.txt).
 
-Status: contract-tested on CPU only. The request building and response decoding are plain
-functions, tested on CPU (tests/test_rollout.py) against payloads in SGLang's documented
-format, and the weight sync against a fake engine that records its calls. This file has
-not run on a real SGLang engine; the GPU test that would run it skips without CUDA and sglang.
+Status: contract-tested on CPU only; has not run on a real SGLang engine. Requests and
+responses are checked against SGLang's documented formats, the HTTP client against a fake
+server that checks every payload and the call order, the in-process path against a fake
+`sglang.Engine`; the end-to-end GPU test skips without CUDA and sglang.
+
+Sources (sgl-project/sglang, python/sglang/srt/): entrypoints/engine.py (Engine's methods),
+entrypoints/http_server.py (routes and bodies), entrypoints/http_server_engine.py
+(launch_server_process), managers/io_struct.py (request fields), server_args.py, constants.py
+(memory tags), the model runner's weight updater; PRs 12162 (routed experts), 28710 / 28001
+(weight-update sessions). Each use below names what it was checked against.
 
 Shapes: T, C, L, K (letters of the README's legend; T is one prompt's tokens here, as in rollout.py).
 
 Notable choices:
 
-1. One request per sample, each with a sampling_seed derived from (seed, group id, sample
+1. Two deployments. Colocated (sglang_urls ""): local rank 0 of each node launches one SGLang
+   server on the node's GPUs (tensor parallel over them, expert parallel where the experts
+   divide evenly), with SGLang's memory saver: `sleep()` releases its weights, KV cache and
+   CUDA graphs while the trainer trains, `wake()` takes the memory back. External
+   (sglang_urls set): servers someone else launched; sleep and wake do nothing.
+2. Every rank posts its own prompts to /generate: its node's server, or the external servers
+   round-robin by group id. No rank waits on another (ranks run different numbers of batches:
+   a gather to the leader could deadlock), and a server batches all ranks' requests together.
+3. One request per sample, each with a sampling_seed derived from (seed, group id, sample
    index) as NativeEngine keys its random streams, so a request's seed does not depend on
-   its batch; SGLang's radix cache shares the prompt's prefill between the requests.
-2. Requests ask for the sampled tokens' logprobs and the routed experts (`return_logprob`,
-   `return_routed_experts`); the routes come back base64-encoded int32 over all of SGLang's
-   hidden layers and are mapped to this project's MoE layers (`decode_routed_experts`).
-3. FP8 serves a blockwise-FP8 checkpoint (DeepSeek-V3's recipe, arXiv 2412.19437; see
+   its batch; SGLang's radix cache shares the prompt's prefill between the requests. Logprobs
+   of the sampled tokens and the routed experts come back with each (`return_logprob`,
+   `return_routed_experts`); routes arrive as base64 int32 over all of SGLang's hidden layers
+   and are mapped to this project's MoE layers (`decode_routed_experts`).
+4. Weight sync: every rank gathers each sharded tensor (`full_tensor`, a collective); one rank
+   sends them in HF names, bucket by bucket, inside begin/end_weight_update where the server
+   has them, then flushes the prefix cache. Colocated, the node leader passes CUDA IPC handles
+   (/update_weights_from_tensor: NCCL cannot pair two ranks on one GPU); external, rank 0
+   broadcasts each tensor over an NCCL group formed once with every server's GPUs. A barrier
+   after the sync keeps every rank from generating on old weights.
+5. FP8 serves a blockwise-FP8 checkpoint (DeepSeek-V3's recipe, arXiv 2412.19437; see
    rollout.py) and syncs weights quantised on the trainer's side (`quantize_fp8`, HF names).
-4. Weights are sent bucketed by size through `update_weights_from_tensor`, bracketed by
-   `begin_weight_update` / `end_weight_update` where the installed SGLang has them, and the
-   prefix cache is flushed once at the end.
+   Other tensors go in the trainer's dtype; SGLang casts them as it loads.
+6. Memory released by `sleep()` comes back without its values (no CPU backup), so after
+   `wake()` the engine refuses to generate until `update_weights` has run: a wrong call order
+   fails loudly instead of sampling from garbage.
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from itertools import accumulate
+from urllib.parse import urlsplit
 
 import torch
 
 from hf import config_from_hf, hf_tensors
 from model import ModelConfig
-from rollout import (DEFAULT_BUCKET_BYTES, Named, Rollout, SamplingParams, full_tensor, quantize_fp8, row_keys,
-                     weight_buckets)
+from rollout import (DEFAULT_BUCKET_BYTES, Named, Rollout, SamplingParams, full_tensor, quantize_fp8,
+                     route_dtype, row_keys, weight_buckets)
+
+ENGINES = ("native", "sglang")
+UPDATE_GROUP = "everyprompt_weight_sync"
+"""Name of the NCCL group rank 0 broadcasts weights on (SGLang keeps one group per name)."""
+HTTP_TIMEOUT_S = 3600.0
+"""Seconds one HTTP call may take: a /generate call holds a whole batch of long completions."""
+GROUP_TIMEOUT_S = 1800.0
+"""Seconds the weight-update group waits for the servers to join, or for one broadcast to complete."""
+FLUSH_RETRIES = 10
+"""Tries of /flush_cache, a second apart: SGLang refuses to flush while requests are still running."""
+SGLANG_SEED_BITS = 31
+"""Per-request sampling_seed kept a non-negative int32, a range every SGLang version takes."""
+_ABSENT = object()  # what an HTTP call answers for a route this server's SGLang version lacks (404)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def parse_sglang_urls(text: str) -> list[str]:
+    """Base URLs ("http://host:port") of `sglang_urls`, comma-separated; [] for "". Raises ValueError
+    naming sglang_urls on an entry that is not a base URL, or on one listed twice."""
+    if not text.strip():
+        return []
+    urls = []
+    for raw in text.split(","):
+        parts = urlsplit(raw.strip())
+        try:
+            bad = (parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/")
+                   or parts.query or parts.fragment or parts.port == 0)
+        except ValueError:  # .port of a non-numeric port
+            bad = True
+        if bad:
+            raise ValueError(f"sglang_urls={text!r}: {raw.strip()!r} is not a server's base URL; expected "
+                             f"http://host:port, comma-separated (e.g. 'http://10.0.0.2:30000,http://10.0.0.3:30000')")
+        urls.append(f"{parts.scheme}://{parts.netloc}")
+    if twice := sorted({u for u in urls if urls.count(u) > 1}):
+        raise ValueError(f"sglang_urls={text!r} lists {twice[0]} twice: each server joins the weight sync once")
+    return urls
+
+
+def check_sglang_config(cfg) -> None:
+    """Refuse rollout-engine settings of a config.TrainConfig that cannot run (engine, sglang_urls,
+    sglang_mem_fraction and what engine='sglang' needs). Raises ValueError naming the field, its
+    value and what would be valid."""
+    if cfg.engine not in ENGINES:
+        raise ValueError(f"engine={cfg.engine!r}; valid: {', '.join(map(repr, ENGINES))}")
+    urls = parse_sglang_urls(cfg.sglang_urls)
+    if cfg.engine == "native":
+        if urls:
+            raise ValueError(f"sglang_urls={cfg.sglang_urls!r} is read only with engine='sglang' (engine='native')")
+        return
+    if not (cfg.init_hf or cfg.init_from):
+        raise ValueError("engine='sglang' serves a hub-layout checkpoint folder: set init_hf (or init_from, an "
+                         "earlier run's output folder); both are empty")
+    if torch.device(cfg.device).type != "cuda":
+        raise ValueError(f"device={cfg.device!r}: engine='sglang' needs device='cuda' (SGLang runs on CUDA GPUs "
+                         f"only, and its weight sync uses CUDA IPC or NCCL)")
+    if not 0 < cfg.sglang_mem_fraction < 1:
+        raise ValueError(f"sglang_mem_fraction={cfg.sglang_mem_fraction}: must be in (0, 1), the fraction of each "
+                         f"GPU's memory SGLang's weights and KV cache may take")
+    if cfg.max_staleness:
+        raise ValueError(f"max_staleness={cfg.max_staleness}: engine='sglang' runs synchronous steps for now (a "
+                         f"colocated engine sleeps while the trainer trains); use max_staleness=0")
+
+
+# ----------------------------------------------------------------------------- requests and responses
 
 
 def _import_sglang():
@@ -55,24 +151,24 @@ def _import_sglang():
     return sglang
 
 
-def sglang_engine_args(model_path: str, *, fp8: bool, tp_size: int = 1, mem_fraction_static: float = 0.8,
-                       seed: int = 0, **extra) -> dict:
-    """Keyword arguments of `sglang.Engine`: token ids in and out, routed-expert capture, optional FP8."""
+def sglang_server_args(model_path: str, *, fp8: bool, tp_size: int = 1, ep_size: int = 1,
+                       mem_fraction_static: float = 0.8, seed: int = 0, **extra) -> dict:
+    """Keyword arguments of SGLang's ServerArgs for a colocated server (names as in server_args.py)."""
     # skip_tokenizer_init: token ids in and out, the trainer's tokenizer's; enable_return_routed_experts: the
-    # server-side switch that a request's return_routed_experts needs
-    args = dict(model_path=model_path, tp_size=tp_size, mem_fraction_static=mem_fraction_static, random_seed=seed,
-                skip_tokenizer_init=True, enable_return_routed_experts=True)
+    # server-side switch a request's return_routed_experts needs; enable_memory_saver: what makes
+    # release_memory_occupation / resume_memory_occupation work
+    args = dict(model_path=model_path, tp_size=tp_size, ep_size=ep_size, mem_fraction_static=mem_fraction_static,
+                random_seed=seed, skip_tokenizer_init=True, enable_return_routed_experts=True,
+                enable_memory_saver=True)
     if fp8:
         args["quantization"] = "fp8"  # block size and scales from the checkpoint (its quantization_config)
     return args | extra  # caller's keywords win
 
 
-SGLANG_SEED_BITS = 31  # per-request sampling_seed kept a non-negative int32, a range every SGLang version takes
-
-
 def sglang_request(prompts: list[list[int]], params: SamplingParams, *, n: int, seed: int | None, eos_id,
                    group_ids: list[int] | None = None) -> dict:
-    """Keyword arguments of `sglang.Engine.generate` for n samples of each prompt, prompt-major.
+    """The body of /generate (and the keywords of `sglang.Engine.generate`) for n samples of each
+    prompt, prompt-major.
 
     Each sample is its own request (SGLang's radix cache shares the prompt's prefill).
     Sample j of group g gets sampling_seed derived from (seed, g, j) as NativeEngine keys
@@ -101,7 +197,8 @@ def sglang_request(prompts: list[list[int]], params: SamplingParams, *, n: int, 
 
 
 def decode_routed_experts(payload, num_tokens: int, cfg: ModelConfig) -> torch.Tensor:
-    """SGLang's meta_info["routed_experts"] -> int32 [num_tokens, L, K] over the MoE layers only.
+    """SGLang's meta_info["routed_experts"] -> [num_tokens, L, K] expert ids over the MoE layers only,
+    in Rollout.routes' dtype (`route_dtype`: the smallest integer dtype that holds the expert ids).
 
     SGLang sends base64 of int32 [num_tokens, num_hidden_layers, top_k] (logical expert
     ids); the first `first_k_dense_replace` layers are dense (GLM-4.5) and their rows are
@@ -120,8 +217,9 @@ def decode_routed_experts(payload, num_tokens: int, cfg: ModelConfig) -> torch.T
     if flat.numel() != want:
         raise ValueError(f"routed_experts holds {flat.numel()} ids; expected {num_tokens} tokens x {cfg.n_layers} "
                          f"layers x {cfg.top_k} = {want}")
-    # (num_tokens, n_layers, K) -> (num_tokens, L, K): the dense layers come first; clone() owns the memory
-    return flat.view(num_tokens, cfg.n_layers, cfg.top_k)[:, cfg.first_k_dense_replace:].clone()
+    # (num_tokens, n_layers, K) -> (num_tokens, L, K): the dense layers come first; copy=True owns the memory
+    return flat.view(num_tokens, cfg.n_layers, cfg.top_k)[:, cfg.first_k_dense_replace:].to(
+        route_dtype(cfg.num_experts), copy=True)
 
 
 def decode_sglang_output(out: dict, prompt_ids: list[int], *, cfg: ModelConfig, group_id: int,
@@ -137,7 +235,8 @@ def decode_sglang_output(out: dict, prompt_ids: list[int], *, cfg: ModelConfig, 
     lp = meta["output_token_logprobs"]
     ids = [int(x[1]) for x in lp]  # the completion, read from the logprob entries so each id has its logprob
     if "output_ids" in out and [int(i) for i in out["output_ids"]] != ids:  # when both are present they must agree
-        raise ValueError(f"output_ids {list(out['output_ids'])[:8]}... disagree with output_token_logprobs' ids {ids[:8]}...")
+        raise ValueError(f"output_ids {list(out['output_ids'])[:8]}... disagree with output_token_logprobs' ids "
+                         f"{ids[:8]}...")
     reason = meta["finish_reason"]
     kind = reason.get("type") if isinstance(reason, dict) else reason  # documented as a dict; a plain str taken too
     if kind == "abort":
@@ -165,84 +264,390 @@ def _ok(result, what: str):
         raise RuntimeError(f"SGLang {what} failed: {msg}")
 
 
+# ----------------------------------------------------------------------------- one server over HTTP
+
+
+class SGLangServer:
+    """`sglang.Engine`'s methods over one server's HTTP API (routes and bodies as in SGLang's
+    entrypoints/http_server.py), so SGLangEngine drives an in-process Engine and a server alike.
+    Raises RuntimeError on an error status or an unreachable server, naming the URL, the route
+    and SGLang's message. serialize: how /update_weights_from_tensor packs a bucket (SGLang's
+    MultiprocessingSerializer: CUDA IPC handles, for a colocated server on the same GPUs)."""
+
+    def __init__(self, url: str, *, serialize=None, timeout_s: float = HTTP_TIMEOUT_S):
+        self.url, self.serialize, self.timeout_s = url.rstrip("/"), serialize, timeout_s
+        self._info = None
+
+    def call(self, route: str, payload: dict | None = None, *, optional: bool = False):
+        """POST payload (GET when None) to route; the decoded answer. optional: a 404 (a route this
+        SGLang version lacks) answers _ABSENT instead of raising."""
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(self.url + route, data=data, method="GET" if payload is None else "POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                body = resp.read().decode()
+        except urllib.error.HTTPError as e:
+            if optional and e.code == 404:
+                return _ABSENT
+            message = e.read().decode(errors="replace")  # SGLang's error answer: {"error": {"message": ...}} or text
+            raise RuntimeError(f"SGLang {self.url}{route} answered {e.code}: {message}") from None
+        except urllib.error.URLError as e:
+            raise RuntimeError(f"SGLang server {self.url} is unreachable ({route}): {e.reason}") from None
+        try:
+            return json.loads(body) if body else None
+        except json.JSONDecodeError:  # /flush_cache answers plain text
+            return body
+
+    def generate(self, **request) -> list[dict]:
+        out = self.call("/generate", request)
+        return out if isinstance(out, list) else [out]  # a batch answers a list, one request a dict
+
+    def server_info(self) -> dict:
+        """The server's arguments and state (/server_info; /get_server_info before SGLang renamed it)."""
+        if self._info is None:
+            info = self.call("/server_info", optional=True)
+            self._info = self.call("/get_server_info") if info is _ABSENT else info
+        return self._info
+
+    @property
+    def tp_size(self) -> int:
+        """GPUs of the server, each a rank of the weight-update group (rank_offset + tp_rank, as the model
+        runner's init_weights_update_group numbers them)."""
+        info = self.server_info()
+        if info.get("pp_size", 1) != 1 or info.get("dp_size", 1) != 1:  # their ranks would collide in the group
+            raise RuntimeError(f"SGLang {self.url} runs pp_size={info.get('pp_size')} dp_size={info.get('dp_size')}; "
+                               f"the weight sync joins servers with tensor parallelism only (pp_size = dp_size = 1)")
+        return int(info["tp_size"])
+
+    def flush_cache(self):
+        for _ in range(FLUSH_RETRIES - 1):
+            try:
+                return self.call("/flush_cache", {})
+            except RuntimeError:
+                time.sleep(1.0)  # requests still running: SGLang flushes only an idle server
+        return self.call("/flush_cache", {})
+
+    def release_memory_occupation(self):
+        return self.call("/release_memory_occupation", {})  # no tags: all of srt/constants.py's (weights, KV, graphs)
+
+    def resume_memory_occupation(self):
+        return self.call("/resume_memory_occupation", {})
+
+    def begin_weight_update(self):
+        return self.call("/begin_weight_update", {}, optional=True)  # _ABSENT before SGLang PR 28001
+
+    def end_weight_update(self):
+        return self.call("/end_weight_update", {})
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True):
+        # one serialized copy per TP rank, as SGLang's HttpServerEngineAdapter sends them (each rank opens its own)
+        return self.call("/update_weights_from_tensor", dict(
+            serialized_named_tensors=[self.serialize(named_tensors) for _ in range(self.tp_size)], load_format=None,
+            flush_cache=flush_cache))
+
+    def init_weights_update_group(self, **group):
+        return self.call("/init_weights_update_group", group)
+
+    def update_weights_from_distributed(self, **bucket):
+        return self.call("/update_weights_from_distributed", bucket)
+
+
+def join_update_group(master_address: str, master_port: int, world_size: int, group_name: str, *,
+                      backend: str = "nccl"):
+    """Join SGLang's weight-update group as rank 0 (hosting the rendezvous); returns `broadcast(tensor)`,
+    which sends a tensor to every server rank. The servers join with SGLang's init_custom_process_group
+    (srt/utils.py: a TCP rendezvous, a PrefixStore named group_name, a group outside the default one);
+    this follows the same recipe with the same torch.distributed private helpers, so the two meet."""
+    import inspect
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+    store, rank, world = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    # the options keyword was renamed across torch versions
+    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
+        else "pg_options"
+    group, _ = _new_process_group_helper(world, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, timeout=timeout, **{options: None})
+    _world.pg_group_ranks[group] = {i: i for i in range(world)}  # group ranks are the update group's own
+
+    def broadcast(t: torch.Tensor):
+        dist.broadcast(t, group=group, group_src=0)
+    return broadcast
+
+
+def _barrier():
+    """Wait for every rank (nothing to wait for in one process)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))  # the OS picks a free port
+        return s.getsockname()[1]
+
+
+def _address_toward(url: str) -> str:
+    """This machine's IP address on the route to url's host (what the servers can reach it at)."""
+    parts = urlsplit(url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((parts.hostname, parts.port or 80))  # UDP connect sends nothing; it only picks the route
+        return s.getsockname()[0]
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
 class SGLangEngine:
-    """Rollouts from `sglang.Engine` (CUDA only), in the same `Rollout` record as NativeEngine.
+    """Rollouts from SGLang (CUDA only), in the same `Rollout` record as NativeEngine.
 
-    fp8=True serves a blockwise-FP8 checkpoint (write one with `hf.save_hf(model, path,
-    fp8=True)`) and syncs weights quantised on the trainer side (`quantize_fp8`, HF names);
-    otherwise weights go in the trainer's dtype. Weight sync sends buckets with
-    `update_weights_from_tensor` inside `begin_weight_update()` / `end_weight_update()` where
-    the installed SGLang has them (0.5.23: begin restores packed quantised weights to a
-    loadable layout, end re-finalises them), and without them where not (0.5.7), then flushes
-    the prefix cache. Logprobs are SGLang's `output_token_logprobs` (the tempered distribution
-    unless SGLANG_RETURN_ORIGINAL_LOGPROB is set, which would not match the trainer).
-    Contract-tested on CPU against SGLang's documented payloads and a fake engine; it has not
-    run on a real SGLang engine.
+    `SGLangEngine(model_path, ...)` launches a colocated server on this machine's first tp_size
+    GPUs (memory saver on) and drives it; `from_engine` wraps running ones. fp8=True serves a
+    blockwise-FP8 checkpoint (`hf.save_hf(model, path, fp8=True)` writes one). Logprobs are
+    SGLang's `output_token_logprobs` (the tempered distribution unless
+    SGLANG_RETURN_ORIGINAL_LOGPROB is set, which would not match the trainer). Raises
+    ImportError / RuntimeError without sglang or CUDA.
     """
-    # Weight-update sessions: sglang PR 28001 ("refactor weight processing in RL weight
-    # update") added begin_weight_update / end_weight_update and makes
-    # update_weights_from_* assert that a session is open; Engine.update_weights_from_tensor
-    # takes (named_tensors, load_format=None, flush_cache=True) in the versions we read.
+    sharded = False  # NativeEngine's flag for decoding on the sharded policy: a server holds its own weights
+    # Weight-update sessions: sglang PRs 28710 and 28001 added begin_weight_update /
+    # end_weight_update (Engine methods and HTTP routes) and make update_weights_from_* assert that a
+    # session is open; older versions (0.5.7) have neither and take updates without them.
 
-    def __init__(self, model_path: str, *, eos_id: int, fp8: bool = False, tp_size: int = 1,
-                 mem_fraction_static: float = 0.8, seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **engine_kwargs):
-        sglang = _import_sglang()  # first, so a CPU machine fails with what to install before reading any file
+    def __init__(self, model_path: str, *, eos_id, fp8: bool = False, tp_size: int = 1, ep_size: int = 1,
+                 mem_fraction_static: float = 0.8, seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 **server_kwargs):
+        _import_sglang()  # first, so a CPU machine fails with what to install before reading any file
+        from sglang.srt.entrypoints.http_server_engine import launch_server_process
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.utils import MultiprocessingSerializer, kill_process_tree
         with open(os.path.join(model_path, "config.json")) as f:
             hf_config = json.load(f)
         # checked here, not left to SGLang: a high-precision checkpoint would load unquantised and the FP8 sync
         # would then send e4m3 tensors with scales into weights that have none
         if fp8 and (hf_config.get("quantization_config") or {}).get("quant_method") != "fp8":
-            raise ValueError(f"fp8=True needs a blockwise-FP8 checkpoint and {model_path} has no fp8 quantization_config; "
-                             f"write one with hf.save_hf(model, path, fp8=True)")
-        engine = sglang.Engine(**sglang_engine_args(model_path, fp8=fp8, tp_size=tp_size,
-                                                    mem_fraction_static=mem_fraction_static, seed=seed, **engine_kwargs))
+            raise ValueError(f"fp8=True needs a blockwise-FP8 checkpoint and {model_path} has no fp8 "
+                             f"quantization_config; write one with hf.save_hf(model, path, fp8=True)")
+        port = _free_port()
+        args = sglang_server_args(model_path, fp8=fp8, tp_size=tp_size, ep_size=ep_size, seed=seed,
+                                  mem_fraction_static=mem_fraction_static, host="127.0.0.1", port=port, **server_kwargs)
+        process = launch_server_process(ServerArgs(**args))  # returns once /health_generate answers
+        atexit.register(kill_process_tree, process.pid)  # the server and its scheduler processes end with the run
+        server = SGLangServer(f"http://127.0.0.1:{port}",
+                              serialize=lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True))
         # our ModelConfig from the same config.json: layer counts, top_k and dense layers for decoding routes
-        self._setup(engine, config_from_hf(hf_config), eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes)
+        self._setup([server], config_from_hf(hf_config), eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes,
+                    colocated=True)
 
     @classmethod
-    def from_engine(cls, engine, cfg: ModelConfig, *, eos_id: int, fp8: bool = False,
-                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SGLangEngine:
-        """Wrap an already running sglang.Engine (or anything with its methods)."""
+    def from_engine(cls, engine, cfg: ModelConfig, *, eos_id, fp8: bool = False,
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, leader: bool = True, colocated: bool = False,
+                    join_group=None) -> SGLangEngine:
+        """Wrap running engines: an `sglang.Engine` (or anything with its methods), or a list of them
+        (external servers: requests spread over them by group id).
+
+        leader: this rank sends the weights and releases / resumes the memory (others only generate
+        and take part in the gathers). colocated: sleep() and wake() release and resume the memory.
+        join_group: `join_update_group` or a stand-in: weights go by NCCL broadcast; None: by
+        update_weights_from_tensor (CUDA IPC).
+        """
         self = cls.__new__(cls)  # skips __init__: no sglang import, no CUDA check (how the CPU tests build one)
-        self._setup(engine, cfg, eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes)
+        self._setup(engine if isinstance(engine, list) else [engine], cfg, eos_id=eos_id, fp8=fp8,
+                    bucket_bytes=bucket_bytes, leader=leader, colocated=colocated, join_group=join_group)
         return self
 
-    def _setup(self, engine, cfg: ModelConfig, *, eos_id: int, fp8: bool, bucket_bytes: int):
-        self.engine, self.cfg, self.eos_id, self.fp8, self.bucket_bytes = engine, cfg, eos_id, fp8, bucket_bytes
+    def _setup(self, servers: list, cfg: ModelConfig, *, eos_id, fp8: bool, bucket_bytes: int, leader: bool = True,
+               colocated: bool = False, join_group=None):
+        self.servers, self.cfg, self.eos_id, self.fp8, self.bucket_bytes = servers, cfg, eos_id, fp8, bucket_bytes
+        self.leader, self.colocated, self.join_group = leader, colocated, join_group
         self.weight_version = 0
-        # sessions exist from sglang PR 28001 on (0.5.23); older versions (0.5.7) take updates without them
-        self.sessions = hasattr(engine, "begin_weight_update") and hasattr(engine, "end_weight_update")
+        self.asleep = False  # memory released (sleep) and not yet resumed
+        self.stale = False  # resumed (wake) but not yet refilled by update_weights: the weights hold no values
+        self._broadcast = None  # the NCCL group's broadcast, once formed
+
+    # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, seed: int | None = None,
                  group_ids: list[int] | None = None) -> list[Rollout]:
-        """As NativeEngine.generate (prompt-major n rollouts per prompt)."""
+        """As NativeEngine.generate (prompt-major n rollouts per prompt). Raises RuntimeError after
+        sleep() until wake() and update_weights() have run."""
+        if self.asleep or self.stale:
+            raise RuntimeError("SGLangEngine.generate after sleep(): call wake() and then update_weights() first "
+                               "(the released memory comes back without the weights)")
         if not prompts:
             return []
-        # one batched call; SGLang schedules the len(prompts) * n requests itself and answers in request order
-        outs = self.engine.generate(**sglang_request(prompts, params, n=n, seed=seed, eos_id=self.eos_id,
-                                                     group_ids=group_ids))
-        if len(outs) != len(prompts) * n:
-            raise RuntimeError(f"SGLang returned {len(outs)} outputs for {len(prompts) * n} requests")
+        groups = group_ids if group_ids is not None else list(range(len(prompts)))
+        request = sglang_request(prompts, params, n=n, seed=seed, eos_id=self.eos_id, group_ids=groups)
+        outs = self._generate(request, [groups[i // n] for i in range(len(prompts) * n)])
         # output i is sample i % n of prompt i // n, the order sglang_request built
         return [decode_sglang_output(out, prompts[i // n], cfg=self.cfg, weight_version=self.weight_version,
-                                     group_id=group_ids[i // n] if group_ids is not None else i // n)
-                for i, out in enumerate(outs)]
+                                     group_id=groups[i // n]) for i, out in enumerate(outs)]
+
+    def _generate(self, request: dict, row_groups: list[int]) -> list[dict]:
+        """Each row's output, in row order: row r goes to server row_groups[r] % S (a group's rows together,
+        so its prompt is prefilled once); the servers work in parallel."""
+        S = len(self.servers)
+        parts = [[r for r, g in enumerate(row_groups) if g % S == s] for s in range(S)]
+        jobs = [(server, rows) for server, rows in zip(self.servers, parts) if rows]
+
+        def run(server, rows):
+            # the same request, cut to these rows; the per-row lists are the only ones
+            out = server.generate(**(request | dict(input_ids=[request["input_ids"][r] for r in rows],
+                                                    sampling_params=[request["sampling_params"][r] for r in rows])))
+            if len(out) != len(rows):
+                raise RuntimeError(f"SGLang returned {len(out)} outputs for {len(rows)} requests")
+            return out
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(lambda job: run(*job), jobs))
+        outs = [None] * len(row_groups)
+        for (_, rows), out in zip(jobs, results):
+            for r, o in zip(rows, out):
+                outs[r] = o
+        return outs
+
+    # ------------------------------------------------------------------ memory
+
+    @contextmanager
+    def phase(self):
+        """A rollout phase, as NativeEngine's: nothing to gather (the server holds its own weights)."""
+        yield
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank's process holds for the engine, as NativeEngine.memory: none (the server's
+        memory belongs to the server's processes)."""
+        return {}
+
+    def sleep(self):
+        """Release the colocated server's memory (weights, KV cache, CUDA graphs) before the trainer
+        trains; every rank calls it. A no-op for external servers and when already asleep."""
+        if not self.colocated or self.asleep:
+            return
+        _barrier()  # every rank of the node has finished its rollouts
+        if self.leader:
+            _ok(self.servers[0].release_memory_occupation(), "release_memory_occupation")
+        _barrier()  # the memory is free before any rank's trainer allocates
+        self.asleep = True
+
+    def wake(self):
+        """Take the colocated server's memory back after training (its weights come back empty: call
+        update_weights next); every rank calls it. A no-op for external servers and when awake."""
+        if not self.colocated or not self.asleep:
+            return
+        if self.leader:
+            _ok(self.servers[0].resume_memory_occupation(), "resume_memory_occupation")
+        _barrier()
+        self.asleep, self.stale = False, True
+
+    # ------------------------------------------------------------------ weights
 
     def update_weights(self, named_tensors: Named, version: int):
-        """Send the trainer's tensors (`policy_tensors(model)`) in HF names, bucket by bucket (FP8 when fp8)."""
+        """Send the trainer's tensors (`policy_tensors(model)`) in HF names, bucket by bucket (FP8 when
+        fp8); every rank calls it (sharded tensors are gathered). Raises RuntimeError while asleep or
+        when SGLang reports a failure."""
+        if self.asleep:
+            raise RuntimeError("SGLangEngine.update_weights while asleep: call wake() first")
         # lazily, one tensor at a time: shards gathered whole, renamed and split into HF's per-matrix layout
         tensors = hf_tensors(((n, full_tensor(t)) for n, t in named_tensors), self.cfg)
-        if self.fp8:
-            tensors = quantize_fp8(tensors, hf=True)  # after hf_tensors: the 128x128 blocks are HF's matrices'
-        if self.sessions:
-            _ok(self.engine.begin_weight_update(), "begin_weight_update")
-        try:
-            # flush_cache=False per bucket: the prefix cache is flushed once, after the last bucket
-            for bucket in weight_buckets(tensors, self.bucket_bytes):
-                _ok(self.engine.update_weights_from_tensor(named_tensors=[(k, t.detach().contiguous()) for k, t in bucket],
-                                                           flush_cache=False), "update_weights_from_tensor")
-        finally:
-            if self.sessions:  # a failed bucket still closes the session, so the engine is not left mid-update
-                _ok(self.engine.end_weight_update(), "end_weight_update")
-        self.engine.flush_cache()  # cached prefixes were computed with the old weights
+        if not self.leader:
+            for _ in tensors:  # take part in every gather; the leader sends
+                pass
+        else:
+            self._send(quantize_fp8(tensors, hf=True) if self.fp8 else tensors)  # FP8 after hf_tensors: HF's blocks
+        _barrier()  # no rank generates before the weights have landed
+        self.stale = False
         self.weight_version = version  # only after every bucket landed: a failed sync keeps the old version
+
+    def _send(self, tensors: Named):
+        """The leader's part: open a session on each server that has them, send the buckets, close,
+        flush the prefix cache (cached prefixes were computed with the old weights)."""
+        opened = []
+        try:
+            for server in self.servers:
+                begin = getattr(server, "begin_weight_update", None)  # an in-process Engine before 0.5.23 lacks it
+                result = begin() if begin is not None else _ABSENT
+                if result is not _ABSENT:
+                    _ok(result, "begin_weight_update")
+                    opened.append(server)
+            for bucket in weight_buckets(tensors, self.bucket_bytes):
+                bucket = [(k, t.detach().contiguous()) for k, t in bucket]
+                if self.join_group is None:
+                    for server in self.servers:  # flush_cache=False per bucket: flushed once, after the last
+                        _ok(server.update_weights_from_tensor(named_tensors=bucket, flush_cache=False),
+                            "update_weights_from_tensor")
+                else:
+                    self._broadcast_bucket(bucket)
+        finally:
+            for server in opened:  # a failed bucket still closes the session, so no server is left mid-update
+                _ok(server.end_weight_update(), "end_weight_update")
+        for server in self.servers:
+            _ok(server.flush_cache(), "flush_cache")
+
+    def _broadcast_bucket(self, bucket: list[tuple[str, torch.Tensor]]):
+        """Every server receives the bucket over the NCCL group: each is told the names, dtypes and
+        shapes (an HTTP call that returns once its ranks have received them all), while this rank
+        broadcasts the tensors in that order."""
+        if self._broadcast is None:
+            self._broadcast = self._form_group()
+        # the model runner allocates getattr(torch, dtype) of each shape and receives one broadcast from rank 0 per
+        # name, in this order (update_weights_from_distributed); group_name and flush_cache as in io_struct.py
+        meta = dict(names=[k for k, _ in bucket], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                    shapes=[list(t.shape) for _, t in bucket], group_name=UPDATE_GROUP, flush_cache=False)
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            calls = [pool.submit(server.update_weights_from_distributed, **meta) for server in self.servers]
+            for _, t in bucket:
+                self._broadcast(t)
+            for call in calls:
+                _ok(call.result(), "update_weights_from_distributed")
+
+    def _form_group(self):
+        """Form the weight-update group once: this rank is rank 0, server i's GPUs the ranks after the
+        GPUs of the servers before it. Every server joins in its own HTTP call while this rank joins."""
+        tps = [server.tp_size for server in self.servers]
+        offsets = [1 + before for before in accumulate([0] + tps[:-1])]
+        address, port, world = _address_toward(self.servers[0].url), _free_port(), 1 + sum(tps)
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            calls = [pool.submit(server.init_weights_update_group, master_address=address, master_port=port,
+                                 rank_offset=offset, world_size=world, group_name=UPDATE_GROUP, backend="nccl")
+                     for server, offset in zip(self.servers, offsets)]
+            broadcast = self.join_group(address, port, world, UPDATE_GROUP)
+            for call in calls:
+                _ok(call.result(), "init_weights_update_group")
+        return broadcast
+
+
+def build_sglang_engine(cfg, tok, model_path: str) -> SGLangEngine:
+    """The SGLang rollout engine a config.TrainConfig asks for (engine='sglang'); every rank calls it.
+
+    sglang_urls "": colocated. Local rank 0 of each node launches a server on the node's
+    LOCAL_WORLD_SIZE GPUs (tensor parallel over them, expert parallel over them when they divide
+    the experts) loading model_path, a hub-layout folder (blockwise FP8 when cfg.rollout_fp8:
+    hf.save_hf(model, path, fp8=True) writes one); every rank of the node generates through it.
+    sglang_urls set: every rank generates through those servers (already serving the same model)
+    and rank 0 pushes the weights over NCCL. tok: the run's tokenizer (its stop_ids end a
+    completion). Raises ValueError (check_sglang_config's) on a config that cannot run.
+    """
+    from distributed import all_gather_list, rank_world
+    check_sglang_config(cfg)
+    rank, _ = rank_world()
+    urls = parse_sglang_urls(cfg.sglang_urls)
+    if urls:
+        return SGLangEngine.from_engine([SGLangServer(u) for u in urls], cfg.model, eos_id=tok.stop_ids,
+                                        fp8=cfg.rollout_fp8, leader=rank == 0, join_group=join_update_group)
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    _barrier()  # a checkpoint rank 0 has just written (the FP8 one) is complete before any server loads it
+    engine = None
+    if local_rank == 0:
+        ep = local_world if cfg.model.num_experts % local_world == 0 else 1  # SGLang's EP splits experts evenly
+        engine = SGLangEngine(model_path, eos_id=tok.stop_ids, fp8=cfg.rollout_fp8, tp_size=local_world, ep_size=ep,
+                              mem_fraction_static=cfg.sglang_mem_fraction, seed=cfg.seed)
+    # every rank learns its node leader's URL (torchrun numbers a node's ranks consecutively); the gather also
+    # waits for the leaders' servers to be up
+    node_url = all_gather_list([engine.servers[0].url if engine is not None else None])[rank - local_rank]
+    if engine is None:  # a non-leader rank: generates through its node's server, sends no weights
+        engine = SGLangEngine.from_engine(SGLangServer(node_url), cfg.model, eos_id=tok.stop_ids, fp8=cfg.rollout_fp8,
+                                          leader=False, colocated=True)
+    return engine

@@ -53,6 +53,7 @@ from reward import Item, ItemList, RewardConfig, TaskMix, demonstration, reward_
 from rollout import NativeEngine, Rollout, SamplingParams, full_tensor, policy_tensors
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
+from sglang_engine import SGLangEngine, build_sglang_engine
 from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer
 from trainer import TrainBatch, lr_at, sft_step, train_on_rollouts
 
@@ -218,7 +219,9 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
 def update_policy(run: Run, batch: TrainBatch, step: int) -> dict:
     """The second half of an RL step: the policy update (trainer.py), then weight sync to the engine."""
     t0 = time.perf_counter()
+    run.engine.sleep()  # a colocated SGLang engine gives its GPU memory back while the trainer trains
     m = train_on_rollouts(run.model, run.opt, batch, step, run.cfg, run.loss, run.ref_model)
+    run.engine.wake()
     # version = RL steps trained (policy updates): the next step's rollouts record which weights produced them
     run.engine.update_weights(policy_tensors(run.model), version=step + 1)
     m["t_train"] = time.perf_counter() - t0
@@ -567,9 +570,16 @@ def start_run(cfg: TrainConfig, meshes: Meshes | None, resumed: dict | None) -> 
                if cfg.reward_workers else None)
 
 
-def build_engine(cfg: TrainConfig, tok: Tokenizer, model) -> NativeEngine:
-    """The rollout engine: under torchrun the native engine on the sharded policy itself (no replica;
-    NativeEngine's docstring), in one process a copy of the policy (FP8 with rollout_fp8)."""
+def build_engine(cfg: TrainConfig, tok: Tokenizer, model) -> NativeEngine | SGLangEngine:
+    """The rollout engine: engine='sglang' (sglang_engine.py: colocated servers, or cfg.sglang_urls),
+    else the native engine, under torchrun on the sharded policy itself (no replica; NativeEngine's
+    docstring), in one process a copy of the policy (FP8 with rollout_fp8)."""
+    if cfg.engine == "sglang":
+        path = cfg.init_hf or cfg.init_from
+        if cfg.rollout_fp8 and not cfg.sglang_urls:  # colocated SGLang serves FP8 from a blockwise-FP8 checkpoint
+            path = os.path.join(cfg.out_dir, "sglang_fp8")  # on a filesystem every node sees
+            save_hf(model, path, write=rank_world()[0] == 0, fp8=True)  # a collective: every rank calls it
+        return build_sglang_engine(cfg, tok, path)
     on_policy = model if rank_world()[1] > 1 else None
     return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device, dtype=cfg.compute_dtype(),
                         compile=cfg.compile, num_tokens=tok.enc.n_vocab, fp8=cfg.rollout_fp8, policy=on_policy)
@@ -642,9 +652,11 @@ def run(cfg: TrainConfig, meshes: Meshes | None = None) -> dict:
             read_checkpoint(ckpt, r.model, opt)
             start, r.prompts.used = resumed["step"] + 1, resumed["used"]
             set_rng_state(resumed["rng"])  # last: nothing may draw between restoring it and the next step
+        r.engine.sleep()
         if start < cfg.sft_steps:
             sft(r, opt, start)
         del opt
+        r.engine.wake()
         r.engine.update_weights(policy_tensors(r.model), version=0)
         r.evals["after_sft"] = r.evals["after_rl"] = run_eval(r, 0)
         r.opt = rl_optimizer(r.model, cfg)

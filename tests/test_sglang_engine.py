@@ -1,0 +1,306 @@
+"""sglang_engine.py on CPU: the config checks, the HTTP payloads and call order against a fake SGLang
+server (http.server on 127.0.0.1, answering in SGLang's documented format), and, on a CUDA machine
+with sglang installed, a real end-to-end run from the config."""
+import base64
+import dataclasses
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import sglang_engine
+from config import TrainConfig
+from model import Transformer
+from rollout import FP8, SamplingParams, policy_tensors, route_dtype
+from sglang_engine import SGLangEngine, SGLangServer, build_sglang_engine, check_sglang_config
+
+EOS = 1
+TOK = SimpleNamespace(stop_ids=(EOS,), pad_id=0)  # what build_sglang_engine reads of a tokenizer.Tokenizer
+PARAMS = SamplingParams(max_new_tokens=4)
+
+
+class FakeSGLang(ThreadingHTTPServer):
+    """An SGLang server's routes (entrypoints/http_server.py) that record (route, body) in `log` and
+    answer as SGLang does; /generate completes each row with [last prompt id + 1, EOS]."""
+
+    def __init__(self, cfg, log: list, *, tp_size: int = 1, sessions: bool = True):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.cfg, self.log, self.tp_size, self.sessions = cfg, log, tp_size, sessions
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def answer(self, route: str, body):
+        if route == "/generate":
+            return [self.completion(row) for row in body["input_ids"]]
+        if route == "/server_info":
+            return {"tp_size": self.tp_size, "dp_size": 1, "pp_size": 1}
+        if route in ("/begin_weight_update", "/end_weight_update") and not self.sessions:
+            return 404  # SGLang before PR 28001
+        if route == "/flush_cache":
+            return "Cache flushed.\n"  # plain text, as SGLang answers
+        if route in ("/release_memory_occupation", "/resume_memory_occupation"):
+            return None
+        return {"success": True, "message": "ok"}
+
+    def completion(self, prompt: list[int]) -> dict:
+        """One result in SGLang's documented shape: meta_info with output_token_logprobs, a finish_reason
+        dict and routed_experts as base64 int32 [T + C - 1, num_hidden_layers, top_k]."""
+        ids, cfg = [prompt[-1] + 1, EOS], self.cfg
+        routes = torch.arange((len(prompt) + 1) * cfg.n_layers * cfg.top_k, dtype=torch.int32) % cfg.num_experts
+        return {"output_ids": ids, "meta_info": {
+            "output_token_logprobs": [[-0.5, ids[0], None], [-0.25, EOS, None]],
+            "finish_reason": {"type": "stop", "matched": EOS},
+            "routed_experts": base64.b64encode(routes.numpy().tobytes()).decode("ascii")}}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.reply(None)
+
+    def do_POST(self):
+        self.reply(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+    def reply(self, body):
+        route = self.path
+        self.server.log.append((self.server.url, route, body))
+        out = self.server.answer(route, body)
+        status, text = (404, '{"detail":"Not Found"}') if out == 404 else (200, out if isinstance(out, str)
+                                                                         else json.dumps(out))
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(text.encode())))
+        self.end_headers()
+        self.wfile.write(text.encode())
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+@pytest.fixture
+def log(monkeypatch):
+    """The shared record of server calls and barriers, in the order they happened."""
+    calls = []
+    monkeypatch.setattr(sglang_engine, "_barrier", lambda: calls.append((None, "barrier", None)))
+    return calls
+
+
+def routes(log, url=None) -> list[str]:
+    return [r for u, r, _ in log if url is None or u in (url, None)]
+
+
+def sglang_cfg(model, **kw) -> TrainConfig:
+    return TrainConfig(engine="sglang", init_hf="/ckpt", device="cuda", model=model, **kw)
+
+
+# ----------------------------------------------------------------------------- the config
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(engine="vllm"), "engine="),
+    (dict(init_hf=""), "init_hf"),
+    (dict(device="cpu"), "device="),
+    (dict(sglang_urls="localhost:30000"), "sglang_urls="),  # no scheme
+    (dict(sglang_urls="http://10.0.0.2:30000/generate"), "sglang_urls="),  # a route, not a base URL
+    (dict(sglang_urls="http://a:1,,http://b:2"), "sglang_urls="),  # an empty entry
+    (dict(sglang_urls="http://a:1,http://a:1/"), "sglang_urls="),  # one server twice
+    (dict(sglang_urls="http://a:port"), "sglang_urls="),
+    (dict(engine="native", sglang_urls="http://a:1"), "sglang_urls="),  # set but never read
+    (dict(sglang_mem_fraction=1.5), "sglang_mem_fraction="),
+    (dict(max_staleness=1), "max_staleness="),
+])
+def test_a_config_sglang_cannot_run_is_a_value_error_naming_the_field(tiny_cfg, change, field):
+    with pytest.raises(ValueError, match=field):
+        check_sglang_config(dataclasses.replace(sglang_cfg(tiny_cfg), **change))
+
+
+def test_a_config_sglang_can_run_passes_and_native_needs_nothing(tiny_cfg):
+    check_sglang_config(sglang_cfg(tiny_cfg, sglang_urls=" http://10.0.0.2:30000, https://h:1 "))
+    check_sglang_config(sglang_cfg(tiny_cfg))  # colocated
+    check_sglang_config(TrainConfig(model=tiny_cfg))  # the defaults: engine='native'
+
+
+# ----------------------------------------------------------------------------- external servers
+
+
+def test_external_servers_get_the_documented_generate_payload_round_robin_by_group(tiny_cfg, log):
+    a, b = FakeSGLang(tiny_cfg, log), FakeSGLang(tiny_cfg, log)
+    engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=f"{a.url},{b.url}"), TOK, "/ckpt")
+    out = engine.generate([[5, 6], [7], [9, 10, 11]], PARAMS, n=2, seed=3, group_ids=[4, 5, 6])
+    sent = {u: body for u, r, body in log if r == "/generate"}
+    assert sent[a.url]["input_ids"] == [[5, 6], [5, 6], [9, 10, 11], [9, 10, 11]]  # groups 4 and 6: 4 % 2 == 0
+    assert sent[b.url]["input_ids"] == [[7], [7]]
+    assert set(sent[a.url]) == {"input_ids", "sampling_params", "return_logprob", "logprob_start_len",
+                                "return_routed_experts", "routed_experts_start_len"}
+    assert sent[a.url]["return_routed_experts"] and sent[a.url]["routed_experts_start_len"] == 0
+    # each row keeps the seed the whole batch would give it: split over servers, sampled as in one call
+    seeds = [p["sampling_seed"] for p in sent[a.url]["sampling_params"] + sent[b.url]["sampling_params"]]
+    whole = sglang_engine.sglang_request([[5, 6], [9, 10, 11], [7]], PARAMS, n=2, seed=3, eos_id=EOS,
+                                         group_ids=[4, 6, 5])
+    assert seeds == [p["sampling_seed"] for p in whole["sampling_params"]]
+    assert [r.group_id for r in out] == [4, 4, 5, 5, 6, 6]  # back in the caller's order
+    assert [r.completion_ids for r in out][::2] == [[7, EOS], [8, EOS], [12, EOS]]
+    r = out[4]
+    assert r.routes.shape == (3 + 2 - 1, tiny_cfg.num_moe_layers, tiny_cfg.top_k) and r.finish_reason == "stop"
+    assert r.routes.dtype == route_dtype(tiny_cfg.num_experts)  # 8 experts: uint8, a quarter of SGLang's int32
+    torch.testing.assert_close(r.logprobs, torch.tensor([-0.5, -0.25]))
+
+
+def test_external_sync_forms_the_nccl_group_once_and_broadcasts_every_bucket_in_order(tiny_cfg, log, monkeypatch):
+    a, b = FakeSGLang(tiny_cfg, log, tp_size=2), FakeSGLang(tiny_cfg, log, sessions=False)
+    joined, sent = [], []
+    monkeypatch.setattr(sglang_engine, "join_update_group",
+                        lambda *group: joined.append(group) or (lambda t: sent.append((t.dtype, tuple(t.shape)))))
+    engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=f"{a.url},{b.url}"), TOK, "/ckpt")
+    engine.bucket_bytes = 16 << 10
+    model = Transformer(tiny_cfg)
+    for version in (1, 2):
+        engine.update_weights(policy_tensors(model), version=version)
+    assert engine.weight_version == 2 and len(joined) == 1
+    inits = {u: body for u, r, body in log if r == "/init_weights_update_group"}  # sent concurrently
+    # rank 0 is this trainer rank; server a's 2 GPUs are ranks 1-2, server b's one GPU rank 3
+    assert [(inits[u]["rank_offset"], inits[u]["world_size"], inits[u]["backend"]) for u in (a.url, b.url)] == [
+        (1, 4, "nccl"), (3, 4, "nccl")]
+    assert joined[0][2:] == (4, inits[a.url]["group_name"]) and inits[b.url]["master_port"] == joined[0][1]
+    buckets = [body for u, r, body in log if r == "/update_weights_from_distributed" and u == a.url]
+    assert len(buckets) > 2 and not any(g["flush_cache"] for g in buckets)
+    # what the servers expect, in order, is what was broadcast, and it is the whole model in HF names
+    expected = [(getattr(torch, d), tuple(s)) for g in buckets for d, s in zip(g["dtypes"], g["shapes"])]
+    assert sent == expected
+    names = [n for g in buckets for n in g["names"]]
+    assert names[:len(names) // 2] == names[len(names) // 2:]  # two syncs, the same tensors
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names and "lm_head.weight" in names
+    # server a has sessions: begin, buckets, end, flush; server b (older SGLang) takes buckets without them
+    a_sync = [r for r in routes(log, a.url) if r not in ("/server_info", "/init_weights_update_group")]
+    assert a_sync[0] == "/begin_weight_update" and a_sync[-3:] == ["/end_weight_update", "/flush_cache", "barrier"]
+    assert a_sync.count("/begin_weight_update") == a_sync.count("/end_weight_update") == 2
+    assert "/end_weight_update" not in routes(log, b.url) and routes(log, b.url)[-2:] == ["/flush_cache", "barrier"]
+
+
+def test_fp8_sync_sends_e4m3_weights_with_inverse_scales_and_a_high_precision_router(tiny_cfg, log, monkeypatch):
+    server = FakeSGLang(tiny_cfg, log)
+    monkeypatch.setattr(sglang_engine, "join_update_group", lambda *group: lambda t: None)
+    engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=server.url, rollout_fp8=True), TOK, "/ckpt")
+    engine.update_weights(policy_tensors(Transformer(tiny_cfg)), version=1)
+    buckets = [g for _, r, g in log if r == "/update_weights_from_distributed"]
+    dtypes = {n: d for g in buckets for n, d in zip(g["names"], g["dtypes"])}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == str(FP8).removeprefix("torch.") == "float8_e4m3fn"
+    assert dtypes["model.layers.0.self_attn.q_proj.weight_scale_inv"] == "float32"
+    assert dtypes["model.layers.0.mlp.gate.weight"] == "float32"  # the router stays high precision
+
+
+def test_an_error_answer_names_the_server_the_route_and_sglangs_message(tiny_cfg, log):
+    server = FakeSGLang(tiny_cfg, log, sessions=False)
+    with pytest.raises(RuntimeError, match=f"{server.url}/end_weight_update answered 404"):
+        SGLangServer(server.url).end_weight_update()
+    with pytest.raises(RuntimeError, match="unreachable"):
+        SGLangServer("http://127.0.0.1:9", timeout_s=5).generate(input_ids=[[1]])
+
+
+# ----------------------------------------------------------------------------- colocated
+
+
+def test_colocated_memory_is_released_before_training_and_resumed_before_rollouts(tiny_cfg, log):
+    server = FakeSGLang(tiny_cfg, log, tp_size=2)
+    packed = []
+    client = SGLangServer(server.url, serialize=lambda bucket: packed.append(bucket) or f"ipc-{len(packed)}")
+    engine = SGLangEngine.from_engine(client, tiny_cfg, eos_id=EOS, colocated=True, bucket_bytes=16 << 10)
+    engine.generate([[5, 6]], PARAMS, n=1, seed=0)
+    engine.wake()  # awake already: nothing to resume
+    engine.sleep()  # the trainer trains
+    engine.sleep()  # asleep already: nothing more to release
+    with pytest.raises(RuntimeError, match="wake"):
+        engine.generate([[5, 6]], PARAMS)
+    with pytest.raises(RuntimeError, match="wake"):
+        engine.update_weights(policy_tensors(Transformer(tiny_cfg)), version=1)
+    engine.wake()
+    with pytest.raises(RuntimeError, match="update_weights"):  # resumed memory holds no weights yet
+        engine.generate([[5, 6]], PARAMS)
+    engine.update_weights(policy_tensors(Transformer(tiny_cfg)), version=1)
+    assert engine.generate([[5, 6]], PARAMS)[0].weight_version == 1
+    calls = [r for r in routes(log) if r != "/server_info"]
+    n = calls.count("/update_weights_from_tensor")
+    assert n > 1 and calls == (["/generate", "barrier", "/release_memory_occupation", "barrier",
+                                "/resume_memory_occupation", "barrier", "/begin_weight_update"]
+                               + ["/update_weights_from_tensor"] * n
+                               + ["/end_weight_update", "/flush_cache", "barrier", "/generate"])
+    bodies = [body for _, r, body in log if r == "/update_weights_from_tensor"]
+    # one serialized copy of the bucket per TP rank, the cache flushed once at the end
+    assert bodies[0] == {"serialized_named_tensors": ["ipc-1", "ipc-2"], "load_format": None, "flush_cache": False}
+    assert len(packed) == 2 * n and packed[0][0][0] == "model.embed_tokens.weight"
+
+
+def test_a_non_leader_rank_takes_part_in_the_gathers_and_generates_but_sends_nothing(tiny_cfg, log):
+    server = FakeSGLang(tiny_cfg, log)
+    engine = SGLangEngine.from_engine(SGLangServer(server.url), tiny_cfg, eos_id=EOS, leader=False, colocated=True)
+    drawn = []
+    tensors = ((n, drawn.append(n) or t) for n, t in policy_tensors(Transformer(tiny_cfg)))
+    engine.sleep()
+    engine.wake()
+    engine.update_weights(tensors, version=3)
+    with engine.phase():  # NativeEngine's rollout phase: nothing to gather here
+        assert engine.memory() == {} and not engine.sharded
+    assert len(drawn) == len(list(policy_tensors(Transformer(tiny_cfg))))  # every gather taken part in
+    assert engine.generate([[5]], PARAMS)[0].weight_version == 3
+    assert routes(log) == ["barrier", "barrier", "barrier", "barrier", "/generate"]
+
+
+def test_in_process_engine_sync_brackets_buckets_with_sessions_and_flushes_once(tiny_cfg):
+    calls = []
+    engine = SimpleNamespace(  # sglang.Engine's methods, as the offline API names them
+        begin_weight_update=lambda: calls.append("begin") or (True, ""),
+        end_weight_update=lambda: calls.append("end") or (True, ""),
+        update_weights_from_tensor=lambda named_tensors, flush_cache: calls.append(flush_cache) or (True, "ok"),
+        flush_cache=lambda: calls.append("flush"))
+    SGLangEngine.from_engine(engine, tiny_cfg, eos_id=EOS, bucket_bytes=16 << 10).update_weights(
+        policy_tensors(Transformer(tiny_cfg)), version=1)
+    assert calls[0] == "begin" and calls[-2:] == ["end", "flush"] and set(calls[1:-2]) == {False}
+
+
+def test_the_update_group_recipe_forms_a_group_and_broadcasts(tiny_cfg):
+    # gloo and one rank: the rendezvous, the prefixed store and the private helper work on this torch
+    broadcast = sglang_engine.join_update_group("127.0.0.1", sglang_engine._free_port(), 1, "test", backend="gloo")
+    t = torch.arange(6.0)
+    broadcast(t)
+    assert torch.equal(t, torch.arange(6.0))
+
+
+# ----------------------------------------------------------------------------- a real engine (GPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.sglang
+def test_sglang_from_the_config_generates_sleeps_syncs_and_matches_the_trainer(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (SGLang runs on CUDA only)")
+    pytest.importorskip("sglang", reason="needs sglang (GPU machines: pip install -r requirements-gpu.txt)")
+    from config import load_config
+    from espo import mismatch_metrics
+    from hf import load_hf
+    from hf_checkpoint import build_checkpoint
+    from logprobs import token_logprobs
+    from tokenizer import load_hf_tokenizer
+    path = build_checkpoint(str(tmp_path), num_ranks=1000)
+    cfg = load_config(None, [f"init_hf={path}", "engine=sglang", "device=cuda", "sglang_mem_fraction=0.3",
+                             "max_new_tokens=8"])
+    tok = load_hf_tokenizer(path)
+    engine = build_sglang_engine(cfg, tok, path)
+    prompts = [tok.encode("1 + 2 ="), tok.encode("Hello")]
+    assert len(engine.generate(prompts, cfg.sampling_params(), n=2, seed=0)) == 4
+    model = load_hf(path).cuda()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # weights the server has never loaded: only a sync makes them match
+    engine.sleep()
+    engine.wake()
+    engine.update_weights(policy_tensors(model), version=1)
+    infer, trainer = [], []
+    for r in engine.generate(prompts, cfg.sampling_params(), n=2, seed=0):
+        assert r.weight_version == 1
+        seq = torch.tensor(r.prompt_ids + r.completion_ids, device="cuda")
+        assert r.routes.shape == (len(seq) - 1, cfg.model.num_moe_layers, cfg.model.top_k)
+        with torch.no_grad():
+            logits = model(seq[None, :-1], routed_experts=r.routes[None].cuda().int())[0]  # (1, T + C - 1, V)
+        trainer.append(token_logprobs(logits, seq[None, 1:])[0, len(r.prompt_ids) - 1:].cpu())
+        infer.append(r.logprobs)
+    assert mismatch_metrics(infer, trainer)["mismatch/max_abs_logp"] < 0.1
