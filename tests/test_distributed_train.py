@@ -175,6 +175,33 @@ def test_two_rank_run_resumed_from_its_checkpoint_ends_bitwise_equal(tmp_path):
         assert torch.equal(b[name], t), name
 
 
+def test_two_rank_async_run_checkpoints_and_resumes_within_its_staleness_bound(tmp_path):
+    """max_staleness=1 under torchrun: the producer decodes on a sharded copy of the policy over its
+    own process groups; a checkpoint after RL step 0 resumes into steps 1..3, rollouts never older
+    than one version (async resumes validly, not bitwise: which version a step gets is timing)."""
+    import shutil
+    cfg_path = tmp_path / "cfg.py"
+    cfg_path.write_text(RUN)
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    args = ["ep=2", "max_staleness=1", "rl_steps=4", "ckpt_every=4", "ckpt_keep=1"]
+    done = subprocess.run(torchrun(str(cfg_path), f"out_dir={first}", *args), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = checkpoint.latest_checkpoint(str(first))
+    assert ckpt.endswith("step_00000004")  # after RL step 0: SFT's 3 steps, then one RL step
+    shutil.copytree(ckpt, resumed / "ckpt" / os.path.basename(ckpt))
+    shutil.copy(first / "metrics.jsonl", resumed / "metrics.jsonl")
+    done = subprocess.run(torchrun(str(cfg_path), f"out_dir={resumed}", *args, "resume=auto"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for out in (first, resumed):
+        rl = [r for r in records(out) if r["stage"] == "rl"]
+        assert [r["step"] for r in rl] == [0, 1, 2, 3]
+        assert all(r["async/staleness_max"] <= 1 for r in rl if "async/staleness_max" in r)
+        assert all(r["trained_sequences"] == 16 for r in rl)  # 4 prompts x G = 4, RL-ZVP keeps every group
+    assert load_file(resumed / "model.safetensors").keys() == load_file(first / "model.safetensors").keys()
+
+
 def build_worker(rank, world, port, cfg, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
