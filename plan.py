@@ -7,9 +7,9 @@ checkpointing) on fake tensors (torch's FakeTensorMode: shapes and dtypes, no st
 fake process group of the run's world size, runs two training steps of one micro-batch
 (forward with the chunked logprobs, backward, AdamW) and reads the peak from torch's memory
 tracker (FSDPMemTracker; MemTracker for a plain one-process model). The rollout engine's part
-(`engine_memory`) adds up what NativeEngine allocates: its copy of the weights in the run's
-dtype and, while it generates, the KV cache and routes of gen_batch_rows rows of
-max_prompt_tokens + max_new_tokens tokens, the prefill, and the sampler's [rows, V] buffers.
+(`engine_memory`, `engine_bytes`) adds up what NativeEngine allocates: its weights (choice 4)
+and, while it generates, the KV cache and routes of gen_batch_rows rows of max_prompt_tokens +
+max_new_tokens tokens, the prefill, and the sampler's [rows, V] buffers.
 bench/memory.py and tests/test_plan.py check both against measured peaks of real runs on CPU.
 Shapes: B, T, V, D, E, K, L, J, d, S (letters of the README's legend).
 
@@ -25,9 +25,15 @@ Notable choices:
    once the peak falls at the same point of the step (from two MoE blocks on): the fake steps
    run with two and three MoE blocks and the result is extended to L blocks (tests/test_plan.py
    checks this against the full depth). A 46-layer 100B plan then takes seconds, not minutes.
-4. The peak of a run is the larger of a training step's peak and a generate call's: the trainer
-   keeps its sharded parameters and AdamW state while the engine generates, the engine keeps
-   its weights while the trainer steps, and the two never run at once.
+4. The engine's weights. One process: a replica of the policy in the run's dtype, kept through
+   training, so the peak of a run is the larger of a training step's peak plus the replica and
+   the trainer's parameters and AdamW state plus a generate call's peak plus the replica. Several
+   ranks: no replica; the engine decodes with the policy's own parameters, the dense ones gathered
+   (FSDP2 unshard, in the compute dtype, router gates fp32) for the rollout phase and freed after
+   it, the routed experts expert-parallel (E / ep per rank, gathered over efsdp ranks in the
+   compute dtype; with ep = world the trainer's own fp32 shards). The two phases never overlap, so
+   the peak is the larger of a training step's and the rollout phase's (parameters, AdamW, the
+   gathered weights and a generate call's peak, with the all-to-all's buffers).
 """
 
 from __future__ import annotations
@@ -38,10 +44,14 @@ import warnings
 import torch
 
 from logprobs import LOGITS_CHUNK_TOKENS
+from rollout import route_dtype
 from model import ModelConfig, Transformer
 
 GB = 1024 ** 3
-GPU_MEMORY_GB = {"H100 80GB": 80, "H200 141GB": 141}
+# what PyTorch can allocate on each (torch.cuda.get_device_properties(0).total_memory, as its out-of-memory
+# messages print it: "GPU 0 has a total capacity of 79.11 GiB"): below the GB sold, which are 10^9 bytes
+# and include memory the driver keeps. The plan leaves nothing for the CUDA context, NCCL or fragmentation.
+GPU_MEMORY_GIB = {"H100 80GB": 79.11, "H200 141GB": 139.81}
 NODES = (1, 2, 4, 8)
 PARTS = ("params", "grads", "optimizer", "gathered", "activations")
 
@@ -149,47 +159,130 @@ def _fake_steps(cfg, world: int, activation_checkpoint: bool, n_layers: int) -> 
     return parts
 
 
-def engine_memory(cfg) -> dict[str, int]:
-    """Bytes NativeEngine holds: its weights, and the peak of a generate call of gen_batch_rows rows
-    whose prompts are max_prompt_tokens long (rollout.py `_prefill`, `_decode`). Returns weights,
-    kv_cache (the decode state's, part of generate), generate (the call's peak) and total."""
+def engine_bytes(cfg, world: int) -> dict[str, int]:
+    """Bytes one rank's NativeEngine decodes with, from the real parameter shapes (a meta-device model).
+
+    dense: every parameter but the routed experts (embedding, attention, norms, shared experts,
+    dense FFNs, lm_head) in the compute dtype, the router gates (`mlp.gate.weight`) in fp32 in
+    any dtype, and the buffers (the routers' expert_bias: the replica's in the compute dtype, the
+    policy's fp32, which FSDP neither shards nor casts). experts: the routed experts
+    (`mlp.experts.*`) a rank holds, E / ep of each MoE layer (all E in one process): in the compute
+    dtype, except where expert parallelism alone splits them (ep = world, no efsdp mesh): then they
+    sit outside FSDP and the engine decodes the trainer's own fp32 shards (model.GroupedExperts
+    casts a layer at a time), 4 bytes each.
+    kv_cache: model.KVCache's k and v, [n_layers, gen_batch_rows, J, S, d] each in the compute
+    dtype, S = prompt_limit() + max_new_tokens - 1 columns. One process (world == 1): the
+    replica's. Raises ValueError if ep does not divide world and num_experts.
+    """
     m, dt = cfg.model, torch.tensor([], dtype=cfg.compute_dtype()).element_size()
-    gate = m.num_moe_layers * m.num_experts * m.dim  # the router's weight stays fp32 in any dtype
-    weights = (param_counts(m)["total"] - gate) * dt + gate * 4
+    parts = _engine_weights(cfg, world)
+    S = cfg.prompt_limit() + cfg.max_new_tokens - 1  # the last sampled token is never fed back
+    return {"dense": parts["dense"], "experts": parts["experts"],
+            "kv_cache": 2 * m.n_layers * cfg.gen_batch_rows * m.n_kv_heads * S * m.head_dim * dt}
+
+
+def _experts_are_trainer_shards(cfg, world: int) -> bool:
+    """Whether the engine decodes the trainer's own expert tensors: EP-only experts (ep = world > 1), which
+    distributed.parallelize leaves outside FSDP, so nothing gathers or casts them ahead of the rollout phase."""
+    return world > 1 and cfg.ep == world
+
+
+def _engine_weights(cfg, world: int) -> dict[str, int]:
+    """engine_bytes' dense and experts, and the bytes of the largest FSDP unit the rollout phase gathers
+    (distributed.parallelize's units: the root, each block, each gate, each layer's experts when efsdp > 1),
+    whose all-gather buffer is briefly alive beside its gathered copy."""
+    m, dt = cfg.model, torch.tensor([], dtype=cfg.compute_dtype()).element_size()
+    ep = cfg.ep if world > 1 else 1
+    if world % ep or m.num_experts % ep:
+        raise ValueError(f"ep={ep} must divide the world size {world} and num_experts={m.num_experts}")
+    expert_dt = 4 if _experts_are_trainer_shards(cfg, world) else dt
+    with torch.device("meta"):
+        model = Transformer(m)
+    out, units = {"dense": 0, "experts": 0}, {}
+    for name, p in model.named_parameters():  # a tied lm_head once, as the embedding
+        block = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"  # its block's unit or the root
+        if name.endswith("mlp.gate.weight"):  # the router: fp32 in any dtype, an FSDP unit of its own
+            out["dense"] += p.numel() * 4
+            units[name] = p.numel() * 4
+        elif ".mlp.experts." in name:
+            n = p.numel() // ep * expert_dt  # this rank's E / ep experts
+            out["experts"] += n
+            if ep == 1:  # no expert mesh: the experts are part of their block's unit
+                units[block] = units.get(block, 0) + n
+            elif world > ep:  # a unit of their own over the efsdp ranks (with ep = world nothing gathers them)
+                units[name.rsplit(".", 1)[0]] = units.get(name.rsplit(".", 1)[0], 0) + n
+        else:
+            out["dense"] += p.numel() * dt
+            units[block] = units.get(block, 0) + p.numel() * dt
+    out["dense"] += sum(b.numel() for b in model.buffers()) * (4 if world > 1 else dt)  # never gathered: no unit
+    return {**out, "largest_unit": max(units.values())}
+
+
+def engine_memory(cfg, world: int = 1) -> dict[str, int]:
+    """Bytes one rank's NativeEngine adds while it generates: its weights and the peak of a generate call
+    of gen_batch_rows rows whose prompts are max_prompt_tokens long (rollout.py `_prefill`, `_decode`).
+
+    One process: a replica of the policy in the run's dtype (choice 4). world > 1: no replica; the
+    dense weights gathered for the rollout phase and the rank's experts (`engine_bytes`), whose
+    prefill and decode add expert parallelism's all-to-all buffers. Returns dense, experts (as
+    engine_bytes), weights (what the engine holds beyond the trainer's state: dense + experts, or
+    dense alone where the experts are the trainer's own shards), kv_cache (part of generate),
+    generate (the call's peak, or the gathering's if larger) and total (weights + generate).
+    """
+    m, dt = cfg.model, torch.tensor([], dtype=cfg.compute_dtype()).element_size()
+    own = _engine_weights(cfg, world)
+    ep = cfg.ep if world > 1 else 1
+    aliased = _experts_are_trainer_shards(cfg, world)
+    weights = own["dense"] + (0 if aliased else own["experts"])
     P, C, B = cfg.prompt_limit(), cfg.max_new_tokens, cfg.gen_batch_rows
     S = P + C - 1  # cache columns: the prompt and every sampled token but the last
     U = max(1, B // cfg.group_size)  # distinct prompts of a call: one prefill row each
     LK, kv_token = m.num_moe_layers * m.top_k, 2 * m.n_kv_heads * m.head_dim * dt  # k and v of a token, one layer
     prefill_cache = m.n_layers * U * P * kv_token
-    kv = m.n_layers * B * S * kv_token
-    routes = B * S * LK * 4  # int32
+    kv = engine_bytes(cfg, world)["kv_cache"]
+    routes = B * S * LK * torch.tensor([], dtype=route_dtype(m.num_experts)).element_size()  # rollout.route_dtype
+    # under EP a forward sends each token's K routed rows to their experts' ranks and receives as many back
+    # (balanced routing): send and receive buffers of N * K rows of D, as the trainer's (choice 1)
+    a2a = 2 * m.top_k * m.dim * dt if ep > 1 else 0  # per token
+    # EP-only experts are the trainer's fp32 shards, cast to the compute dtype one layer at a time
+    cast = own["experts"] // max(1, m.num_moe_layers) * dt // 4 if aliased and dt != 4 else 0
     # the prefill: its U-row cache and one forward over U x P tokens, whose largest per-layer tensors are the
     # routed rows (x, the expert GEMMs' [2I] and [I] outputs, the result: K copies of every token) and the mask
     acts = U * P * (4 * m.dim + m.top_k * (2 * m.dim + 3 * m.moe_inter_dim)) * dt + U * P * P
-    prefill = prefill_cache + acts + U * P * LK * 8
+    prefill = prefill_cache + acts + U * P * LK * 8 + U * P * a2a + cast
     # the copy of each row's prompt into the decode cache: both caches, one layer's gathered rows, the routes,
     # and still alive from the prefill its mask and hidden states
     copy = prefill_cache + kv + B * P * kv_token // 2 + U * P * LK * 8 + routes + U * P * (P + m.dim * dt)
     # decoding: the cache and routes, the sampler's [B, V] buffers (logits, tempered logits, log-softmax and
     # probabilities fp32, their cumulative sum fp64), the row mask, and the sampled ids and logprobs
-    decode = kv + routes + B * m.vocab_size * (4 * 4 + 8) + B * S * 4 + B * C * (8 + 4)
+    decode = kv + routes + B * m.vocab_size * (4 * 4 + 8) + B * S * 4 + B * C * (8 + 4) + B * a2a + cast
     generate = max(prefill, copy, decode + routes)  # the end: the rollouts' own copies of their routes
-    return {"weights": weights, "kv_cache": kv, "generate": generate, "total": weights + generate}
+    if world > 1:  # gathering unit by unit: one unit's all-gather buffer beside its copy, before the call
+        generate = max(generate, own["largest_unit"])
+    return {"dense": own["dense"], "experts": own["experts"], "weights": weights, "kv_cache": kv,
+            "generate": generate, "total": weights + generate}
 
 
 def memory_plan(cfg, world: int) -> dict[str, int]:
     """Per-GPU bytes of a run of `world` ranks: the trainer's state, activations and peak, the
-    engine's weights and KV cache, and the run's peak (choice 4). dtype 'auto' plans a GPU's: bf16."""
+    engine's weights (dense, experts: what it holds beyond the trainer's state) and KV cache, the
+    rollout phase's peak and the run's peak (choice 4). dtype 'auto' plans a GPU's: bf16."""
     if cfg.dtype == "auto":
         cfg = dataclasses.replace(cfg, dtype="bfloat16")
     trainer = trainer_memory(cfg, world, activation_checkpoint=cfg.activation_checkpoint)
-    engine = engine_memory(cfg)
+    engine = engine_memory(cfg, world)
     # fp32 gradients take the shards of the fp32 parameters, between a backward and its optimizer step
     state = {"params": trainer["params"], "grads": trainer["params"], "adam": trainer["optimizer"]}
-    total = max(trainer["total"] + engine["weights"], state["params"] + state["adam"] + engine["total"])
+    # the rollout phase comes after an optimizer step, which set the gradients to None
+    rollout = state["params"] + state["adam"] + engine["total"]
+    # one process: the replica persists through training; several: the engine's weights are gathered for the
+    # rollout phase and freed after it (distributed.gathered), so a training step holds none of them
+    train_step = trainer["total"] + (engine["weights"] if world == 1 else 0)
     return {**state, "gathered": trainer["gathered"], "activations": trainer["activations"],
             "logits chunk": LOGITS_CHUNK_TOKENS * cfg.model.vocab_size * 4, "trainer peak": trainer["total"],
-            "engine weights": engine["weights"], "engine KV": engine["kv_cache"], "total": total}
+            "engine weights": engine["weights"], "engine dense": engine["dense"],
+            "engine experts": engine["weights"] - engine["dense"], "engine KV": engine["kv_cache"],
+            "rollout peak": rollout, "train step": train_step, "total": max(train_step, rollout)}
 
 
 def print_plan(cfg, nodes=NODES) -> list[dict]:
@@ -205,26 +298,65 @@ def print_plan(cfg, nodes=NODES) -> list[dict]:
           f"{n(counts['experts'])} in routed experts")
     dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
     print(f"per GPU (GiB): {cfg.microbatch_tokens}-token micro-batches in {dtype}, activation checkpointing "
-          f"{'on' if cfg.activation_checkpoint else 'off'}; the engine a full copy on every GPU, generating "
-          f"{cfg.gen_batch_rows} rows of {cfg.prompt_limit()} + {cfg.max_new_tokens} tokens")
-    cols = ["params", "grads", "adam", "gathered", "activations", "logits chunk", "trainer peak", "engine weights",
-            "engine KV", "total"]
+          f"{'on' if cfg.activation_checkpoint else 'off'}; the engine generating {cfg.gen_batch_rows} rows per GPU "
+          f"of {cfg.prompt_limit()} + {cfg.max_new_tokens} tokens, on one GPU from a full copy of the weights kept "
+          f"through training, on several from the policy's own: dense weights gathered for the rollout phase, "
+          f"experts E/ep per GPU")
+    cols = ["params", "grads", "adam", "gathered", "activations", "logits chunk", "trainer peak", "engine dense",
+            "engine experts", "engine KV", "rollout peak", "total"]
     print(f"{'nodes':>5} {'GPUs':>5} {'ep':>3}  " + "  ".join(f"{c:>{max(9, len(c))}}" for c in cols) + "  fits")
-    rows = []
+    rows, plans = [], {}
     for k in nodes:
         world = k * cfg.gpus_per_node
         if world % cfg.ep or cfg.model.num_experts % cfg.ep:
             print(f"{k:>5} {world:>5}  ep={cfg.ep} does not divide {world} GPUs and {cfg.model.num_experts} experts")
             continue
         plan = memory_plan(cfg, world)
-        fits = [name for name, gb in GPU_MEMORY_GB.items() if plan["total"] / GB <= gb]
+        fits = [name for name, gib in GPU_MEMORY_GIB.items() if plan["total"] / GB <= gib]
         print(f"{k:>5} {world:>5} {cfg.ep:>3}  " + "  ".join(f"{plan[c] / GB:>{max(9, len(c))}.1f}" for c in cols)
               + f"  {', '.join(fits) or 'no'}")
-        rows.append({"nodes": k, "gpus": world, **{c: plan[c] / GB for c in cols}, "fits": fits})
+        rows.append({"nodes": k, "gpus": world, **{c: plan[c] / GB for c in [*cols, "engine weights", "train step"]},
+                     "fits": fits})
+        plans[k] = plan
     if not rows:
         raise ValueError(f"ep={cfg.ep} divides none of the GPU counts {[k * cfg.gpus_per_node for k in nodes]}")
+    _print_what_fits(cfg, plans)
     other = not cfg.activation_checkpoint  # activations do not depend on the world size: once, at the first
     acts = trainer_memory(dataclasses.replace(cfg, dtype=dtype), rows[0]["gpus"], activation_checkpoint=other)
     print(f"activation checkpointing {'on' if other else 'off'} would make activations "
           f"{acts['activations'] / GB:.1f} GiB and the trainer's peak {acts['total'] / GB:.1f} GiB on {rows[0]['gpus']} GPUs")
     return rows
+
+
+def _print_what_fits(cfg, plans: dict[int, dict]):
+    """Per node count: which phase sets the peak and its parts, and for each GPU type it does not fit what
+    would: a smaller gen_batch_rows where the rollout phase sets the peak (its KV cache shrinks), else more nodes."""
+    bf16 = dataclasses.replace(cfg, dtype="bfloat16") if cfg.dtype == "auto" else cfg
+    for k, p in plans.items():
+        world = k * cfg.gpus_per_node
+        if p["train step"] >= p["rollout peak"]:
+            where = f"the training step's (fp32 params, grads and AdamW {(2 * p['params'] + p['adam']) / GB:.1f})"
+        else:
+            own = " (dense; ep = GPUs: its experts are the trainer's fp32 shards)" \
+                if _experts_are_trainer_shards(cfg, world) else ""
+            where = (f"the rollout phase's (fp32 params and AdamW {(p['params'] + p['adam']) / GB:.1f}, engine weights "
+                     f"{p['engine weights'] / GB:.1f}{own}, KV cache {p['engine KV'] / GB:.1f})")
+        needs = []
+        for name, gib in GPU_MEMORY_GIB.items():
+            if p["total"] / GB <= gib:
+                continue
+            if p["train step"] / GB > gib:
+                needs.append(f"{name}: more nodes")
+                continue
+            rows = bf16.gen_batch_rows // 2
+            while rows >= 1:  # the rollout phase sets this peak, the training step fits: fewer rows per call
+                smaller = dataclasses.replace(bf16, gen_batch_rows=rows)
+                rollout = p["params"] + p["adam"] + engine_memory(smaller, world)["total"]
+                if rollout / GB <= gib:
+                    needs.append(f"{name}: gen_batch_rows={rows} ({max(rollout, p['train step']) / GB:.1f})")
+                    break
+                rows //= 2
+            else:
+                needs.append(f"{name}: more nodes")
+        print(f"{k:>5} node{'s' if k > 1 else ' '}: peak {p['total'] / GB:.1f} GiB, {where}"
+              + (f"; to fit {', '.join(needs)}" if needs else ""))

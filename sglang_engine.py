@@ -379,6 +379,17 @@ def join_update_group(master_address: str, master_port: int, world_size: int, gr
     return broadcast
 
 
+SERVED_DTYPE = torch.bfloat16  # the dtype SGLang serves these checkpoints in: fp32 master weights go as bf16
+
+
+def _as_served(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t as the server holds it: fp32 weights in SERVED_DTYPE (half the bytes of the trainer's master copy),
+    except GLM-4.5's e_score_correction_bias, which SGLang keeps in fp32."""
+    if t.dtype != torch.float32 or name.endswith("e_score_correction_bias"):
+        return t
+    return t.to(SERVED_DTYPE)
+
+
 def _barrier():
     """Wait for every rank (nothing to wait for in one process)."""
     import torch.distributed as dist
@@ -552,6 +563,7 @@ class SGLangEngine:
             raise RuntimeError("SGLangEngine.update_weights while asleep: call wake() first")
         # lazily, one tensor at a time: shards gathered whole, renamed and split into HF's per-matrix layout
         tensors = hf_tensors(((n, full_tensor(t)) for n, t in named_tensors), self.cfg)
+        tensors = ((k, _as_served(k, t)) for k, t in tensors)  # bf16 on the wire (FP8 below is quantised from it)
         if not self.leader:
             for _ in tensors:  # take part in every gather; the leader sends
                 pass

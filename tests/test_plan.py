@@ -106,9 +106,62 @@ def test_small_config_fits_one_80gb_gpu():
     assert 2e8 < param_counts(cfg.model)["total"] < 1e9  # "a few hundred M"
 
 
+def _100b():
+    return train.parse_args([os.path.join(ROOT, "configs", "100b.py")])
+
+
+def test_one_process_engine_bytes_are_the_replicas_tensors():
+    """world 1: the replica NativeEngine builds, tensor for tensor (parameters and buffers), and
+    model.KVCache's allocation."""
+    from model import KVCache
+    from rollout import NativeEngine
+    cfg = train.parse_args([CONFIGS[-1], "dtype=bfloat16", "gen_batch_rows=24"])
+    engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0, dtype=cfg.compute_dtype())
+    sizes = {n: t.numel() * t.element_size() for n, t in [*engine.model.named_parameters(),
+                                                          *engine.model.named_buffers()]}
+    got = plan.engine_bytes(cfg, 1)
+    assert got["experts"] == sum(b for n, b in sizes.items() if ".mlp.experts." in n)
+    assert got["dense"] == sum(b for n, b in sizes.items() if ".mlp.experts." not in n)
+    assert got["dense"] + got["experts"] == plan.engine_memory(cfg, 1)["weights"]
+    cache = KVCache(cfg.model, cfg.gen_batch_rows, cfg.prompt_limit() + cfg.max_new_tokens - 1,
+                    dtype=cfg.compute_dtype(), device="meta")
+    assert got["kv_cache"] == cache.k.nbytes + cache.v.nbytes
+
+
+def test_the_sharded_engine_holds_no_replica_only_dense_weights_and_its_experts():
+    cfg = _100b()  # ep = 8, bf16
+    one, four_nodes, one_node = (plan.engine_bytes(cfg, w) for w in (1, 32, 8))
+    replica = plan.engine_memory(cfg, 1)["weights"]
+    assert one["dense"] + one["experts"] == replica
+    expert_bias = cfg.model.num_moe_layers * cfg.model.num_experts  # a buffer: fp32 on the policy, bf16 in a replica
+    assert four_nodes["dense"] == one["dense"] + expert_bias * 2 and four_nodes["experts"] == one["experts"] // 8
+    assert four_nodes["dense"] + four_nodes["experts"] < replica / 5
+    # ep = world: the experts stay outside FSDP, the engine decodes the trainer's fp32 shards and adds none of its own
+    assert one_node["experts"] == one["experts"] // 8 * 2
+    assert plan.engine_memory(cfg, 8)["weights"] == one_node["dense"]
+
+
+def test_the_engine_weights_count_in_a_training_step_only_in_one_process(monkeypatch):
+    """One process keeps its replica through training; several gather the engine's weights for the rollout
+    phase only."""
+    trainer = {"params": 10 * plan.GB, "optimizer": 20 * plan.GB, "gathered": 0, "activations": 0,
+               "total": 100 * plan.GB}
+    monkeypatch.setattr(plan, "trainer_memory", lambda *args, **kwargs: trainer)
+    cfg = train.parse_args([CONFIGS[-1], "dtype=bfloat16", "ep=2"])
+    for world in (1, 4):
+        p, engine = plan.memory_plan(cfg, world), plan.engine_memory(cfg, world)
+        assert p["rollout peak"] == 30 * plan.GB + engine["total"]
+        assert p["train step"] == 100 * plan.GB + (engine["weights"] if world == 1 else 0)
+        assert p["total"] == max(p["train step"], p["rollout peak"])
+
+
 @pytest.mark.slow
-def test_the_100b_plan_says_one_full_engine_per_gpu_does_not_fit():
-    """Today's engine holds all 106B weights on every GPU (bf16: 199 GiB): no node count fits."""
-    cfg = train.parse_args([os.path.join(ROOT, "configs", "100b.py")])
-    rows = print_plan(cfg, nodes=(1, 8))
-    assert all(row["engine weights"] > 141 and not row["fits"] for row in rows)
+def test_the_100b_plan_at_4_nodes_fits_an_h200_and_prints_its_total(capsys):  # about 20 s on 2 cores
+    cfg = _100b()
+    rows = print_plan(cfg, nodes=(4,))
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:3] == ["4", "32", "8"])
+    p = plan.memory_plan(cfg, 32)
+    engine = plan.engine_memory(dataclasses.replace(cfg, dtype="bfloat16"), 32)
+    assert p["total"] == max(p["trainer peak"], p["params"] + p["adam"] + engine["total"])
+    assert line.split()[-3] == f"{p['total'] / plan.GB:.1f}" and rows[0]["total"] == p["total"] / plan.GB
+    assert rows[0]["fits"] == ["H200 141GB"] and "H200 141GB" in line
