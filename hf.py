@@ -413,7 +413,8 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
     from safetensors.torch import save_file
 
     # rollout.py owns the FP8 format and the size buckets, which its weight sync uses too
-    from rollout import FP8, WEIGHT_BLOCK, quantize_fp8, weight_buckets
+    from fp8 import FP8, WEIGHT_BLOCK, quantize_fp8
+    from rollout import weight_buckets
     config = config_to_hf(model.cfg)  # first: a model the family cannot express fails before any gather
     # a generator: full_tensor gathers one parameter at a time, in policy_tensors' order on every rank
     gathered = ((n, full_tensor(t)) for n, t in policy_tensors(model))

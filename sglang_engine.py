@@ -68,8 +68,8 @@ import torch
 
 from hf import config_from_hf, hf_tensors
 from model import ModelConfig
-from rollout import (DEFAULT_BUCKET_BYTES, Named, Rollout, SamplingParams, full_tensor, quantize_fp8,
-                     route_dtype, row_keys, weight_buckets)
+from fp8 import Named, quantize_fp8
+from rollout import DEFAULT_BUCKET_BYTES, Rollout, SamplingParams, full_tensor, route_dtype, row_keys, weight_buckets
 
 ENGINES = ("native", "sglang")
 UPDATE_GROUP = "everyprompt_weight_sync"

@@ -14,7 +14,8 @@ import torch
 import sglang_engine
 from config import TrainConfig
 from model import Transformer
-from rollout import FP8, SamplingParams, policy_tensors, route_dtype
+from fp8 import FP8
+from rollout import SamplingParams, policy_tensors, route_dtype
 from sglang_engine import SGLangEngine, SGLangServer, build_sglang_engine, check_sglang_config
 
 EOS = 1
