@@ -19,6 +19,7 @@ import train
 from config import load_config
 from hf import save_hf
 from model import Transformer
+from plan import engine_bytes
 from rollout import full_tensor, policy_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,6 +94,12 @@ def test_two_ranks_with_ep2_match_the_one_process_run_step_by_step(tmp_path, ext
             assert any(r["loss/kl_ref"] > 1e-6 for r in recs if r["stage"] == "rl")
     a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     assert a.keys() == b.keys()  # the 2-rank run writes full tensors under the 1-process names
+    # the engine bytes each rank reports: the plan's, and no replica (half the experts, the 1-process engine's all)
+    plan = engine_bytes(load_config(str(cfg_path), ["ep=2", *extra]), 2)
+    for r in (r for r in got if r["stage"] == "rl"):
+        assert (r["engine/dense_bytes"], r["engine/experts_bytes"]) == (plan["dense"], plan["experts"])
+        assert 0 < r["engine/kv_cache_bytes"] <= plan["kv_cache"]
+        assert 2 * r["engine/experts_bytes"] == next(w for w in want if w["stage"] == "rl")["engine/experts_bytes"]
 
 
 def children(pid: int) -> list[int]:
