@@ -113,10 +113,17 @@ class PromptHistory:
             for i, line in enumerate(f):
                 if not line.strip():
                     continue
-                row = json.loads(line)
-                if "id" not in row or not 0.0 <= row.get("pass_rate", -1) <= 1.0:
-                    raise ValueError(f"{path} line {i + 1}: need 'id' and 'pass_rate' in [0, 1], got {row}")
-                self.observe(row["id"], float(row["pass_rate"]), step)
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} line {i + 1}: not JSON ({e.msg}): {line.strip()[:80]!r}") from None
+                rate = row.get("pass_rate") if isinstance(row, dict) else None
+                # bool is an int: True is no pass rate; NaN fails both comparisons, so it is refused too
+                if (not isinstance(row, dict) or "id" not in row or isinstance(rate, bool) or not isinstance(rate, (int, float))
+                        or not 0.0 <= rate <= 1.0):
+                    raise ValueError(f"{path} line {i + 1}: need 'id' and a number 'pass_rate' in [0, 1], got "
+                                     f"{str(row)[:80]}")
+                self.observe(row["id"], float(rate), step)
                 n += 1
         return n
 

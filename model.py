@@ -148,6 +148,10 @@ class ModelConfig:
             raise ValueError(f"head_dim * partial_rotary_factor = {self.rotary_dim} must be even and positive")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.top_k == 1 and self.norm_topk_prob:
+            # one weight renormalised over one expert is exactly 1: the router's scores never reach the loss
+            raise ValueError("top_k=1 with norm_topk_prob=True gives every token a gate weight of exactly 1, so the "
+                             "router gets no gradient; set norm_topk_prob=False or top_k >= 2")
         # s divides frequencies; YaRN's ramp is measured over the pre-training length L
         if (self.rope_type not in ("default", "linear", "yarn") or self.rope_factor <= 0
                 or self.rope_attention_factor < 0 or self.rope_type == "yarn" and self.rope_original_max_seq_len <= 0):
@@ -657,6 +661,9 @@ class Transformer(nn.Module):
 
 def check_routes(routed_experts: torch.Tensor, want: tuple, num_experts: int):
     """Validate replayed expert ids; raises ValueError naming what is wrong."""
+    if routed_experts.is_floating_point() or routed_experts.is_complex() or routed_experts.dtype == torch.bool:
+        # a float id would be truncated by the gather's .long(): 2.7 replays expert 2, silently
+        raise ValueError(f"routed_experts has dtype {routed_experts.dtype}; expert ids must be integers")
     if tuple(routed_experts.shape) != want:
         raise ValueError(f"routed_experts has shape {tuple(routed_experts.shape)}, expected {want} (B, T, L, K)")
     lo, hi = int(routed_experts.min()), int(routed_experts.max())  # host syncs, only when replaying

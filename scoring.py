@@ -280,6 +280,7 @@ class RewardPool:
         self.counts: Counter = Counter()
         self._todo: queue.Queue = queue.Queue()  # (key, args) items, then one None per runner at close
         self._done: dict = {}  # key -> (reward, reason), until gathered
+        self._submitted: set = set()  # keys submitted and not yet gathered: gather refuses any other
         self._cond = threading.Condition()  # the one lock of the shared state; gather waits on it for results
         self._running: dict = {}  # thread-mode runner -> (key, start time) of the item it is scoring
         self._closed = threading.Event()  # stops the watchdog, once every runner has ended
@@ -301,15 +302,25 @@ class RewardPool:
         return t
 
     def submit(self, key, *args):
-        """Queue fn(*args) under `key` (hashable, unique among keys not yet gathered); returns at once."""
+        """Queue fn(*args) under `key` (hashable, unique among keys not yet gathered); returns at once.
+        Raises ValueError on a key already waiting to be gathered (its first result would be lost)."""
+        with self._cond:
+            if key in self._submitted:
+                raise ValueError(f"RewardPool.submit: key {key!r} is already submitted and not yet gathered")
+            self._submitted.add(key)
         self._todo.put((key, args))
 
     def gather(self, keys: list) -> tuple[list[float], list[str]]:
-        """Rewards and reasons for `keys`, in order, once all are scored; forgets them afterwards."""
+        """Rewards and reasons for `keys`, in order, once all are scored; forgets them afterwards.
+        Raises KeyError, at once, for a key never submitted (or already gathered): it would never come."""
         with self._cond:
+            if missing := [k for k in keys if k not in self._submitted]:
+                raise KeyError(f"RewardPool.gather: {len(missing)} keys were never submitted (or already gathered), "
+                               f"e.g. {missing[0]!r}")
             # woken by every _finish; no timeout needed: every submitted key gets a result, a timed-out one too
             self._cond.wait_for(lambda: all(k in self._done for k in keys))
             out = [self._done.pop(k) for k in keys]
+            self._submitted.difference_update(keys)
         return [r for r, _ in out], [why for _, why in out]
 
     def close(self):

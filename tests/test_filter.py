@@ -203,3 +203,14 @@ def test_rl_zvp_rewards_confident_wrong_tokens_least_and_uncertain_correct_token
     assert zvp_token_advantages(h, correct=False, alpha=0.1).tolist() == pytest.approx([-0.15, 0.0, -0.1])
     with pytest.raises(ValueError):
         zvp_token_advantages(h, correct=True, alpha=-1.0)
+
+
+@pytest.mark.parametrize("line", ['{"id": "q", "pass_rate": "0.5"}', '{"id": "q", "pass_rate": true}',
+                                  '{"id": "q", "pass_rate": 1.5}', '{"pass_rate": 0.5}', '{"id": "q"',
+                                  '[1, 2]', '{"id": "q", "pass_rate": NaN}'],
+                         ids=["string", "bool", "above-1", "no-id", "bad-json", "not-an-object", "nan"])
+def test_offline_pass_rates_name_the_file_and_line_of_a_bad_row(tmp_path, line):
+    path = tmp_path / "rates.jsonl"
+    path.write_text('{"id": "ok", "pass_rate": 0.25}\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"{path} line 2"):
+        PromptHistory().load_offline(str(path))

@@ -260,7 +260,8 @@ def test_config_to_hf_refuses_an_output_bias_the_family_cannot_express(family, f
 
 def small(**kw):
     return ModelConfig(**{**dict(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, num_experts=2,
-                                 top_k=1, moe_inter_dim=16, max_seq_len=16, qk_norm=True), **kw})
+                                 top_k=1, norm_topk_prob=False, moe_inter_dim=16, max_seq_len=16, qk_norm=True),
+                              **kw})
 
 
 def test_load_hf_refuses_a_quantised_checkpoint_and_a_model_of_another_config(tmp_path):

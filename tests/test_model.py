@@ -198,3 +198,18 @@ def test_logprobs_from_targets_equal_the_full_logits_path_with_gradients(tiny_cf
     (lp2, ent2), _ = model(inputs, targets, temperature=0.7)  # the same through forward
     torch.testing.assert_close(lp2, want_lp, rtol=1e-5, atol=1e-5)
     assert not ent2.requires_grad  # the entropy never carries a gradient
+
+
+def test_top_k_1_with_renormalised_gates_is_refused_because_the_router_would_get_no_gradient():
+    with pytest.raises(ValueError, match="no gradient"):
+        ModelConfig(num_experts=4, top_k=1)
+    ModelConfig(num_experts=4, top_k=1, norm_topk_prob=False)  # the raw score is the weight: it trains
+
+
+def test_replayed_routes_of_a_float_dtype_are_refused():
+    cfg = ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, num_experts=4, top_k=2,
+                      moe_inter_dim=8, max_seq_len=8)
+    model, tokens = Transformer(cfg), torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="must be integers"):
+        model(tokens, routed_experts=torch.tensor([[[[0.0, 2.7]]] * 3]))  # (1, 3, 1, 2): 2.7 would replay expert 2
+    model(tokens, routed_experts=torch.tensor([[[[0, 2]]] * 3], dtype=torch.uint8))  # any integer dtype replays

@@ -380,3 +380,17 @@ def test_process_pool_cuts_off_a_hanging_math_verify():
         pool.submit("bomb", BOMB, "4")
         pool.submit("right", "\\boxed{4}", "4")
         assert pool.gather(["bomb", "right"]) == ([0.0, 1.0], ["timeout", "ok"])
+
+
+def test_reward_pool_refuses_a_key_never_submitted_instead_of_waiting_forever():
+    with RewardPool(lambda x: float(x), workers=1, timeout_s=5.0) as pool:
+        pool.submit("a", 1)
+        with pytest.raises(KeyError, match="never submitted"):
+            pool.gather(["a", "b"])  # "b" would never come: an error at once, not a hang
+        assert pool.gather(["a"]) == ([1.0], ["ok"])
+        with pytest.raises(KeyError, match="already gathered"):
+            pool.gather(["a"])
+        pool.submit("c", 2)
+        with pytest.raises(ValueError, match="already submitted"):
+            pool.submit("c", 3)  # its first result would be overwritten
+        assert pool.gather(["c"])[0] == [2.0]
