@@ -6,8 +6,9 @@ hub layout):
   trainer state (RNG states, data position, filter history, length predictor, evals) to
   out_dir/ckpt/step_<position>/, atomically, and keeps the newest cfg.ckpt_keep;
 - read_checkpoint loads one written by any number of ranks into a model and optimizer;
-- resume_path / latest_checkpoint pick the folder `resume=` names (`auto`: the newest
-  complete one); rng_state / set_rng_state carry the generators across.
+- resume_checkpoint picks the folder `resume=` names (`auto`: the newest complete one that
+  loads, skipping with a warning any newer one that does not) and returns its trainer state;
+  rng_state / set_rng_state carry the generators across.
 A resumed run ends bit-exactly where an uninterrupted one would (train.py restores the RNGs
 last, so nothing draws between the restore and the next step).
 
@@ -19,6 +20,12 @@ Notable choices:
 2. Model and optimizer go through torch.distributed.checkpoint with fully qualified names,
    not through torch.save of each rank's state, so a checkpoint loads on another world size.
 3. The trainer state is replicated on every rank, so rank 0 alone writes it.
+4. A complete checkpoint can still fail to load (a file truncated or deleted afterwards: a full
+   disk, a copy cut short, a hand). `load_trainer_state` checks every file resuming reads before
+   anything is built: DCP's index, that each shard holds the bytes the index points to,
+   trainer_state.pt and config.json. resume=auto falls back past one that fails; pruning counts
+   only checkpoints up to the one just written, so such a newer one, which the resumed run replaces
+   when it reaches that position, never pushes a loadable one out of the ckpt_keep kept.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from distributed import rank_world
+from distributed import all_gather_list, rank_world
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -65,18 +72,24 @@ def _write_trainer_state(path: str, state: dict):
     torch.save(state, path)
 
 
-def latest_checkpoint(out_dir: str) -> str | None:
-    """The newest complete checkpoint folder under out_dir/ckpt (by position), or None.
+def complete_checkpoints(out_dir: str) -> list[str]:
+    """The complete checkpoint folders under out_dir/ckpt, newest (highest position) first.
 
-    Temporary folders (a save that crashed) and folders without the marker are ignored.
+    Temporary folders (a save that crashed) and folders without the marker are left out.
     """
     root = os.path.join(out_dir, CKPT_SUBDIR)
     if not os.path.isdir(root):
-        return None
+        return []
     # Positions are zero-padded to 8 digits, so the names sort in position order.
-    names = sorted(n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp")
-                   and os.path.exists(os.path.join(root, n, COMPLETE_MARKER)))
-    return os.path.join(root, names[-1]) if names else None
+    names = sorted((n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp")
+                    and os.path.exists(os.path.join(root, n, COMPLETE_MARKER))), reverse=True)
+    return [os.path.join(root, n) for n in names]
+
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    """The newest complete checkpoint folder under out_dir/ckpt (by position), or None."""
+    found = complete_checkpoints(out_dir)
+    return found[0] if found else None
 
 
 def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dict, cfg: TrainConfig) -> str:
@@ -84,7 +97,8 @@ def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dic
     replicated trainer state (RNGs, data position, filter history, length predictor; rank 0)
     to out_dir/ckpt/step_<position>, atomically: all is written to a `.tmp` folder, the
     completeness marker last, then the folder is renamed. A crash at any point leaves the
-    previous checkpoints as they were. Keeps the newest cfg.ckpt_keep. Collective.
+    previous checkpoints as they were. Keeps the newest cfg.ckpt_keep up to this position (choice 4).
+    Collective.
     Returns the checkpoint folder.
     """
     import shutil
@@ -135,7 +149,11 @@ def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dic
         # 9. Only now, with the new checkpoint complete and durable, are older ones deleted, so
         # at every moment at least one complete checkpoint exists. (ckpt_keep <= 0 would keep all,
         # but train.check_config accepts >= 1 only.)
-        done = sorted(n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp"))
+        # Only folders up to this position count: a later one is left by an earlier attempt this run is redoing
+        # (resume=auto skipped it as unloadable, or resume= named an older folder) and is replaced when the run
+        # reaches its position; counted, a corrupt one would push a loadable one out (choice 4).
+        done = sorted(n for n in os.listdir(root) if n.startswith("step_") and not n.endswith(".tmp")
+                      and n <= os.path.basename(final))
         for name in done[:-cfg.ckpt_keep] if cfg.ckpt_keep > 0 else []:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     _barrier()  # no rank goes on (or exits) before rank 0 has put the checkpoint in place
@@ -184,14 +202,87 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def resume_path(cfg: TrainConfig) -> str | None:
-    """The checkpoint to resume from: cfg.resume "" (none), "auto" (newest complete in out_dir, if any) or a folder."""
+def load_trainer_state(path: str) -> dict:
+    """Check that a checkpoint folder loads, with no model to load it into, and return its trainer state.
+
+    Reads what resuming reads: config.json and trainer_state.pt in full, DCP's index (.metadata), and
+    the size of every shard file the index points into, which must hold the bytes it points to. So a
+    missing or truncated file of any kind is caught before anything is built; a flipped bit inside a
+    shard is not (DCP keeps no checksums). Raises ValueError naming the folder, the file and the error.
+    """
+    import torch.distributed.checkpoint as dcp
+    if not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
+        raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
+    name = "config.json"
+    try:
+        with open(os.path.join(path, name)) as f:
+            json.load(f)
+        name = ".metadata"  # DCP's index: where each tensor's bytes lie, by file, offset and length
+        index = dcp.FileSystemReader(path).read_metadata().storage_data
+        ends = {}
+        for where in index.values():
+            ends[where.relative_path] = max(ends.get(where.relative_path, 0), where.offset + where.length)
+        for name, end in sorted(ends.items()):
+            size = os.path.getsize(os.path.join(path, name))
+            if size < end:
+                raise ValueError(f"{size} bytes, but its index reaches byte {end}")
+        name = "trainer_state.pt"
+        # weights_only=False: see read_checkpoint.
+        return torch.load(os.path.join(path, name), weights_only=False)
+    except Exception as e:  # noqa: BLE001  whatever reading the file raised (OSError, EOFError, unpickling...)
+        raise ValueError(f"checkpoint {path} does not load: {name}: {type(e).__name__}: {e}") from e
+
+
+def resume_checkpoint(cfg: TrainConfig) -> tuple[str | None, dict | None]:
+    """The checkpoint this run resumes from and its trainer state; (None, None) to start afresh.
+
+    cfg.resume "": afresh. A folder: that one. "auto": the newest complete checkpoint in out_dir that
+    loads (load_trainer_state); each newer one that does not is skipped with a warning naming it and
+    why; none at all starts afresh, so the same command starts a run and resumes it after a crash.
+    Raises ValueError when the named folder does not load, when under "auto" complete ones exist and
+    none loads, or when the chosen one's model has another shape than cfg.model. Several ranks: rank 0
+    chooses and the others take its choice (or its error), so all resume from the same folder.
+    """
     if not cfg.resume:
-        return None
-    if cfg.resume == "auto":
-        # None when there is none yet, so the same command starts a run and resumes it after a crash.
-        return latest_checkpoint(cfg.out_dir)
-    if not os.path.exists(os.path.join(cfg.resume, COMPLETE_MARKER)):
-        raise ValueError(f"resume={cfg.resume!r}: not a complete checkpoint folder (valid: '', 'auto', or a folder "
-                         f"under {os.path.join(cfg.out_dir, CKPT_SUBDIR)} holding {COMPLETE_MARKER})")
-    return cfg.resume
+        return None, None
+    rank, world = rank_world()
+    path, state, error = None, None, None
+    if rank == 0:
+        try:
+            path, state = _choose_checkpoint(cfg)
+        except ValueError as e:
+            error = str(e)
+    if world > 1:
+        path, error = all_gather_list([(path, error)] if rank == 0 else [])[0]
+    if error is not None:
+        raise ValueError(error)
+    if path is None:
+        return None, None
+    if state is None:  # not rank 0: the folder is checked; read its trainer state here too
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    if saved["model"] != json.loads(json.dumps(dataclasses.asdict(cfg.model))):
+        raise ValueError(f"resume: {path} holds a model of another shape: {saved['model']}")
+    return path, state
+
+
+def _choose_checkpoint(cfg: TrainConfig) -> tuple[str | None, dict | None]:
+    # resume_checkpoint's choice on one process: (folder, trainer state), or (None, None) for none yet.
+    if cfg.resume != "auto":
+        if not os.path.exists(os.path.join(cfg.resume, COMPLETE_MARKER)):
+            raise ValueError(f"resume={cfg.resume!r}: not a complete checkpoint folder (valid: '', 'auto', or a folder "
+                             f"under {os.path.join(cfg.out_dir, CKPT_SUBDIR)} holding {COMPLETE_MARKER})")
+        return cfg.resume, load_trainer_state(cfg.resume)
+    candidates, errors = complete_checkpoints(cfg.out_dir), []
+    for path in candidates:
+        try:
+            return path, load_trainer_state(path)
+        except ValueError as e:
+            errors.append(str(e))
+            warnings.warn(f"{e}; resume=auto skips it for an older one", stacklevel=3)
+    if candidates:
+        raise ValueError(f"resume=auto: none of the {len(candidates)} complete checkpoints under "
+                         f"{os.path.join(cfg.out_dir, CKPT_SUBDIR)} loads:\n" + "\n".join(errors)
+                         + "\nrepair one and resume it by name, or move them away to start afresh")
+    return None, None

@@ -5,7 +5,7 @@ config file (configs/*.py: plain assignments of TrainConfig fields, deltas from 
 only, with `model = dict(...)` for ModelConfig fields), then `key=value` on the command line,
 which overrides either (`lr=1e-4`, `model.dim=128`). load_config and parse_args build the
 TrainConfig; its builder methods hand each concern its own small config (the loss, the
-filter, the sampler, the rewards); check_config refuses what cannot run, before any work.
+filter, the sampler, the rewards); checks.py refuses what cannot run, before any work.
 
 Notable choices:
 1. A config file is Python run by runpy, not exec'd into this module's globals: only its
@@ -15,6 +15,9 @@ Notable choices:
 3. An unknown key, in a file or on the command line, is a ValueError that names the close matches.
 4. TrainConfig is flat and stores an "off" setting as a plain sentinel (0, -1 or ""); the
    builder methods alone turn sentinels into None, and the configs they build check the values.
+5. Validation is data, in checks.py (RULES per field, RELATIONS across fields, the files a run
+   reads): load_config refuses a wrong type and a bad ModelConfig field before anything is
+   built; checks.check_config refuses the rest before any work.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import dataclasses
 import difflib
 import os
 import runpy
+import traceback
 from dataclasses import dataclass, field
 
 import torch
 
-from data import load_task
 from espo import LossConfig
 from filter import FilterConfig
+from hf import config_from_hf
 from model import ModelConfig
 from reward import RewardConfig
 from rollout import SamplingParams
@@ -90,9 +94,11 @@ class TrainConfig:
     ckpt_every: int = 100
     """Optimizer steps (SFT and RL counted together) between checkpoints under out_dir/ckpt (0 = none)."""
     ckpt_keep: int = 2
-    """Complete checkpoints kept (>= 1); older ones are deleted once a newer one is complete."""
+    """Complete checkpoints kept (>= 1), counted up to the position just written; older ones are deleted once a
+    newer one is complete."""
     resume: str = ""
-    """"" = start afresh; "auto" = the newest complete checkpoint in out_dir/ckpt if any; or a checkpoint folder."""
+    """"" = start afresh; "auto" = the newest complete checkpoint in out_dir/ckpt that loads (newer ones that do not
+    are skipped with a warning naming them); or a checkpoint folder."""
     logger: str = "none"
     """Metrics sink besides metrics.jsonl and the console: 'none', 'tensorboard' or 'wandb' (imported lazily)."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -297,7 +303,7 @@ class TrainConfig:
         return FilterConfig(group_size=self.group_size, skip_prob=self.skip_prob, skip_half_life=self.skip_half_life,
                             probe_size=self.probe_size, stop_threshold=self.probe_stop_threshold,
                             enlarged_group_size=self.enlarged_group_size, oversample_rounds=self.oversample_rounds,
-                            # any spelling but 'rl-zvp' reads as 'drop' here; train.check_config refuses them
+                            # any spelling but 'rl-zvp' reads as 'drop' here; check_config's RULES refuse them
                             keep_zero_variance=self.zero_variance == "rl-zvp", zvp_alpha=self.zvp_alpha)
 
     def sampling_params(self) -> SamplingParams:
@@ -313,52 +319,7 @@ class TrainConfig:
                             shaping_margin=self.shaping_margin)
 
 
-def check_config(cfg: TrainConfig):
-    """Refuse settings that cannot run, before any work (tokenizer, SFT). Raises ValueError naming
-    the value and what would be valid."""
-    cfg.loss_config(), cfg.filter_config(), cfg.sampling_params(), cfg.reward_config()  # each checks its own settings
-    cfg.prompt_limit()
-    if cfg.zero_variance not in ("drop", "rl-zvp"):
-        raise ValueError(f"zero_variance={cfg.zero_variance!r} (valid: 'drop', 'rl-zvp')")
-    if cfg.max_staleness < 0 or cfg.rollout_threads < 0 or cfg.trainer_threads < 0:
-        raise ValueError(f"max_staleness={cfg.max_staleness}, rollout_threads={cfg.rollout_threads}, "
-                         f"trainer_threads={cfg.trainer_threads}: each must be >= 0")
-    from sglang_engine import check_sglang_config  # lazily, as checkpoint_model imports hf; sglang itself is not imported
-    check_sglang_config(cfg)  # engine, sglang_urls, sglang_mem_fraction, and what engine='sglang' needs
-    if cfg.sft_batch_size < int(os.environ.get("WORLD_SIZE", "1")):
-        raise ValueError(f"sft_batch_size={cfg.sft_batch_size} must be >= the world size "
-                         f"{os.environ.get('WORLD_SIZE')}")
-    if bool(cfg.train_data) != bool(cfg.eval_data):
-        raise ValueError(f"train_data={cfg.train_data!r}, eval_data={cfg.eval_data!r}: give both (a dataset file to "
-                         f"train on and one held out for the evals), or neither (reasoning-gym's tasks)")
-    for key in ("train_data", "eval_data", "init_hf", "init_from", "pass_rate_file"):
-        path = getattr(cfg, key)
-        if path and not os.path.exists(path):
-            raise ValueError(f"{key}={path!r}: no such file or folder")
-    if cfg.model.tie_embeddings and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # parallelize shards lm_head and the embedding as two tensors: training would untie them
-        raise ValueError("model.tie_embeddings (a checkpoint's tie_word_embeddings) runs in one process for now; "
-                         f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}")
-    if cfg.train_data:  # a bad row is named now, before any work (start_run reads the files again)
-        load_task(cfg.train_data), load_task(cfg.eval_data)
-    source = cfg.init_hf or cfg.init_from
-    if source and not any(os.path.exists(os.path.join(source, f)) for f in ("model.safetensors",
-                                                                            "model.safetensors.index.json")):
-        raise ValueError(f"{source!r} holds no model.safetensors or model.safetensors.index.json: need a "
-                         f"hub-layout checkpoint folder")
-    if source and not os.path.exists(os.path.join(source, "tokenizer.json")):
-        raise ValueError(f"{source!r} holds no tokenizer.json: the run takes the checkpoint's tokenizer from it")
-    if cfg.init_hf and cfg.init_from:
-        raise ValueError(f"init_hf={cfg.init_hf!r} and init_from={cfg.init_from!r}: start from one of them")
-    if not cfg.train_data and cfg.eval_seed - cfg.train_seed <= cfg.train_size:
-        raise ValueError(f"eval_seed={cfg.eval_seed} overlaps the training items: it must exceed "
-                         f"train_seed + train_size = {cfg.train_seed + cfg.train_size}")
-    if (cfg.ckpt_every < 0 or cfg.ckpt_keep < 1 or cfg.dist_timeout_s <= 0
-            or cfg.logger not in ("none", "tensorboard", "wandb")):
-        raise ValueError(f"need ckpt_every >= 0, ckpt_keep >= 1, dist_timeout_s > 0 and logger in 'none', "
-                         f"'tensorboard', 'wandb'; got {cfg.ckpt_every}, {cfg.ckpt_keep}, {cfg.dist_timeout_s}, "
-                         f"{cfg.logger!r}")
-
+# ----------------------------------------------------------------------------- building a TrainConfig
 
 def _parse(value: str, like, key: str):
     """Parse a command-line string into the type of the field's default."""
@@ -388,21 +349,45 @@ def _unknown(key: str, valid) -> ValueError:
     return ValueError(f"unknown config key {key!r}" + (f"; did you mean {', '.join(close)}?" if close else ""))
 
 
+def _run_file(path: str) -> dict:
+    """The namespace of config file `path` after running it. Raises ValueError naming the file and the
+    line of what failed in it (a syntax error, a name it lacks, ...), FileNotFoundError without it."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r}: no such file")
+    try:
+        return runpy.run_path(path)
+    except Exception as e:  # noqa: BLE001  anything a Python file can raise is a mistake in that file
+        if isinstance(e, SyntaxError):
+            line = e.lineno
+        else:  # the innermost frame in the config file itself
+            here = os.path.abspath(path)
+            frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == here]
+            line = frames[-1].lineno if frames else "?"
+        raise ValueError(f"config file {path!r}, line {line}: {type(e).__name__}: {e}") from None
+
+
 def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
     """TrainConfig from defaults, then the config file's assignments, then key=value overrides.
 
-    Raises ValueError on an unknown key (naming close matches) or a badly typed value.
+    Raises ValueError on an unknown key (naming close matches), a value of the wrong type (the
+    field's Rule in RULES: `group_size = "8"` in a file), a bad ModelConfig field (MODEL_RULES,
+    then ModelConfig's own checks), or a config file that fails to run.
+    Ranges and relations of TrainConfig's fields are check_config's.
     """
     values = {}
     if path:
         # The file's namespace after running it, less what is not a setting: private and dunder names
         # (`__name__`, helpers), functions and classes, and imported modules.
-        ns = runpy.run_path(path)
+        ns = _run_file(path)
         values = {k: v for k, v in ns.items() if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"}
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     model_fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
     # The file's `model` holds deltas from ModelConfig's defaults, merged with model.* overrides below.
-    model_kw = dict(values.pop("model", {}))
+    model_kw = values.pop("model", {})
+    if not isinstance(model_kw, dict):
+        raise ValueError(f"model={model_kw!r}: need a dict of ModelConfig fields, deltas from the defaults "
+                         f"(model = dict(dim=128, n_layers=2))")
+    model_kw = dict(model_kw)
     # Every key of the file is checked before any override, so a typo in the file is named even
     # when the command line is empty.
     for k in values:
@@ -422,10 +407,21 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
             if name not in model_fields:
                 raise _unknown(key, (f"model.{m}" for m in model_fields))
             model_kw[name] = _parse(value, getattr(model_defaults, name), key)
-        elif key in fields and key != "model":  # the whole model cannot be a string: only model.<field>
+        elif key == "model":
+            raise ValueError(f"model={value!r}: set model.<field>=value on the command line, or model = dict(...) "
+                             f"in a config file")
+        elif key in fields:
             values[key] = _parse(value, getattr(defaults, key), key)
         else:
             raise _unknown(key, fields)
+    # Types now, before anything reads a value: a str where a number belongs would otherwise be a
+    # TypeError deep in the run. ModelConfig fields in full: ModelConfig is built (and checks its own
+    # relations) next, and its checks compare numbers.
+    from checks import MODEL_RULES, RULES  # checks.py reads TrainConfig: imported when first needed
+    for k, v in values.items():
+        RULES[k].check_type(k, v)
+    for k, v in model_kw.items():
+        MODEL_RULES[k].check(f"model.{k}", v)
     if values.get("init_hf"):  # a real checkpoint: its shape, and CHECKPOINT_DEFAULTS under what was set
         return TrainConfig(**{**CHECKPOINT_DEFAULTS, **values}, model=checkpoint_model(values["init_hf"], model_kw))
     return TrainConfig(**values, model=ModelConfig(**model_kw))
@@ -436,16 +432,18 @@ def checkpoint_model(path: str, model_kw: dict) -> ModelConfig:
 
     model_kw, the model fields a config file or the command line set, must agree with it, except
     max_seq_len, which may be shorter (the same function on the positions it allows). Raises
-    ValueError naming the field otherwise, or the missing config.json.
+    ValueError naming the field otherwise, or the missing or unreadable config.json.
     """
-    from hf import config_from_hf  # hf imports the model and the engine's tensor helpers: only when needed
     file = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         raise ValueError(f"init_hf={path!r}: no such folder")
     if not os.path.isfile(file):
         raise ValueError(f"init_hf={path!r}: no config.json there; need a hub-layout folder (config.json, "
                          f"*.safetensors, tokenizer.json, tokenizer_config.json)")
-    model = config_from_hf(file)
+    try:
+        model = config_from_hf(file)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # a JSONDecodeError is a ValueError
+        raise ValueError(f"init_hf={path!r}: config.json: {e}") from None
     for k, v in model_kw.items():
         theirs = getattr(model, k)
         if k == "max_seq_len" and not 0 < v <= theirs:

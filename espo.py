@@ -479,7 +479,8 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
     logp_BT: log pi_theta of each target token (grad flows), [B, T] fp32 or fp64; the mask selects the completion.
     old_logp_BT: log pi_old of the same tokens, [B, T]; treated as constant.
     adv_B: one advantage per sequence, [B], or one per token, [B, T] (RL-ZVP, arXiv 2509.21880).
-    mask_BT: 1 on completion tokens, 0 on padding.
+    mask_BT: 1 on completion tokens, 0 on padding; what the other inputs hold where it is 0 never reaches
+    the loss or its gradient, NaN and inf included.
     cfg: the loss (module docstring): ESPO splits tokens into cfg.espo_num_bins entropy
     bins, the first holding the espo_top_frac highest-entropy tokens, clip
     eps_tau = espo_alpha * mean e / log|V|; the other losses clip at cfg.clip_eps_low/high
@@ -496,8 +497,15 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
     Raises ValueError on a missing input the config needs, or token advantages with gmpo.
     """
     mask = mask_BT.to(logp_BT.dtype)
-    old = old_logp_BT.detach()
+    # Padding may hold anything, NaN and inf too: every input is set to 0 there by selection, never by a
+    # product with the mask (NaN * 0 is NaN), and torch.where sends a zero gradient to what it drops.
+    valid = mask_BT.bool()
+    logp_BT, old_entropy_BT, ref_logp_BT, infer_logp_BT = (
+        None if x is None else torch.where(valid, x, 0.0)
+        for x in (logp_BT, old_entropy_BT, ref_logp_BT, infer_logp_BT))
+    old = torch.where(valid, old_logp_BT.detach(), 0.0)
     adv = adv_B.detach().to(logp_BT.dtype)
+    adv = torch.where(valid, adv, 0.0) if adv.dim() == 2 else adv  # token advantages [B, T]
     if adv.dim() == 2 and cfg.loss_type == "gmpo":
         raise ValueError("token advantages [B, T] need a token-level loss; loss_type='gmpo' takes one per sequence")
     adv_B1 = adv[:, None] if adv.dim() == 1 else adv  # [B, 1], or [B, T] token advantages

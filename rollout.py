@@ -317,7 +317,7 @@ class NativeEngine:
         self.stop_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
         self.device, self.dtype, self.fp8, self.bucket_bytes = torch.device(device), dtype, fp8, bucket_bytes
         self.weight_version, self.sharded, self._phase = 0, policy is not None, None
-        self.kv_bytes = 0  # the largest KV cache a generate call allocated (the run logs it)
+        self.kv_bytes = 0  # the largest KV cache a generate call of this phase allocated (the run logs it)
         self._decode_step = torch.compile(decode_step, dynamic=True) if compile else decode_step
         if policy is not None:
             if fp8:
@@ -344,9 +344,18 @@ class NativeEngine:
     @contextmanager
     def phase(self):
         """A rollout phase: on the sharded policy the weights stay gathered across every generate call
-        inside it (a collective: every rank enters and leaves together). One process: nothing to do."""
-        if not self.sharded or self._phase is not None:
+        inside it (a collective: every rank enters and leaves together). kv_bytes counts from its
+        start, so what a step reports does not depend on what ran before it (a resumed run's too)."""
+        if self._phase is not None:  # already inside one
             yield
+            return
+        self.kv_bytes = 0
+        if not self.sharded:
+            self._phase = {}
+            try:
+                yield
+            finally:
+                self._phase = None
             return
         from distributed import gathered
         with gathered(self.model):
@@ -364,7 +373,7 @@ class NativeEngine:
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank's engine holds: its weights (dense and routed experts; on the sharded policy
-        the gathered ones, which live only during a rollout phase) and its largest KV cache so far."""
+        the gathered ones, which live only during a rollout phase) and its largest KV cache in this phase."""
         if self.sharded:
             with self.phase():
                 weights = dict(self._phase)

@@ -39,8 +39,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from checkpoint import read_checkpoint, resume_path, rng_state, set_rng_state, write_checkpoint
-from config import TrainConfig, check_config, parse_args
+from checkpoint import (latest_checkpoint, read_checkpoint, resume_checkpoint, rng_state, set_rng_state,
+                        write_checkpoint)
+from checks import check_config
+from config import TrainConfig, parse_args
 from distributed import (Meshes, all_gather_list, build_model, collective_group, load_shards, own_meshes, rank_world,
                          reference_copy, setup_distributed)
 from espo import LossConfig, ragged_group_advantages
@@ -55,7 +57,7 @@ from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
 from sglang_engine import SGLangEngine, build_sglang_engine
 from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer
-from trainer import TrainBatch, lr_at, sft_step, train_on_rollouts
+from trainer import NonFiniteError, TrainBatch, lr_at, sft_step, train_on_rollouts
 
 STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds (probes, the rest, over-sampling)
 ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken as hung
@@ -464,7 +466,7 @@ def sft(run: Run, opt, start: int):
         prompts = [run.prompts.ids[it.question] for it in items]
         seqs = [p + tok.encode(run.prompts.task.demonstration(it)) + [eos] for p, it in zip(prompts, items)]
         lr = lr_at(step, cfg.sft_lr, cfg.lr_warmup_steps, cfg.sft_steps, cosine=True)
-        loss = sft_step(run.model, opt, seqs, [len(p) for p in prompts], tok.pad_id, lr, cfg)
+        loss = sft_step(run.model, opt, seqs, [len(p) for p in prompts], tok.pad_id, lr, cfg, step=step)
         bar.set_postfix(loss=f"{loss:.3f}")
         run.log({"stage": "sft", "step": step, "loss": loss, "lr": lr})
         checkpoint(run, opt, "sft", step)
@@ -631,13 +633,7 @@ def run(cfg: TrainConfig, meshes: Meshes | None = None) -> dict:
         print(json.dumps(dataclasses.asdict(cfg), default=str))  # the resolved config
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)  # the policy's init; sampling and data order have their own seeded streams
-    ckpt = resume_path(cfg)
-    resumed = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False) if ckpt else None
-    if ckpt:
-        with open(os.path.join(ckpt, "config.json")) as f:
-            saved = json.load(f)
-        if saved["model"] != json.loads(json.dumps(dataclasses.asdict(cfg.model))):
-            raise ValueError(f"resume: {ckpt} holds a model of another shape: {saved['model']}")
+    ckpt, resumed = resume_checkpoint(cfg)  # under resume=auto past any newer checkpoint that fails to load
     r = start_run(cfg, meshes, resumed)
     if rank == 0:
         print(f"model: {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M params; {len(r.prompts.task)} train "
@@ -712,6 +708,13 @@ def summarize(run: Run) -> dict:
     return summary
 
 
+def stopped(e: NonFiniteError, cfg: TrainConfig) -> str:
+    """The one line a run stopped by a NaN or inf ends with: no weight was stepped with it, no checkpoint written."""
+    newest = latest_checkpoint(cfg.out_dir)
+    return f"stopped: {e}; " + (f"the newest checkpoint ({newest}) is the last good state" if newest
+                                else "no checkpoint was written before it")
+
+
 def main(cfg: TrainConfig) -> dict:
     """Run SFT then RL as configured; returns the held-out accuracies before and after RL.
 
@@ -745,10 +748,15 @@ if __name__ == "__main__":
     except (ValueError, FileNotFoundError) as e:  # a config mistake: say what is wrong, without a traceback
         sys.exit(f"config error: {e}")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        main(config)
+        try:
+            main(config)
+        except NonFiniteError as e:  # the numbers went bad, not the code: where, and which state is good
+            sys.exit(stopped(e, config))
     else:
         try:
             main(config)
+        except NonFiniteError as e:  # every rank raises it at the same step (trainer.py checks values all share)
+            sys.exit(stopped(e, config) if os.environ.get("RANK", "0") == "0" else 1)
         except Exception as e:  # noqa: BLE001  a dead or stuck rank: say so and exit rather than hang in teardown
             import traceback
             traceback.print_exc()

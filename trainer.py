@@ -14,6 +14,12 @@ step (`TrainBatch`: sequences, the engine's routes and logprobs, advantages):
      accumulated over token-budget micro-batches (`pack_microbatches`).
   4. The train-inference mismatch: k3 of KL(pi_infer || pi_old) and friends (espo.mismatch_metrics).
 
+A NaN or inf loss, gradient norm or advantage stops the run before the optimizer step it would
+poison (`NonFiniteError`): the weights and optimizer state stay those of the last good step, so the
+newest checkpoint is the last good state. Every value checked is the same on all ranks (a global
+norm, an all-reduced loss or count), so every rank raises at the same step and none waits on a
+collective the others never join.
+
 Several ranks: each rank trains the rollouts it generated (they never leave it: `TrainBatch`
 holds this rank's sequences and every rank's completion lengths), each mini-batch's members that
 it holds, with the whole mini-batch's normaliser and its loss scaled by world (FSDP averages
@@ -82,8 +88,33 @@ def lr_at(step: int, peak: float, warmup: int, total: int, cosine: bool) -> floa
     return peak * (LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def optimizer_step(model, opt, cfg: TrainConfig, lr: float) -> float:
-    """Clip the global gradient norm to cfg.grad_clip, step, zero the gradients; returns the norm before clipping."""
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf found before the optimizer step it would have poisoned.
+
+    quantity: "loss", "grad_norm" or "advantages"; phase: "sft" or "rl"; step: the step's index in its
+    phase; detail: the value (or how many values were not finite). A FloatingPointError rather than a
+    ValueError: the config was valid, the numbers went bad (train.py's __main__ reports it in one line).
+    """
+
+    def __init__(self, quantity: str, phase: str, step: int, detail: str):
+        self.quantity, self.phase, self.step, self.detail = quantity, phase, step, detail
+        super().__init__(f"non-finite {quantity} ({detail}) at {phase} step {step}")
+
+
+def check_finite(value: float, quantity: str, phase: str, step: int):
+    """Raise NonFiniteError if value is NaN or inf. Give it a value every rank shares (a global norm, an
+    all-reduced loss), so all ranks raise together."""
+    if not math.isfinite(value):
+        raise NonFiniteError(quantity, phase, step, str(value))
+
+
+def optimizer_step(model, opt, cfg: TrainConfig, lr: float, loss: float, *, phase: str, step: int) -> float:
+    """Clip the global gradient norm to cfg.grad_clip, step, zero the gradients; returns the norm before clipping.
+
+    loss: the step's loss, summed or averaged over ranks. Raises NonFiniteError, before opt.step(), if it or
+    the norm is NaN or inf: the weights and the optimizer's moments stay those of the last good step.
+    """
+    check_finite(loss, "loss", phase, step)
     for g in opt.param_groups:
         g["lr"] = lr
     if rank_world()[1] > 1:  # DTensor grads on two meshes (dense and expert): torchtitan's norm spans both
@@ -91,34 +122,41 @@ def optimizer_step(model, opt, cfg: TrainConfig, lr: float) -> float:
         norm = clip_grad_norm_(list(model.parameters()), cfg.grad_clip, ep_enabled=cfg.ep > 1)
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
+    # the norm before clipping, global over ranks: one NaN or inf gradient anywhere makes it non-finite (the clip
+    # has already scaled the gradients by NaN then, but they are never applied)
+    check_finite(norm, "grad_norm", phase, step)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
+    return norm
 
 
-def sft_step(model, opt, seqs: list[list[int]], starts: list[int], pad_id: int, lr: float, cfg: TrainConfig) -> float:
-    """One SFT step: mean cross-entropy of the completion tokens of seqs (prompt + demonstration);
+def sft_step(model, opt, seqs: list[list[int]], starts: list[int], pad_id: int, lr: float, cfg: TrainConfig, *,
+             step: int) -> float:
+    """SFT step `step`: mean cross-entropy of the completion tokens of seqs (prompt + demonstration);
     returns the loss. Multi-rank: every rank gets the whole batch and trains rows r, r + world, ...,
-    its loss divided by the whole batch's token count (times world: FSDP averages gradients)."""
+    its loss divided by the whole batch's token count (times world: FSDP averages gradients).
+    Raises NonFiniteError (optimizer_step) on a NaN or inf loss or gradient norm."""
     rank, world = rank_world()
     if world > 1:
         num_tokens = sum(len(s) - p for s, p in zip(seqs, starts))  # the whole batch's loss tokens
         seqs, starts = seqs[rank::world], starts[rank::world]  # this rank's rows
     inputs, targets, mask, _ = sequence_batch(seqs, starts, pad_id)
     (logp, _), _ = model(inputs.to(cfg.device), targets.to(cfg.device))  # chunked: no [B, T, V] logits
-    nll = -logp
     mask = mask.to(cfg.device)
+    # selected, not multiplied by the mask: NaN * 0 is NaN, so a NaN at a padding position would poison the sum
+    nll = torch.where(mask.bool(), -logp, 0.0)
     if world > 1:
         # each rank's share of the mean over the whole batch; FSDP's reduce-scatter averages the
         # gradients over ranks, so times world makes their sum the 1-process gradient
-        loss = (nll * mask).sum() / num_tokens
+        loss = nll.sum() / num_tokens
         (loss * world).backward()
         value = all_reduce_float(loss.item())
     else:
-        loss = (nll * mask).sum() / mask.sum()
+        loss = nll.sum() / mask.sum()
         loss.backward()
         value = loss.item()
-    optimizer_step(model, opt, cfg, lr)
+    optimizer_step(model, opt, cfg, lr, value, phase="sft", step=step)
     return value
 
 
@@ -304,6 +342,7 @@ def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig
     correct. ref_model: the frozen reference of the KL penalty (needed when loss_cfg.kl_coef != 0).
     """
     split = minibatches(len(batch.all_lens), cfg, step)  # over every rank's sequences, the same on all
+    check_advantages([batch.adv_B], step)  # before any forward: a NaN reward or std would reach every weight
     # pi_old must be taken before the first optimizer step moves the weights. Mini-batch 0's loss forward
     # runs before it, so its pi_old comes detached from that forward; the others need a no-grad pass now.
     later = sorted(i for members in split[1:] for i in batch.local(members))
@@ -312,7 +351,9 @@ def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig
     lr = lr_at(step, cfg.lr, cfg.lr_warmup_steps, cfg.rl_steps, cosine=False)
     for mb, members in enumerate(split):
         loss, metrics = minibatch_backward(model, batch, members, mb == 0, cfg, loss_cfg, ref_model)
-        m["grad_norm"] = optimizer_step(model, opt, cfg, lr)
+        if mb == 0:  # RL-ZVP's token advantages come from pi_old's entropy: all of them exist from here on
+            check_advantages(list(batch.adv_tokens.values()), step)
+        m["grad_norm"] = optimizer_step(model, opt, cfg, lr, loss, phase="rl", step=step)
         losses.append(loss)
         lmetrics += metrics
     lmetrics = all_gather_list(lmetrics)  # every rank's micro-batches, so the means are the 1-process ones
@@ -321,6 +362,14 @@ def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig
     m.update(mismatch(batch))
     m["filter/zvp_sequences"] = int(all_reduce_float(len(batch.adv_tokens)))
     return m
+
+
+def check_advantages(adv: list[torch.Tensor], step: int):
+    """Raise NonFiniteError if any advantage of RL step `step` is NaN or inf on any rank (each rank holds
+    only its own sequences', so the count of bad ones is summed over ranks and all raise together)."""
+    bad = all_reduce_float(float(sum(int((~torch.isfinite(a)).sum()) for a in adv)))
+    if bad:
+        raise NonFiniteError("advantages", "rl", step, f"{int(bad)} values")
 
 
 def mismatch(batch: TrainBatch) -> dict:

@@ -46,8 +46,8 @@ def test_bad_overrides_are_value_errors_that_say_what_is_valid(override, match):
     ("enlarged_group_size=12", "needs probe_size"),
     ("zero_variance=keep", "zero_variance"),
     ("shaping_margin=0.5", "shaping_margin"),
-    ("ckpt_keep=0", "ckpt_keep >= 1"),
-    ("logger=mlflow", "logger in"),
+    ("ckpt_keep=0", "ckpt_keep=0:"),
+    ("logger=mlflow", "logger='mlflow'"),
     ("resume=/nonexistent", "not a complete checkpoint"),
 ])
 def test_bad_filter_or_reward_settings_fail_before_any_training(override, match, tmp_path):
