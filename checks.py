@@ -15,7 +15,7 @@ Notable choices:
    all before any work. TrainConfig itself checks nothing when built, so code and tests may
    build one with an odd value for a part that checks its own.
 6. Prompts longer than the limit (max_prompt_tokens, or max_seq_len - max_new_tokens) are
-   skipped and counted, not an error (train.Prompts); what is an error, found by check_config
+   skipped and counted, not an error (data.Prompts); what is an error, found by check_config
    where it is cheap, is too few held-out prompts left: fewer eval_data rows than eval_size
    unseen in training, or (with a checkpoint's tokenizer) fewer that fit the limit.
 """

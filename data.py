@@ -1,4 +1,6 @@
-"""Datasets a user brings: JSONL or parquet files of GSM8K, MATH or HumanEval rows, as tasks.
+"""A run's prompts: the datasets a user brings (JSONL or parquet files of GSM8K, MATH or HumanEval
+rows) as tasks, or reasoning-gym's (`load_tasks`), and the training prompts tokenized once, in a
+fixed random order (`Prompts`; `prompt_ids`: an item in the tokenizer's chat template).
 
 `load_task(path, size=...)` reads a file, detects its format from the first row's fields,
 checks every row before any work (a ValueError names the file, the 1-based line, or row
@@ -34,9 +36,15 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from reward import MATH_TIMEOUT_S, CodeTask, Item, ItemList, code_reward, last_boxed, math_reward
+from reward import MATH_TIMEOUT_S, CodeTask, Item, ItemList, TaskMix, code_reward, last_boxed, math_reward
 from scoring import ScoreTimeout, time_limited
+
+if TYPE_CHECKING:
+    from config import TrainConfig
+    from tokenizer import Tokenizer
 
 # the math instruction of Qwen2.5-Math's README (CoT) and DeepSeek-R1's usage recommendations (arXiv 2501.12948)
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -235,3 +243,53 @@ def _readable(gold: str) -> bool:
                                  seconds=MATH_TIMEOUT_S))
     except ScoreTimeout:
         return False
+
+
+# ----------------------------------------------------------------------------- a run's prompts
+
+def load_tasks(cfg: TrainConfig) -> tuple[ItemList, ItemList]:
+    """The training task and the held-out one: the dataset files (train_data, eval_data), else
+    reasoning-gym's tasks, held out by a seed far from the training one (and 4x eval_size of them,
+    as some repeat a training question)."""
+    if cfg.train_data:
+        return load_task(cfg.train_data), load_task(cfg.eval_data)
+    return (TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size),
+            TaskMix(cfg.tasks, seed=cfg.eval_seed, size=4 * cfg.eval_size))
+
+
+def prompt_ids(tok: Tokenizer, task: ItemList, item: Item, system: str = "") -> list[int]:
+    """An item's prompt as token ids: the task's wording of it, in the tokenizer's chat template (if any)."""
+    return tok.prompt_ids(task.user_message(item), system)
+
+
+@dataclass
+class Prompts:
+    """The training prompts in one fixed random order, drawn in sequence and cycled (SFT and RL), each
+    tokenized once, up front (`ids`, by question: the task's wording, in the chat template if the
+    tokenizer has one). Prompts longer than max_tokens leave the order (`skipped` counts them); none
+    left raises ValueError."""
+    task: ItemList  # reasoning-gym's TaskMix, or a dataset file's (reward.load_task)
+    order: list[int]  # a permutation of the task's items
+    tok: Tokenizer
+    max_tokens: int  # cfg.prompt_limit()
+    system: str = ""  # cfg.system_prompt
+    used: int = 0  # items drawn so far: the data position a checkpoint saves
+    ids: dict[str, list[int]] = field(init=False)  # question -> its prompt's token ids
+    items: list[Item] = field(init=False)  # the task's prompts, in its own order
+    skipped: int = field(init=False)
+
+    def __post_init__(self):
+        self.items, self.ids = [self.task[i] for i in range(len(self.task))], {}
+        for it in self.items:
+            if it.question not in self.ids:  # a question the task repeats is tokenized once
+                self.ids[it.question] = prompt_ids(self.tok, self.task, it, self.system)
+        keep = [i for i in self.order if len(self.ids[self.items[i].question]) <= self.max_tokens]
+        self.skipped, self.order = len(self.order) - len(keep), keep
+        if not keep:
+            raise ValueError(f"all {self.skipped} training prompts are longer than max_prompt_tokens={self.max_tokens}")
+
+    def draw(self, n: int) -> list[Item]:
+        """The next n prompts; past the end the order starts over (a new epoch, in the same order)."""
+        out = [self.items[self.order[(self.used + i) % len(self.order)]] for i in range(n)]
+        self.used += n
+        return out

@@ -53,15 +53,23 @@ Notable choices:
 
 from __future__ import annotations
 
+import copy
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 import torch.nn as nn
 
 from fp8 import FP8, FP8GroupedExperts, FP8Linear, Named, quantize_fp8_blockwise, to_fp8_modules
+from distributed import rank_world
 from model import KVCache, ModelConfig, Transformer
+
+if TYPE_CHECKING:
+    from config import TrainConfig
+    from sglang_engine import SGLangEngine
+    from tokenizer import Tokenizer
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 """Weight-sync bucket: bounds the staging memory and sets the size of one transfer."""
@@ -573,3 +581,36 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         local = t.to_local() if hasattr(t, "to_local") else t
         out["experts" if ".mlp.experts." in name else "dense"] += local.numel() * local.element_size()
     return out
+
+
+# ----------------------------------------------------------------------------- the run's engine
+
+def build_engine(cfg: TrainConfig, tok: Tokenizer, model) -> NativeEngine | SGLangEngine:
+    """The rollout engine: engine='sglang' (sglang_engine.py: colocated servers, or cfg.sglang_urls),
+    else the native engine, under torchrun on the sharded policy itself (no replica; NativeEngine's
+    docstring), in one process a copy of the policy (FP8 with rollout_fp8)."""
+    if cfg.engine == "sglang":
+        from hf import save_hf  # both import this file: imported when used
+        from sglang_engine import build_sglang_engine
+        path = cfg.init_hf or cfg.init_from
+        if cfg.rollout_fp8 and not cfg.sglang_urls:  # colocated SGLang serves FP8 from a blockwise-FP8 checkpoint
+            path = os.path.join(cfg.out_dir, "sglang_fp8")  # on a filesystem every node sees
+            save_hf(model, path, write=rank_world()[0] == 0, fp8=True)  # a collective: every rank calls it
+        return build_sglang_engine(cfg, tok, path)
+    on_policy = model if rank_world()[1] > 1 else None
+    return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device, dtype=cfg.compute_dtype(),
+                        compile=cfg.compile, num_tokens=tok.enc.n_vocab, fp8=cfg.rollout_fp8, policy=on_policy)
+
+
+def producer_engine(engine, cfg: TrainConfig, tok: Tokenizer, model) -> NativeEngine:
+    """The async producer's engine: a copy of the one-process engine, or under torchrun the native engine
+    on a sharded copy of the policy parallelized over meshes of its own (other process groups)."""
+    if not engine.sharded:
+        return copy.deepcopy(engine)
+    from distributed import own_meshes, reference_copy
+    meshes = own_meshes(rank_world()[1], cfg.ep)
+    twin = reference_copy(model, cfg, meshes)
+    twin.meshes = meshes
+    producer = build_engine(cfg, tok, twin)
+    producer.weight_version = engine.weight_version  # the version its copy holds (a resumed run's, say)
+    return producer

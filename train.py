@@ -24,7 +24,6 @@ this file; distributed.py holds what differs. The README's "Reading order" says 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import json
@@ -43,19 +42,19 @@ from checkpoint import (latest_checkpoint, read_checkpoint, resume_checkpoint, r
                         write_checkpoint)
 from checks import check_config
 from config import TrainConfig, parse_args
-from distributed import (Meshes, all_gather_list, build_model, collective_group, load_shards, own_meshes, rank_world,
+from distributed import (Meshes, all_gather_list, build_model, collective_group, load_shards, rank_world,
                          reference_copy, setup_distributed)
 from espo import LossConfig, ragged_group_advantages
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, FilterConfig, PromptHistory, Scored, is_informative, oversample_size,
                     post_rollout_filter, pre_rollout_filter, probe_decisions)
 from hf import save_hf
 from metrics import MetricsLog, plot
-from data import load_task
-from reward import Item, ItemList, RewardConfig, TaskMix, demonstration, reward_model_for, shaped_rewards
-from rollout import NativeEngine, Rollout, SamplingParams, full_tensor, policy_tensors
+from data import Prompts, load_tasks, prompt_ids
+from reward import Item, ItemList, RewardConfig, demonstration, reward_model_for, shaped_rewards
+from rollout import NativeEngine, Rollout, SamplingParams, build_engine, full_tensor, policy_tensors, producer_engine
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
-from sglang_engine import SGLangEngine, build_sglang_engine
+from sglang_engine import SGLangEngine
 from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer
 from trainer import NonFiniteError, TrainBatch, lr_at, sft_step, train_on_rollouts
 
@@ -64,44 +63,11 @@ ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken a
 
 
 @dataclass
-class Prompts:
-    """The training prompts in one fixed random order, drawn in sequence and cycled (SFT and RL), each
-    tokenized once, up front (`ids`, by question: the task's wording, in the chat template if the
-    tokenizer has one). Prompts longer than max_tokens leave the order (`skipped` counts them); none
-    left raises ValueError."""
-    task: ItemList  # reasoning-gym's TaskMix, or a dataset file's (reward.load_task)
-    order: list[int]  # a permutation of the task's items
-    tok: Tokenizer
-    max_tokens: int  # cfg.prompt_limit()
-    system: str = ""  # cfg.system_prompt
-    used: int = 0  # items drawn so far: the data position a checkpoint saves
-    ids: dict[str, list[int]] = field(init=False)  # question -> its prompt's token ids
-    items: list[Item] = field(init=False)  # the task's prompts, in its own order
-    skipped: int = field(init=False)
-
-    def __post_init__(self):
-        self.items, self.ids = [self.task[i] for i in range(len(self.task))], {}
-        for it in self.items:
-            if it.question not in self.ids:  # a question the task repeats is tokenized once
-                self.ids[it.question] = prompt_ids(self.tok, self.task, it, self.system)
-        keep = [i for i in self.order if len(self.ids[self.items[i].question]) <= self.max_tokens]
-        self.skipped, self.order = len(self.order) - len(keep), keep
-        if not keep:
-            raise ValueError(f"all {self.skipped} training prompts are longer than max_prompt_tokens={self.max_tokens}")
-
-    def draw(self, n: int) -> list[Item]:
-        """The next n prompts; past the end the order starts over (a new epoch, in the same order)."""
-        out = [self.items[self.order[(self.used + i) % len(self.order)]] for i in range(n)]
-        self.used += n
-        return out
-
-
-@dataclass
 class Run:
     """What a run carries from step to step, built once (`start_run`). Each concern's settings are
     built from cfg here (config.py), so the step passes them on and never reads a sentinel."""
     cfg: TrainConfig
-    engine: NativeEngine  # generates rollouts; takes the policy's weights after every update
+    engine: NativeEngine | SGLangEngine  # generates rollouts (rollout.build_engine); follows every policy update
     tok: Tokenizer
     prompts: Prompts
     model: torch.nn.Module | None = None  # the policy (FSDP/EP-sharded under torchrun)
@@ -297,11 +263,6 @@ def predicted_length(run: Run, item: Item, prompt_len: int) -> float:
     return run.predictor.predict(item.question, task=item.task, prompt_len=prompt_len)
 
 
-def prompt_ids(tok: Tokenizer, task: ItemList, item: Item, system: str = "") -> list[int]:
-    """An item's prompt as token ids: the task's wording of it, in the tokenizer's chat template (if any)."""
-    return tok.prompt_ids(task.user_message(item), system)
-
-
 def completion_text(tok: Tokenizer, r: Rollout) -> str:
     """The completion as text, without its stop token."""
     ids = r.completion_ids[:-1] if r.finish_reason == "stop" else r.completion_ids
@@ -392,7 +353,7 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
     cfg = run.cfg
     # the producer's view of the run: its own engine; prompts, history, predictor and RNG are shared (only
     # the producer touches them during RL, and the trainer reads them for checkpoints while it waits)
-    producer, group = dataclasses.replace(run, engine=producer_engine(run)), None
+    producer, group = dataclasses.replace(run, engine=producer_engine(run.engine, run.cfg, run.tok, run.model)), None
     if producer.engine.sharded:  # its own process groups: its collectives never interleave with the trainer's
         group = producer.engine.model.meshes.fsdp.get_group()
     threads = torch.get_num_threads()
@@ -440,19 +401,6 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
     finally:
         pipe.close()
         torch.set_num_threads(threads)
-
-
-def producer_engine(run: Run) -> NativeEngine:
-    """The async producer's engine: a copy of the one-process engine, or under torchrun the native engine
-    on a sharded copy of the policy parallelized over meshes of its own (other process groups)."""
-    if not run.engine.sharded:
-        return copy.deepcopy(run.engine)
-    meshes = own_meshes(rank_world()[1], run.cfg.ep)
-    twin = reference_copy(run.model, run.cfg, meshes)
-    twin.meshes = meshes
-    engine = build_engine(run.cfg, run.tok, twin)
-    engine.weight_version = run.engine.weight_version  # the version its copy holds (a resumed run's, say)
-    return engine
 
 
 def sft(run: Run, opt, start: int):
@@ -570,31 +518,6 @@ def start_run(cfg: TrainConfig, meshes: Meshes | None, resumed: dict | None) -> 
                log=MetricsLog(cfg, keep=resumed["num_records"] if resumed else None),
                pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
                if cfg.reward_workers else None)
-
-
-def build_engine(cfg: TrainConfig, tok: Tokenizer, model) -> NativeEngine | SGLangEngine:
-    """The rollout engine: engine='sglang' (sglang_engine.py: colocated servers, or cfg.sglang_urls),
-    else the native engine, under torchrun on the sharded policy itself (no replica; NativeEngine's
-    docstring), in one process a copy of the policy (FP8 with rollout_fp8)."""
-    if cfg.engine == "sglang":
-        path = cfg.init_hf or cfg.init_from
-        if cfg.rollout_fp8 and not cfg.sglang_urls:  # colocated SGLang serves FP8 from a blockwise-FP8 checkpoint
-            path = os.path.join(cfg.out_dir, "sglang_fp8")  # on a filesystem every node sees
-            save_hf(model, path, write=rank_world()[0] == 0, fp8=True)  # a collective: every rank calls it
-        return build_sglang_engine(cfg, tok, path)
-    on_policy = model if rank_world()[1] > 1 else None
-    return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device, dtype=cfg.compute_dtype(),
-                        compile=cfg.compile, num_tokens=tok.enc.n_vocab, fp8=cfg.rollout_fp8, policy=on_policy)
-
-
-def load_tasks(cfg: TrainConfig) -> tuple[ItemList, ItemList]:
-    """The training task and the held-out one: the dataset files (train_data, eval_data), else
-    reasoning-gym's tasks, held out by a seed far from the training one (and 4x eval_size of them,
-    as some repeat a training question)."""
-    if cfg.train_data:
-        return load_task(cfg.train_data), load_task(cfg.eval_data)
-    return (TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size),
-            TaskMix(cfg.tasks, seed=cfg.eval_seed, size=4 * cfg.eval_size))
 
 
 def run_tokenizer(cfg: TrainConfig, task: ItemList) -> Tokenizer:
