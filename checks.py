@@ -41,6 +41,11 @@ from reward import REWARD_MODELS
 from sglang_engine import ENGINES, check_sglang_config
 from tokenizer import NUM_BYTES, SPECIALS, Tokenizer, load_hf_tokenizer
 
+class ConfigError(ValueError):
+    """A setting or file found wrong while the run is built (a checkpoint's tensors, the held-out
+    prompts that fit): still before any work, so train.py prints it as a `config error:` line."""
+
+
 # ----------------------------------------------------------------------------- the rules of each field
 
 @dataclass(frozen=True)

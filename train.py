@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from checkpoint import (latest_checkpoint, read_checkpoint, resume_checkpoint, rng_state, set_rng_state,
                         write_checkpoint)
-from checks import check_config
+from checks import ConfigError, check_config
 from config import TrainConfig, parse_args
 from distributed import (Meshes, all_gather_list, build_model, collective_group, load_shards, rank_world,
                          reference_copy, setup_distributed)
@@ -556,8 +556,11 @@ def run(cfg: TrainConfig, meshes: Meshes | None = None) -> dict:
         print(json.dumps(dataclasses.asdict(cfg), default=str))  # the resolved config
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)  # the policy's init; sampling and data order have their own seeded streams
-    ckpt, resumed = resume_checkpoint(cfg)  # under resume=auto past any newer checkpoint that fails to load
-    r = start_run(cfg, meshes, resumed)
+    try:
+        ckpt, resumed = resume_checkpoint(cfg)  # under resume=auto past any newer checkpoint that fails to load
+        r = start_run(cfg, meshes, resumed)
+    except ValueError as e:  # what only building the run could find (a checkpoint, the eval set): still before any work
+        raise ConfigError(str(e)) from e
     if rank == 0:
         print(f"model: {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M params; {len(r.prompts.task)} train "
               f"prompts, {len(r.eval_items)} held-out prompts" + (f"; {world} ranks (ep={cfg.ep})" if world > 1 else "")
@@ -673,11 +676,15 @@ if __name__ == "__main__":
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         try:
             main(config)
+        except ConfigError as e:
+            sys.exit(f"config error: {e}")
         except NonFiniteError as e:  # the numbers went bad, not the code: where, and which state is good
             sys.exit(stopped(e, config))
     else:
         try:
             main(config)
+        except ConfigError as e:  # every rank finds it: one line, from rank 0
+            sys.exit(f"config error: {e}" if os.environ.get("RANK", "0") == "0" else 1)
         except NonFiniteError as e:  # every rank raises it at the same step (trainer.py checks values all share)
             sys.exit(stopped(e, config) if os.environ.get("RANK", "0") == "0" else 1)
         except Exception as e:  # noqa: BLE001  a dead or stuck rank: say so and exit rather than hang in teardown

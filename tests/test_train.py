@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -324,3 +325,16 @@ def test_a_max_prompt_tokens_that_leaves_no_room_is_refused(tmp_path, value):
     cfg = micro_config(tmp_path, [f"max_prompt_tokens={value}"])
     with pytest.raises(ValueError, match=f"max_prompt_tokens={value}: need 0 .all that fits. or 1.."):
         train.check_config(cfg)
+
+
+def test_too_few_held_out_prompts_that_fit_is_a_config_error_before_any_work(tmp_path):
+    """Found only once the demo tokenizer exists (in start_run), yet still before SFT: a ConfigError,
+    which train.py prints as one `config error:` line."""
+    from checks import ConfigError
+    cfg = load_config(None, ["model.vocab_size=320", "model.dim=32", "model.n_layers=1", "model.n_heads=2",
+                             "model.n_kv_heads=1", "model.head_dim=16", "model.num_experts=2", "model.top_k=2",
+                             "model.moe_inter_dim=16", "model.max_seq_len=64", "bpe_merges=40", "train_size=100",
+                             "eval_size=8", "max_prompt_tokens=3", "sft_steps=2", "rl_steps=1", f"out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="need eval_size=8"):
+        train.main(cfg)
+    assert not os.path.exists(tmp_path / "metrics.jsonl")  # no SFT step ran
