@@ -94,7 +94,7 @@ def test_every_config_passes_the_checks_a_real_run_makes_before_training(path, t
     def stop(*args, **kwargs):
         raise ChecksPassed
 
-    monkeypatch.setattr(train, "TaskMix", stop)
+    monkeypatch.setattr(train, "load_tasks", stop)  # the first work after the checks: reading the tasks
     cpu = [] if torch.cuda.is_available() else ["device=cpu"]  # a CUDA config's checks, on this machine's device
     with pytest.raises(ChecksPassed):
         train.main(train.parse_args([path, f"out_dir={tmp_path}", *cpu]))
