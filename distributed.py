@@ -126,6 +126,10 @@ def setup_distributed(cfg: TrainConfig) -> Meshes | None:
     # nccl runs collectives on GPU tensors only and gloo on CPU tensors, so the backend follows where the weights live
     backend = "nccl" if torch.device(cfg.device).type == "cuda" else "gloo"
     if world == 1:
+        if cfg.ep > 1:  # not an error: a recipe written for torchrun still runs (and is tested) in one process
+            import warnings
+            warnings.warn(f"ep={cfg.ep} has no effect in one process: every expert is local (run under torchrun "
+                          f"with a world size divisible by ep to split them)", stacklevel=2)
         if cfg.compute_dtype() == torch.float32:
             return None
         # a store of its own: one rank needs no rendezvous (and no MASTER_ADDR / MASTER_PORT)
