@@ -280,7 +280,10 @@ class TrainConfig:
         """The longest prompt a run takes: max_prompt_tokens, or all that fits beside max_new_tokens.
         Raises ValueError when no prompt, or a longer one than fits, is allowed."""
         fits = self.model.max_seq_len - self.max_new_tokens
-        if fits < 1 or not 0 <= self.max_prompt_tokens <= fits:
+        if fits < 1:  # max_new_tokens alone leaves no room: name it, not the prompt limit the user may not have set
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: need less than model.max_seq_len="
+                             f"{self.model.max_seq_len}, so a prompt of at least one token fits beside it")
+        if not 0 <= self.max_prompt_tokens <= fits:
             raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens}: need 0 (all that fits) or 1..{fits} "
                              f"(max_seq_len={self.model.max_seq_len} - max_new_tokens={self.max_new_tokens})")
         return self.max_prompt_tokens or fits
@@ -424,7 +427,11 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
         MODEL_RULES[k].check(f"model.{k}", v)
     if values.get("init_hf"):  # a real checkpoint: its shape, and CHECKPOINT_DEFAULTS under what was set
         return TrainConfig(**{**CHECKPOINT_DEFAULTS, **values}, model=checkpoint_model(values["init_hf"], model_kw))
-    return TrainConfig(**values, model=ModelConfig(**model_kw))
+    try:
+        model = ModelConfig(**model_kw)
+    except ValueError as e:  # ModelConfig's own relations name its fields bare: say they are the model's
+        raise ValueError(f"model: {e}") from None
+    return TrainConfig(**values, model=model)
 
 
 def checkpoint_model(path: str, model_kw: dict) -> ModelConfig:

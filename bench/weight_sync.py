@@ -20,7 +20,7 @@ Every timing is interleaved with the others of its group, one warm-up round, the
 medians with their min-max spread. Then the modelled figure for Qwen3-30B-A3B and GLM-4.5-Air
 (configs/100b.py) on 8 GPUs per node: bytes per rank (from the real shapes, plan.engine_bytes) over
 NVLink within a node and InfiniBand across nodes, at the links' peak rates (lower bounds), beside
-what others measured for the same job (DESIGN.md, "Numbers from the field").
+what others measured for the same job (as NeMo-RL and verl reported them; the project's design notes, "Numbers from the field").
 
     python bench/weight_sync.py [--repeats 5]
 """
@@ -49,7 +49,7 @@ NVLINK_BYTES_PER_S = 450e9
 # the cluster network), 400e9 / 8 = 50 GB/s each way
 IB_BYTES_PER_S = 50e9
 GPUS_PER_NODE = 8
-FIELD = [  # DESIGN.md, "Numbers from the field": one weight sync of Qwen3-30B-A3B on H100
+FIELD = [  # as NeMo-RL and verl reported them (the design notes' "Numbers from the field"): one weight sync of Qwen3-30B-A3B on H100
     ("NeMo-RL, shard to shard, bf16", "0.74-1.0 s"),
     ("NeMo-RL, shard to shard, FP8", "2.9-4.0 s"),
     ("verl, TorchTitan FSDP2 x EP8 engine", "8.07 s"),
@@ -304,7 +304,7 @@ def main():
                 print(f"{name:<20} {where:<12} {what:<26} {row['bytes'] / GiB:>9.2f} {row['s']:>8.3f}")
     print("not modelled: the FP8 push's quantisation on the GPU (timed above only on this CPU), the gathers that "
           "assemble whole tensors before a push, the engine's load")
-    print("measured by others for Qwen3-30B-A3B on H100 (DESIGN.md): "
+    print("measured by others for Qwen3-30B-A3B on H100 (as NeMo-RL and verl reported them): "
           + "; ".join(f"{who} {s}" for who, s in FIELD))
 
     small = results["small"]["rows"]
