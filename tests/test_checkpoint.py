@@ -88,6 +88,7 @@ def assert_same_run(out, uninterrupted):
     assert records(out) == want_rec  # losses, rewards, filter counts and evals, step by step
 
 
+@pytest.mark.slow  # the kill inside a save (below) covers kill -9 in the default run
 def test_killed_run_resumed_with_auto_ends_bitwise_equal_to_uninterrupted(tmp_path, uninterrupted):
     kill_at = random.Random().randrange(1, TOTAL_STEPS)  # the checkpoint after which the run is killed
     out = tmp_path / "run"

@@ -64,7 +64,9 @@ def records(out):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("extra", [[], ["kl_coef=0.5"]], ids=["plain", "kl-to-sharded-reference"])
+# each torchrun case costs 20-40 s on 2 cores: the KL variant, the sync resume and the seeded start are `slow`
+@pytest.mark.parametrize("extra", [[], pytest.param(["kl_coef=0.5"], marks=pytest.mark.slow)],
+                         ids=["plain", "kl-to-sharded-reference"])
 def test_two_ranks_with_ep2_match_the_one_process_run_step_by_step(tmp_path, extra):
     cfg_path = tmp_path / "cfg.py"
     cfg_path.write_text(RUN)
@@ -162,6 +164,7 @@ def test_a_dead_rank_ends_the_job_with_a_message_within_the_timeout(tmp_path, ho
         assert "aborting the job" in text and f"dist_timeout_s={timeout_s}" in text, text[-3000:]
 
 
+@pytest.mark.slow
 def test_two_rank_run_resumed_from_its_checkpoint_ends_bitwise_equal(tmp_path):
     import shutil
     cfg_path = tmp_path / "cfg.py"
@@ -222,7 +225,7 @@ def build_worker(rank, world, port, cfg, out):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("init", ["seed", "hf"])
+@pytest.mark.parametrize("init", [pytest.param("seed", marks=pytest.mark.slow), "hf"])
 def test_two_rank_model_starts_from_the_one_process_weights(tmp_path, init):
     """Random init: every rank builds the 1-process model under the seed and keeps its slice.
     HF: built on meta, sharded, then each rank reads its slice of the checkpoint (load_hf)."""
