@@ -474,10 +474,16 @@ def _check_checkpoint(cfg: TrainConfig, key: str) -> Tokenizer:
         tok = load_hf_tokenizer(path)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{name}: its tokenizer: {e}") from None
+    check_tokenizer(cfg, tok, name)
+    return tok
+
+
+def check_tokenizer(cfg: TrainConfig, tok: Tokenizer, source: str):
+    """The run's tokenizer fits the model (its ids within vocab_size) and has a chat template when
+    system_prompt needs one; source names it in the error (a checkpoint folder, or the demo BPE)."""
     if tok.enc.n_vocab > cfg.model.vocab_size:
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: the tokenizer of {key}={path!r} has "
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: the tokenizer of {source} has "
                          f"{tok.enc.n_vocab} ids; need at least as many embedding rows")
     if cfg.system_prompt and tok.chat_template is None:
-        raise ValueError(f"system_prompt={cfg.system_prompt[:40]!r}: the tokenizer of {name} has no chat template "
+        raise ValueError(f"system_prompt={cfg.system_prompt[:40]!r}: the tokenizer of {source} has no chat template "
                          f"to put it in")
-    return tok

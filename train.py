@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from checkpoint import (latest_checkpoint, read_checkpoint, resume_checkpoint, rng_state, set_rng_state,
                         write_checkpoint)
-from checks import ConfigError, check_config
+from checks import ConfigError, check_config, check_tokenizer
 from config import TrainConfig, parse_args
 from distributed import (Meshes, all_gather_list, build_model, collective_group, load_shards, rank_world,
                          reference_copy, setup_distributed)
@@ -530,12 +530,7 @@ def run_tokenizer(cfg: TrainConfig, task: ItemList) -> Tokenizer:
     else:
         tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
                                              vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges))
-    if tok.enc.n_vocab > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer of {source} has {tok.enc.n_vocab} ids; the model's vocab_size is only "
-                         f"{cfg.model.vocab_size}")
-    if cfg.system_prompt and tok.chat_template is None:
-        raise ValueError(f"system_prompt is set but the tokenizer ({source or 'the demo BPE'}) has no chat template "
-                         f"to put it in")
+    check_tokenizer(cfg, tok, repr(source) if source else "the demo BPE")  # the demo's is first known here
     return tok
 
 
