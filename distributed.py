@@ -318,10 +318,12 @@ def gathered(model):
     if not units:
         yield model
         return
-    with torch.no_grad():
+    if not getattr(model, "_root_settled", False):
         # FSDP2 picks its root at the first forward through the root module; the engine calls blocks through
-        # Transformer.hidden, which a fresh model has not yet run: one token's forward settles it first
-        model(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device))
+        # Transformer.hidden, which a fresh model may not yet have run: one token's forward settles it, once
+        with torch.no_grad():
+            model(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device))
+        model._root_settled = True
     inner = [u for u in units if u is not model]  # the root already keeps its weights gathered after forward
     for u in inner:
         u.set_reshard_after_forward(False, recurse=False)  # gathered until the phase ends, not per forward
