@@ -35,7 +35,7 @@ from config import TrainConfig
 from data import load_task
 from espo import AGGREGATIONS, KL_ESTIMATORS, LOSS_TYPES
 from filter import PromptHistory
-from hf import config_from_hf
+from hf_config import config_from_hf
 from model import HF_MODEL_TYPES, ModelConfig
 from reward import REWARD_MODELS
 from sglang_engine import ENGINES, check_sglang_config

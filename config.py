@@ -33,10 +33,10 @@ import torch
 
 from espo import LossConfig
 from filter import FilterConfig
-from hf import config_from_hf
+from hf_config import config_from_hf
 from model import ModelConfig
 from reward import RewardConfig
-from rollout import SamplingParams
+from sampler import SamplingParams
 
 # Small-number arithmetic in two surface forms, with item spaces large enough (tens of
 # thousands of distinct questions) that held-out prompts unseen in training are plentiful.

@@ -1,17 +1,21 @@
-"""A run's prompts: the datasets a user brings (JSONL or parquet files of GSM8K, MATH or HumanEval
-rows) as tasks, or reasoning-gym's (`load_tasks`), and the training prompts tokenized once, in a
-fixed random order (`Prompts`; `prompt_ids`: an item in the tokenizer's chat template).
+"""A run's prompts: the tasks (`Item`, `ItemList`; reasoning-gym's `TaskMix`, and the datasets a user
+brings as JSONL or parquet files of GSM8K, MATH or HumanEval rows: `load_task`, `load_tasks`), and
+the training prompts tokenized once, in a fixed random order (`Prompts`; `prompt_ids`: an item in
+the tokenizer's chat template). Each task scores with a verifier of reward.py.
+
+A task is an ItemList: `items`, `score(completion, item)`, `exclude`, `user_message(item)` and
+`demonstration(item)`. reasoning-gym's seeds: item i of seed s equals item i-1 of seed s+1, so
+train and eval seeds must lie further apart than the train size; `exclude` drops eval items whose
+question also appears in training.
 
 `load_task(path, size=...)` reads a file, detects its format from the first row's fields,
 checks every row before any work (a ValueError names the file, the 1-based line, or row
-of a parquet file, and what was expected) and returns a task with the interface of
-reward.TaskMix (reward.ItemList): `items`, `score(completion, item)`, `exclude`,
-`user_message(item)` and `demonstration(item)`.
+of a parquet file, and what was expected) and returns its task.
 
 Formats, tried in this order on the first row; every row must then have that format:
 1. HumanEval (arXiv 2107.03374): prompt, test (defining check(candidate)), entry_point;
    task_id and canonical_solution optional. Scored in the sandbox (reward.code_reward);
-   `HumanEvalTask.problems[item.index]` is an item's reward.CodeTask.
+   `HumanEvalTask.problems[item.index]` is an item's CodeTask.
 2. MATH (arXiv 2103.03874): problem and answer (MATH-500's layout), or problem and
    solution, whose last \\boxed{} is the gold. Scored by reward.math_reward.
 3. GSM8K (arXiv 2110.14168): question and answer, whose last `####` line holds the gold
@@ -39,7 +43,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from reward import MATH_TIMEOUT_S, CodeTask, Item, ItemList, TaskMix, code_reward, last_boxed, math_reward
+from reward import MATH_TIMEOUT_S, code_reward, last_boxed, math_reward, reasoning_gym_reward
 from scoring import ScoreTimeout, time_limited
 
 if TYPE_CHECKING:
@@ -51,6 +55,91 @@ MATH_INSTRUCTION = "Please reason step by step, and put your final answer within
 CODE_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a ```python code block."
 PLAIN_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")  # a gold math-verify surely reads: no need to parse it
 CHECK_RE = re.compile(r"^def check\s*\(", re.MULTILINE)  # HumanEval's test defines check(candidate)
+
+
+# ----------------------------------------------------------------------------- tasks
+
+@dataclass(frozen=True)
+class Item:
+    question: str
+    answer: str
+    task: int  # index into the mix's datasets
+    index: int  # index within that dataset
+
+
+class ItemList:
+    """A task's prompts as a list of Item (`self.items`), indexable, with eval de-duplication.
+
+    A task (TaskMix; MathTask and HumanEvalTask for a user's files) also has
+    score(completion, item) -> float (binary, may raise scoring.ScoreTimeout), user_message(item)
+    -> str (the prompt's text for a chat model) and demonstration(item) -> str (an SFT target).
+    """
+    items: list[Item]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Item:
+        return self.items[i]
+
+    def exclude(self, questions: set[str]) -> list[Item]:
+        """The items whose question is not in `questions` (eval de-duplication)."""
+        return [it for it in self.items if it.question not in questions]
+
+    def user_message(self, item: Item) -> str:
+        """The prompt's text for a chat model; by default the question as it is."""
+        return item.question
+
+
+class TaskMix(ItemList):
+    """Round-robin mix of reasoning-gym datasets: item i comes from dataset i % num_tasks.
+
+    specs: list of (dataset name, kwargs) for `reasoning_gym.create_dataset`.
+    Raises ValueError on an empty spec list or an unknown dataset name.
+    """
+
+    def __init__(self, specs: list[tuple[str, dict]], *, seed: int, size: int):
+        import reasoning_gym  # here, not at the top: only a run without train_data needs it (not the GPU check)
+        if not specs:
+            raise ValueError("TaskMix needs at least one (name, kwargs) spec")
+        per_task = -(-size // len(specs))  # ceil: each dataset holds at least its round-robin share
+        self.datasets = []
+        for name, kwargs in specs:
+            try:
+                self.datasets.append(reasoning_gym.create_dataset(name, seed=seed, size=per_task, **kwargs))
+            except KeyError as e:  # reasoning-gym's error for an unknown name; a config error is a ValueError here
+                raise ValueError(f"unknown reasoning-gym dataset {name!r}") from e
+        self.items = []
+        # round robin, so any prefix of the items (a smaller size, the first steps' prompts) holds every
+        # dataset in equal share
+        for i in range(size):
+            t, j = i % len(specs), i // len(specs)
+            entry = self.datasets[t][j]
+            self.items.append(Item(entry["question"], str(entry["answer"]), t, j))  # a dataset's gold may be a number
+
+    def score(self, completion: str, item: Item) -> float:
+        """Binary reward: 1.0 iff reasoning-gym's scorer gives the last <answer> span full marks."""
+        ds = self.datasets[item.task]
+        return reasoning_gym_reward(completion, ds, ds[item.index])
+
+    def demonstration(self, item: Item) -> str:
+        return demonstration(item)
+
+
+def demonstration(item: Item) -> str:
+    """The completion an SFT warm-up imitates on a TaskMix: the gold answer in answer tags."""
+    return f"<answer>{item.answer}</answer>"
+
+
+@dataclass(frozen=True)
+class CodeTask:
+    """A HumanEval-format task: `test` defines check(candidate), which asserts on entry_point."""
+    task_id: str
+    prompt: str  # imports, the signature and the docstring
+    test: str
+    entry_point: str
+    canonical_solution: str = ""  # the reference body that continues the prompt ("" if the data has none)
+
 
 
 class MathTask(ItemList):
@@ -268,7 +357,7 @@ class Prompts:
     tokenized once, up front (`ids`, by question: the task's wording, in the chat template if the
     tokenizer has one). Prompts longer than max_tokens leave the order (`skipped` counts them); none
     left raises ValueError."""
-    task: ItemList  # reasoning-gym's TaskMix, or a dataset file's (reward.load_task)
+    task: ItemList  # reasoning-gym's TaskMix, or a dataset file's (load_task)
     order: list[int]  # a permutation of the task's items
     tok: Tokenizer
     max_tokens: int  # cfg.prompt_limit()

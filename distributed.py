@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from model import Transformer
+from weights import local
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -238,11 +239,6 @@ def reference_copy(model, cfg: TrainConfig, meshes: Meshes | None = None) -> Tra
             assert name == src_name, (name, src_name)  # a copy into the wrong twin would pass silently otherwise
             local(r).copy_(local(p))  # equal placements: this rank's shard into its twin, no communication
     return ref.requires_grad_(False)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (t itself otherwise)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def load_shards(model, named: dict[str, torch.Tensor]):

@@ -21,15 +21,14 @@ Notable choices:
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from model import GroupedExperts, Transformer, grouped_mm, swiglu
-
-Named = Iterable[tuple[str, torch.Tensor]]
+from weights import Named
 
 
 FP8 = torch.float8_e4m3fn

@@ -30,199 +30,18 @@ How our tensors map to HF's:
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 
 import torch
 
-from model import HF_MODEL_TYPES, ModelConfig, Transformer
-from rollout import full_tensor, policy_tensors
+from fp8 import FP8, WEIGHT_BLOCK, quantize_fp8
+from hf_config import config_from_hf, config_to_hf
+from model import ModelConfig, Transformer
+from weights import full_tensor, policy_tensors, weight_buckets
 
 
 # re.fullmatch against our whole name: no pattern matches a name another one does, so the order is free
-HF_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
-"""HF model_type -> its architectures entry in config.json (model.HF_MODEL_TYPES, in order)."""
-assert tuple(HF_FAMILIES) == HF_MODEL_TYPES
-
-
-# What a config.json key this file reads means when it is missing: transformers 5.24's Qwen3MoeConfig and
-# Glm4MoeConfig defaults (tests/test_hf.py compares this table with those classes). head_dim None: hidden_size //
-# num_attention_heads, as both families' attention derives it. rope_theta and partial_rotary_factor are the
-# defaults of rope_parameters: transformers' default_theta; GLM-4.5's 0.5; Qwen3-MoE rotates whole heads.
-HF_DEFAULTS = {
-    "qwen3_moe": dict(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
-        num_key_value_heads=4, head_dim=None, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0, use_sliding_window=False,
-        decoder_sparse_step=1, mlp_only_layers=None, moe_intermediate_size=768, num_experts_per_tok=8,
-        num_experts=128, norm_topk_prob=False, rope_theta=10000.0, partial_rotary_factor=1.0),
-    "glm4_moe": dict(
-        vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46, num_attention_heads=96,
-        num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0, moe_intermediate_size=1408,
-        num_experts_per_tok=8, n_routed_experts=128, n_shared_experts=1, first_k_dense_replace=1,
-        norm_topk_prob=True, routed_scaling_factor=1.0, n_group=1, topk_group=1, use_qk_norm=False,
-        rope_theta=10000.0, partial_rotary_factor=0.5),
-}
-# Keys that leave the logits as they are, whatever their value: metadata, generation and cache settings, what
-# outputs return, the training-only router loss, the init, classification-head keys (what to_dict() adds).
-# pad_token_id is HF's embedding padding_idx, which only zeroes that row's gradient; quantization_config is how
-# the weights are stored (load_hf refuses quantised weights).
-HF_HARMLESS = {"transformers_version", "torch_dtype", "dtype", "use_cache", "initializer_range", "bos_token_id",
-               "eos_token_id", "pad_token_id", "output_router_logits", "router_aux_loss_coef", "_name_or_path",
-               "output_attentions", "output_hidden_states", "return_dict", "tokenizer_class", "quantization_config",
-               "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder"}
-HF_FAMILY_HARMLESS = {
-    "qwen3_moe": {"sliding_window", "max_window_layers"},  # read only with use_sliding_window, which must be false
-    "glm4_moe": {"num_nextn_predict_layers", "num_mtp_layers"},  # multi-token-prediction layers: load_hf skips them
-}
-# Keys implemented at one value only (so are architectures, the family's CausalLM, and layer_types): no GELU
-# experts, no dropout, full attention in every layer, every layer MoE (HF Qwen3-MoE may interleave dense layers)
-HF_ONLY = {"hidden_act": "silu", "attention_dropout": 0.0, "use_sliding_window": False, "decoder_sparse_step": 1,
-           "mlp_only_layers": []}
-# rope types and the keys of rope_parameters (or rope_scaling) each reads, besides rope_theta, partial_rotary_factor
-_ROPE_KEYS = {"default": set(), "linear": {"factor"},
-              "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-                       "mscale_all_dim", "attention_factor", "truncate"}}
-
-
-def config_from_hf(config: str | dict) -> ModelConfig:
-    """From an HF config.json (path or dict) of model_type qwen3_moe or glm4_moe, each key read as
-    transformers 5.24 reads it (a missing one takes its default, `HF_DEFAULTS`).
-
-    Raises ValueError, naming the key, its value and what is supported, on another model_type, a key
-    neither implemented nor harmless (`HF_HARMLESS`), a value implemented only at another (`HF_ONLY`),
-    a rope type other than default, linear and yarn, or a null where transformers needs a value.
-    """
-    if isinstance(config, str):
-        with open(config) as f:
-            config = json.load(f)
-    c = dict(config)
-    kind = c.get("model_type")
-    if kind not in HF_FAMILIES:
-        raise ValueError(f"model_type={kind!r} is not supported; valid: {sorted(HF_FAMILIES)}")
-    defaults = HF_DEFAULTS[kind]
-    known = {*defaults, *HF_HARMLESS, *HF_FAMILY_HARMLESS[kind], "model_type", "architectures", "layer_types",
-             "rope_scaling", "rope_parameters", "num_local_experts"}
-    unknown = sorted(set(c) - known)
-    if unknown:
-        raise ValueError(f"{kind} config.json keys {unknown} are not supported (neither implemented nor known to "
-                         f"leave the model's function as it is); implemented: {sorted(known - HF_HARMLESS)}")
-    nulls = sorted(k for k in defaults if k in c and c[k] is None and k != "mlp_only_layers")
-    if nulls:
-        raise ValueError(f"{kind} config.json keys {nulls} are null; each needs a value (or leave it out)")
-    for k, want in {**HF_ONLY, "architectures": [HF_FAMILIES[kind]]}.items():
-        if c.get(k) not in (None, want):
-            raise ValueError(f"{kind} {k}={c[k]!r} is not supported; only {want!r}")
-    if any(t != "full_attention" for t in c.get("layer_types") or []):
-        raise ValueError(f"layer_types={c['layer_types']!r} is not supported; only 'full_attention' layers")
-    experts = "num_experts" if kind == "qwen3_moe" else "n_routed_experts"  # num_local_experts: both classes' alias
-    if "num_local_experts" in c and c.get(experts, c["num_local_experts"]) != c["num_local_experts"]:
-        raise ValueError(f"{experts}={c[experts]} and num_local_experts={c['num_local_experts']} disagree")
-    g = {**defaults, **c, experts: c.get("num_local_experts", c.get(experts, defaults[experts]))}
-    common = dict(
-        vocab_size=g["vocab_size"], dim=g["hidden_size"], n_layers=g["num_hidden_layers"],
-        n_heads=g["num_attention_heads"], n_kv_heads=g["num_key_value_heads"],
-        head_dim=g["head_dim"] or g["hidden_size"] // g["num_attention_heads"], num_experts=g[experts],
-        top_k=g["num_experts_per_tok"], moe_inter_dim=g["moe_intermediate_size"],
-        dense_inter_dim=g["intermediate_size"], norm_topk_prob=g["norm_topk_prob"],
-        attention_bias=g["attention_bias"], norm_eps=g["rms_norm_eps"], max_seq_len=g["max_position_embeddings"],
-        tie_embeddings=g["tie_word_embeddings"], hf_model_type=kind, **_rope_from_hf(c, g, kind))
-    if kind == "qwen3_moe":
-        # Qwen3-MoE: q/k norm and the softmax router always; its attention_bias is on q, k, v and o
-        return ModelConfig(**common, qk_norm=True, router="softmax", attention_out_bias=g["attention_bias"])
-    # glm4_moe: the sigmoid router with expert bias, shared experts, dense first blocks, partial rotary
-    return ModelConfig(**common, num_shared_experts=g["n_shared_experts"],
-                       first_k_dense_replace=g["first_k_dense_replace"], router="sigmoid",
-                       routed_scaling_factor=g["routed_scaling_factor"], n_group=g["n_group"],
-                       topk_group=g["topk_group"], qk_norm=g["use_qk_norm"])
-
-
-def _rope_from_hf(c: dict, g: dict, kind: str) -> dict:
-    """ModelConfig's rope fields, resolved as transformers 5.24 resolves them (configuration rope
-    standardisation and modeling_rope_utils). Raises ValueError on what it does not implement."""
-    # rope_scaling (the older name), when set, replaces rope_parameters; rope_theta and partial_rotary_factor
-    # inside it win over the top-level keys, which win over the family's defaults
-    rope = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
-    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-    if rope_type not in _ROPE_KEYS:
-        raise ValueError(f"{kind} rope_type={rope_type!r} is not supported; supported: {sorted(_ROPE_KEYS)}")
-    extra = sorted(set(rope) - _ROPE_KEYS[rope_type] - {"rope_theta", "partial_rotary_factor"})
-    if extra:
-        raise ValueError(f"{kind} rope_type={rope_type!r} with keys {extra} is not supported; it reads "
-                         f"{sorted(_ROPE_KEYS[rope_type] | {'rope_theta', 'partial_rotary_factor'})}")
-    prf = rope.get("partial_rotary_factor", g["partial_rotary_factor"])
-    if kind == "qwen3_moe" and prf != 1.0:  # transformers' Qwen3-MoE ignores it (default rope) or fails (scaled)
-        raise ValueError(f"qwen3_moe partial_rotary_factor={prf!r} is not supported; only 1.0 (whole heads)")
-    out = dict(rope_type=rope_type, rope_theta=float(rope.get("rope_theta", g["rope_theta"])),
-               partial_rotary_factor=float(prf))
-    if rope_type == "default":
-        return out
-    factor = rope.get("factor", "missing")
-    if not isinstance(factor, (int, float)) and not (rope_type == "yarn" and factor is None):
-        raise ValueError(f"{kind} rope_type={rope_type!r} needs a number factor; got factor={factor!r}")
-    if rope_type == "linear":
-        return {**out, "rope_factor": float(factor)}
-    L = rope.get("original_max_position_embeddings", g["max_position_embeddings"])  # the pre-training length
-    if not isinstance(L, (int, float)) or L <= 0 or L != int(L):
-        raise ValueError(f"{kind} yarn original_max_position_embeddings={L!r} must be a positive integer")
-    if factor is None:  # transformers: the extension ratio
-        factor = g["max_position_embeddings"] / L
-    scale, m, m_all = rope.get("attention_factor"), rope.get("mscale"), rope.get("mscale_all_dim")
-    if scale is None and m and m_all and factor > 1:  # transformers' ratio of two YaRN scales (DeepSeek's form)
-        scale = float((0.1 * m * math.log(factor) + 1.0) / (0.1 * m_all * math.log(factor) + 1.0))
-    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-        raise ValueError(f"{kind} yarn attention_factor={scale!r} is not supported; only a positive number")
-    # `or 32`, `or 1`: transformers reads 0 or null as the default too
-    return {**out, "rope_factor": float(factor), "rope_original_max_seq_len": int(L),
-            "yarn_beta_fast": float(rope.get("beta_fast") or 32), "yarn_beta_slow": float(rope.get("beta_slow") or 1),
-            "yarn_truncate": bool(rope.get("truncate", True)), "rope_attention_factor": float(scale or 0.0)}
-
-
-def config_to_hf(cfg: ModelConfig) -> dict:
-    """The HF config.json of a model (inverse of config_from_hf).
-
-    Raises ValueError when the model has a feature its hf_model_type cannot express.
-    """
-    # what each family's config.json cannot say otherwise (Qwen3-MoE's attention_bias is q, k, v and o)
-    need = (dict(router="softmax", qk_norm=True, first_k_dense_replace=0, num_shared_experts=0,
-                 partial_rotary_factor=1.0, routed_scaling_factor=1.0, attention_out_bias=cfg.attention_bias)
-            if cfg.hf_model_type == "qwen3_moe" else dict(router="sigmoid", attention_out_bias=False))
-    wrong = {k: getattr(cfg, k) for k, v in need.items() if getattr(cfg, k) != v}
-    if wrong:
-        raise ValueError(f"hf_model_type={cfg.hf_model_type!r} cannot express {wrong}; it needs {need}")
-    rope = dict(rope_type=cfg.rope_type, rope_theta=cfg.rope_theta)
-    if cfg.hf_model_type == "glm4_moe":  # Qwen3-MoE's rope has no such key (whole heads, checked above)
-        rope["partial_rotary_factor"] = cfg.partial_rotary_factor
-    if cfg.rope_type != "default":
-        rope["factor"] = cfg.rope_factor
-    if cfg.rope_type == "yarn":
-        rope.update(original_max_position_embeddings=cfg.rope_original_max_seq_len, beta_fast=cfg.yarn_beta_fast,
-                    beta_slow=cfg.yarn_beta_slow, truncate=cfg.yarn_truncate)
-        if cfg.rope_attention_factor:  # else transformers derives 0.1 ln s + 1, as the model does
-            rope["attention_factor"] = cfg.rope_attention_factor
-    # HF requires intermediate_size even without dense blocks: the expert width stands in.
-    # torch_dtype is a placeholder that save_hf overwrites with the dtype it writes.
-    c = dict(model_type=cfg.hf_model_type, architectures=[HF_FAMILIES[cfg.hf_model_type]],
-             vocab_size=cfg.vocab_size, hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers,
-             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-             num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_inter_dim,
-             intermediate_size=cfg.dense_inter_dim or cfg.moe_inter_dim, norm_topk_prob=cfg.norm_topk_prob,
-             attention_bias=cfg.attention_bias, rms_norm_eps=cfg.norm_eps,
-             max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
-             hidden_act="silu", torch_dtype="float32", rope_parameters=rope)
-    if cfg.hf_model_type == "qwen3_moe":
-        # every layer MoE: no interleaved dense layers
-        c.update(num_experts=cfg.num_experts, decoder_sparse_step=1, mlp_only_layers=[])
-    else:
-        # num_nextn_predict_layers=0: GLM-4.5's multi-token-prediction layer is not part of this model
-        c.update(n_routed_experts=cfg.num_experts, n_shared_experts=cfg.num_shared_experts,
-                 first_k_dense_replace=cfg.first_k_dense_replace, routed_scaling_factor=cfg.routed_scaling_factor,
-                 n_group=cfg.n_group, topk_group=cfg.topk_group, use_qk_norm=cfg.qk_norm, num_nextn_predict_layers=0)
-    return c
-
-
 _HF_RENAMES = [  # (our name pattern, HF names concatenated along our dim `cat`); {e} = one key per expert
     (r"embed\.weight", ["model.embed_tokens.weight"]),
     (r"norm\.weight", ["model.norm.weight"]),
@@ -412,9 +231,6 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
     """
     from safetensors.torch import save_file
 
-    # rollout.py owns the FP8 format and the size buckets, which its weight sync uses too
-    from fp8 import FP8, WEIGHT_BLOCK, quantize_fp8
-    from rollout import weight_buckets
     config = config_to_hf(model.cfg)  # first: a model the family cannot express fails before any gather
     # a generator: full_tensor gathers one parameter at a time, in policy_tensors' order on every rank
     gathered = ((n, full_tensor(t)) for n, t in policy_tensors(model))

@@ -44,7 +44,7 @@ import warnings
 import torch
 
 from logprobs import LOGITS_CHUNK_TOKENS
-from rollout import route_dtype
+from sampler import route_dtype
 from model import ModelConfig, Transformer
 
 GB = 1024 ** 3

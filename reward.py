@@ -1,8 +1,9 @@
 """Rewards: verifiers, penalties, and reward-model adjustment without advantage inversion.
 
-Owns every reward an RL step sees: the binary verifiers (reasoning-gym's `TaskMix`,
-`math_reward` on math-verify for GSM8K and MATH rows, the sandboxed HumanEval-format
-`code_reward`; data.py makes a user's files into tasks that use them), DAPO's overlong
+Owns every reward an RL step sees: the binary verifiers (`reasoning_gym_reward` on
+reasoning-gym's own scorers, `math_reward` on math-verify for GSM8K and MATH rows, the sandboxed
+HumanEval-format `code_reward`; the tasks that call them, reasoning-gym's and a user's files,
+are data.py's), DAPO's overlong
 penalty and a repetition penalty, and reward-model and pairwise judge shaping
 (`shaped_rewards`, through `adjust_rewards`, which keeps every correct response's reward
 above every wrong one's). How a verifier runs, under a time limit, inline or in a
@@ -14,12 +15,10 @@ turn against correctness.
 Shapes: P, G (letters of the README's legend).
 
 Verifiers (binary: 1.0 correct, 0.0 not):
-1. reasoning-gym (`TaskMix`): a mix of procedurally generated datasets, each with its own
-   `score_answer`, applied to the text inside the last `<answer>...</answer>`. Its partial
-   credit (an answer that contains the gold answer scores len(gold)/len(answer)) is not a
-   reward: only a score of 1.0 is. Seeds: item i of seed s equals item i-1 of seed s+1, so
-   train and eval seeds must lie further apart than the train size; `exclude` drops eval
-   items whose question also appears in training.
+1. reasoning-gym (`reasoning_gym_reward`, data.TaskMix's): each dataset's own `score_answer`,
+   applied to the text inside the last `<answer>...</answer>`. Its partial credit (an answer
+   that contains the gold answer scores len(gold)/len(answer)) is not a reward: only a score
+   of 1.0 is.
 2. math (`math_reward`): GSM8K and MATH rows, graded by math-verify. The answer is the
    last `<answer>` span, else the last `\\boxed{}`, else the rest of the line after the
    last `####`; only the last counts (several boxes inside the span too). Gold is parsed
@@ -30,7 +29,7 @@ Verifiers (binary: 1.0 correct, 0.0 not):
    math-verify can hang (9^{9^{9^{9}}}), so `math_equal` keeps a limit of its own: the
    caller's, else MATH_TIMEOUT_S; on the main thread by scoring.time_limited's signal,
    elsewhere in scoring.grade_elsewhere's grader process (scoring.py's docstring says why).
-3. code (`CodeTask`, `code_reward`): a HumanEval-format task (prompt, test defining
+3. code (`code_reward`): a HumanEval-format problem (data.CodeTask: prompt, test defining
    `check(candidate)`, entry point); the completion runs in `sandbox.run`, its tests apart
    from it (`sandbox.Check`), so only plain data, never a rigged object, reaches them.
 
@@ -75,83 +74,15 @@ MATH_TIMEOUT_S = 5.0  # a math_equal call's limit when its caller sets none (sco
 JUDGE_OUTCOMES = {"better": 1.0, "tie": 0.5, "worse": 0.0}  # P(completion beats the reference)
 
 
-@dataclass(frozen=True)
-class Item:
-    question: str
-    answer: str
-    task: int  # index into the mix's datasets
-    index: int  # index within that dataset
-
-
-class ItemList:
-    """A task's prompts as a list of Item (`self.items`), indexable, with eval de-duplication.
-
-    A task (TaskMix here; data.MathTask and data.HumanEvalTask for a user's files) also has
-    score(completion, item) -> float (binary, may raise scoring.ScoreTimeout), user_message(item)
-    -> str (the prompt's text for a chat model) and demonstration(item) -> str (an SFT target).
-    """
-    items: list[Item]
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> Item:
-        return self.items[i]
-
-    def exclude(self, questions: set[str]) -> list[Item]:
-        """The items whose question is not in `questions` (eval de-duplication)."""
-        return [it for it in self.items if it.question not in questions]
-
-    def user_message(self, item: Item) -> str:
-        """The prompt's text for a chat model; by default the question as it is."""
-        return item.question
-
-
-class TaskMix(ItemList):
-    """Round-robin mix of reasoning-gym datasets: item i comes from dataset i % num_tasks.
-
-    specs: list of (dataset name, kwargs) for `reasoning_gym.create_dataset`.
-    Raises ValueError on an empty spec list or an unknown dataset name.
-    """
-
-    def __init__(self, specs: list[tuple[str, dict]], *, seed: int, size: int):
-        import reasoning_gym  # here, not at the top: config.py and the GPU check import this file without it
-        if not specs:
-            raise ValueError("TaskMix needs at least one (name, kwargs) spec")
-        per_task = -(-size // len(specs))  # ceil: each dataset holds at least its round-robin share
-        self.datasets = []
-        for name, kwargs in specs:
-            try:
-                self.datasets.append(reasoning_gym.create_dataset(name, seed=seed, size=per_task, **kwargs))
-            except KeyError as e:  # reasoning-gym's error for an unknown name; a config error is a ValueError here
-                raise ValueError(f"unknown reasoning-gym dataset {name!r}") from e
-        self.items = []
-        # round robin, so any prefix of the items (a smaller size, the first steps' prompts) holds every
-        # dataset in equal share
-        for i in range(size):
-            t, j = i % len(specs), i // len(specs)
-            entry = self.datasets[t][j]
-            self.items.append(Item(entry["question"], str(entry["answer"]), t, j))  # a dataset's gold may be a number
-
-    def score(self, completion: str, item: Item) -> float:
-        """Binary reward: 1.0 iff the scorer gives the last <answer> span full marks."""
-        found = ANSWER_RE.findall(completion)
-        if not found:
-            return 0.0
-        ds = self.datasets[item.task]
-        # the dataset's own scorer, given the whole entry: it may read the entry's metadata and accept more
-        # than one form of the answer
-        score = ds.score_answer(found[-1].strip(), ds[item.index])
-        # not the score itself: partial credit would pay a verbose answer that merely contains the gold one
-        return 1.0 if score >= CORRECT_SCORE else 0.0
-
-    def demonstration(self, item: Item) -> str:
-        return demonstration(item)
-
-
-def demonstration(item: Item) -> str:
-    """The completion an SFT warm-up imitates on a TaskMix: the gold answer in answer tags."""
-    return f"<answer>{item.answer}</answer>"
+def reasoning_gym_reward(completion: str, dataset, entry: dict) -> float:
+    """Binary reward of a reasoning-gym item: 1.0 iff the dataset's own scorer gives the last <answer> span
+    full marks (its partial credit would pay a verbose answer that merely contains the gold one)."""
+    found = ANSWER_RE.findall(completion)
+    if not found:
+        return 0.0
+    # the dataset's own scorer, given the whole entry: it may read the entry's metadata and accept more
+    # than one form of the answer
+    return 1.0 if dataset.score_answer(found[-1].strip(), entry) >= CORRECT_SCORE else 0.0
 
 
 # ----------------------------------------------------------------------------- math
@@ -251,17 +182,14 @@ def math_reward(completion: str, gold: str) -> float:
 
 # ----------------------------------------------------------------------------- code
 
-@dataclass(frozen=True)
-class CodeTask:
-    """A HumanEval-format task: `test` defines check(candidate), which asserts on entry_point."""
-    task_id: str
+class CodeProblem(Protocol):
+    """What the code verifier reads of a HumanEval-format problem (data.CodeTask is one)."""
     prompt: str  # imports, the signature and the docstring
-    test: str
+    test: str  # defines check(candidate), which asserts on entry_point
     entry_point: str
-    canonical_solution: str = ""  # the reference body that continues the prompt ("" if the data has none)
 
 
-def code_solution(completion: str, task: CodeTask) -> str:
+def code_solution(completion: str, task: CodeProblem) -> str:
     """The program the completion stands for: the prompt and the completion's code.
 
     The code is the last ```python block, else the <answer> span, else the whole completion.
@@ -276,7 +204,7 @@ def code_solution(completion: str, task: CodeTask) -> str:
     return f"{task.prompt}\n{code}" if defines else task.prompt + code
 
 
-def code_reward(completion: str, task: CodeTask, *, limits: sandbox.SandboxLimits = sandbox.SandboxLimits()) -> float:
+def code_reward(completion: str, task: CodeProblem, *, limits: sandbox.SandboxLimits = sandbox.SandboxLimits()) -> float:
     """1.0 if the completion passes the task's tests inside the sandbox, else 0.0 (a timeout included).
 
     The tests run apart from the completion's code (sandbox.Check): only plain data crosses

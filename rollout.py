@@ -57,210 +57,27 @@ import copy
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn as nn
 
-from fp8 import FP8, FP8GroupedExperts, FP8Linear, Named, quantize_fp8_blockwise, to_fp8_modules
 from distributed import rank_world
+from fp8 import FP8, FP8GroupedExperts, FP8Linear, quantize_fp8_blockwise, to_fp8_modules
 from model import KVCache, ModelConfig, Transformer
+from sampler import Rollout, SamplingParams, route_dtype, row_keys, row_uniforms, sample
+from weights import DEFAULT_BUCKET_BYTES, Named, full_tensor, weight_buckets
 
 if TYPE_CHECKING:
     from config import TrainConfig
     from sglang_engine import SGLangEngine
     from tokenizer import Tokenizer
 
-DEFAULT_BUCKET_BYTES = 512 << 20
-"""Weight-sync bucket: bounds the staging memory and sets the size of one transfer."""
 STOP_CHECK_EVERY = 8
 """Decode steps between checks that every row has stopped (each check syncs a GPU)."""
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How an engine samples (SGLang's and vLLM's sampling parameters): the rollout's settings.
-
-    temperature 0 is greedy; top_k 0 and top_p 1 keep the whole vocabulary.
-    Raises ValueError on max_new_tokens < 1, temperature < 0, top_p outside (0, 1] or top_k < 0.
-    """
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"sampling: max_new_tokens={self.max_new_tokens} (>= 1), temperature={self.temperature} "
-                             f"(>= 0), top_p={self.top_p} (in (0, 1]), top_k={self.top_k} (>= 0, 0 = off)")
-
-
-@dataclass
-class Rollout:
-    """One sampled completion of one prompt, whichever engine produced it."""
-    prompt_ids: list[int]
-    completion_ids: list[int]  # includes the EOS token when finish_reason == "stop"
-    logprobs: torch.Tensor  # [C] fp32, engine's log pi(completion token): pi_infer, before top-k/top-p truncation
-    # [T + C - 1, L, K] routed expert ids (route_dtype: uint8 up to 256 experts), T this prompt's tokens: every token fed to the model, i.e. all
-    # but the last completion token, whose logits are never computed (SGLang's layout; replayed by the trainer)
-    routes: torch.Tensor
-    finish_reason: str  # "stop" (EOS sampled) or "length" (max_new_tokens reached)
-    group_id: int  # index of the prompt in the generate() call (or group_ids[i]); rollouts of one prompt share it
-    weight_version: int  # the engine's version when it generated this rollout (staleness = trainer's - this)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
-
-    def summary(self, rank: int, with_tokens: bool = False) -> RolloutSummary:
-        """Its scalars, for the other ranks (with the completion's ids if with_tokens)."""
-        return RolloutSummary(len(self.prompt_ids), len(self.completion_ids), self.finish_reason, self.group_id,
-                              self.weight_version, rank, list(self.completion_ids) if with_tokens else None)
-
-
-def route_dtype(num_experts: int) -> torch.dtype:
-    """The smallest integer dtype that holds expert ids 0..num_experts - 1: what a Rollout's routes are
-    kept and moved in (uint8 up to 256 experts: a quarter of SGLang's int32). The trainer pads with -1
-    only once they are in its own int32 batch."""
-    for dtype in (torch.uint8, torch.int16, torch.int32):
-        if num_experts - 1 <= torch.iinfo(dtype).max:
-            return dtype
-    raise ValueError(f"num_experts={num_experts} exceeds int32 expert ids")
-
-
-@dataclass(frozen=True)
-class RolloutSummary:
-    """What the other ranks learn of a rollout: its scalars, never its tokens, logprobs or routes (those
-    stay on the rank that generated it, which trains it). completion_ids only when reward shaping reads
-    the group's completions."""
-    prompt_len: int
-    num_tokens: int
-    finish_reason: str
-    group_id: int
-    weight_version: int
-    rank: int
-    completion_ids: list[int] | None = None
-
-
-def sample(logits_BV: torch.Tensor, params: SamplingParams, u_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampled ids [B] int64 and their logprobs [B] fp32 under softmax(logits / temperature).
-
-    temperature == 0 is greedy (logprobs then under the untempered softmax). top_k > 0
-    keeps the k most likely tokens; top_p < 1 then keeps the smallest set of most likely
-    tokens whose mass reaches top_p of what is left (nucleus sampling, arXiv 1904.09751);
-    the returned logprob ignores both truncations. Each row draws one uniform u and takes
-    the first token whose cumulative probability exceeds u * total (inverse-CDF sampling,
-    in float64 so u * total stays below the total): one random number per row, where
-    torch.multinomial or a Gumbel/exponential race spend one per vocabulary entry (on
-    CPU those dominate the sampler's time). A token of zero probability is never drawn.
-    u_B: the rows' uniforms in [0, 1) (float64, from `row_uniforms`).
-    """
-    temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
-    logits_BV = logits_BV.float()  # fp32 whatever the engine dtype, as the trainer's token_logprobs
-    if temperature == 0:
-        logp_BV = logits_BV.log_softmax(dim=-1)  # dividing by temperature 0 is undefined: report the untempered logprob
-        ids_B = logp_BV.argmax(dim=-1)
-        return ids_B, logp_BV.gather(-1, ids_B[:, None]).squeeze(-1)  # (B, 1) -> (B,)
-    # log pi(v) = z_v / tau - logsumexp(z / tau): the recorded logprob, before any truncation
-    logp_BV = (logits_BV / temperature).log_softmax(dim=-1)
-    probs_BV = logp_BV.exp()
-    # Truncations zero probabilities and never renormalise: the draw below scales u by what is left.
-    if 0 < top_k < probs_BV.shape[-1]:
-        top = probs_BV.topk(top_k, dim=-1)  # values and indices (B, k)
-        probs_BV = torch.zeros_like(probs_BV).scatter_(-1, top.indices, top.values)  # (B, V), 0 outside the top k
-    if top_p < 1.0:
-        sorted_p, order = probs_BV.sort(dim=-1, descending=True)  # (B, V); order[b, i] is the vocab id of rank i
-        cum = sorted_p.cumsum(-1)
-        # the total mass cum[:, -1:] is what top-k left; the most likely token always stays (0 mass before it)
-        drop = cum - sorted_p >= top_p * cum[:, -1:]  # mass before this token already reaches top_p
-        probs_BV = probs_BV.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))  # (B, V): ranks back to vocab order
-    # Inverse CDF: the first id whose cumulative mass exceeds u * total. right=True makes it the first cdf > u * total,
-    # so a zero-mass token (cdf equal to its predecessor's) is never it. float64, not fp32: u < 1 stays < 1 (u near 1
-    # would round to 1.0 in fp32) and u * total rounds below the total, so the id is always < V.
-    cdf_BV = probs_BV.double().cumsum(dim=-1)  # (B, V)
-    u_B1 = u_B.to(torch.float64)[:, None]  # (B, 1)
-    ids_B = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True).squeeze(-1)  # (B, 1) -> (B,)
-    return ids_B, logp_BV.gather(-1, ids_B[:, None]).squeeze(-1)  # (B,) under the untruncated tempered softmax
-
-
-# ----------------------------------------------------------------------------- per-row random streams
-# A counter-based generator: the uniform of (row key, step) is a hash of the pair, so a
-# rollout's random numbers depend on its seed, group id and sample index only, never on
-# which other prompts share its batch or in what order (a multi-rank run then samples
-# what one process would). One stateful torch.Generator per row would do the same at one
-# kernel launch per row per step; the hash is a handful of elementwise int64 ops for all
-# rows at once, on any device.
-# torch has no uint64 arithmetic, so the hash runs on int64: two's-complement products and
-# sums wrap mod 2^64 and keep the same bits as splitmix64's unsigned ones; only >> differs,
-# hence `_srl`.
-
-_MIX1, _MIX2 = -4658895280553007687, -7723592293110705685  # 0xbf58476d1ce4e5b9, 0x94d049bb133111eb as int64
-_GOLDEN = -7046029254386353131  # 0x9e3779b97f4a7c15 as int64: the stream increment
-_MANTISSA = (1 << 53) - 1  # a float64 holds 53 significant bits
-
-
-def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic on negative values)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)  # the mask clears the s copies of the sign bit that >> shifted in
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors (wrapping arithmetic): a bijective 64-bit hash
-    (Steele, Lea and Flood 2014, "Fast splittable pseudorandom number generators")."""
-    # xor-shift and multiply by an odd constant are each invertible mod 2^64, so the whole hash is a bijection
-    x = (x ^ _srl(x, 30)) * _MIX1
-    x = (x ^ _srl(x, 27)) * _MIX2
-    return x ^ _srl(x, 31)
-
-
-def row_keys(seed: int, group_ids: list[int], sample_index: list[int], device=None) -> torch.Tensor:
-    """int64 [B] stream keys of rows (seed, group id, sample index): equal triples, equal streams."""
-    g = torch.tensor(group_ids, dtype=torch.int64, device=device)  # (B,)
-    j = torch.tensor(sample_index, dtype=torch.int64, device=device)  # (B,)
-    # a hash between the xors: (g, j) pairs with equal g ^ j or g + j still get unrelated keys
-    return mix64(mix64(mix64(torch.full_like(g, seed)) ^ g) ^ j)
-
-
-def row_uniforms(keys_B: torch.Tensor, step: int) -> torch.Tensor:
-    """float64 [B] uniforms in [0, 1), the step-th draw of each row's stream (53 random bits each)."""
-    # splitmix64 seeded with the key: its (step + 1)-th output is mix64(key + (step + 1) * golden), so any draw
-    # is computed directly from (key, step), with no state carried between steps
-    offset = ((step + 1) * _GOLDEN + (1 << 63)) % (1 << 64) - (1 << 63)  # wrapped to int64 like the tensor sum
-    # the top 53 bits over 2^53, as Java's SplittableRandom.nextDouble: a multiple of 2^-53 in [0, 1), never 1.0
-    return (_srl(mix64(keys_B + offset), 11) & _MANTISSA).double() * 2.0 ** -53
-
-# ----------------------------------------------------------------------------- weight sync
-
-def policy_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter (a tied lm_head once, as the embedding) and persistent buffer (GLM-4.5's
-    expert_bias) of a model, detached, under its state-dict names: what an engine, a checkpoint or
-    an HF export takes. Sharded parameters come as their local DTensors (`full_tensor` gathers)."""
-    seen = set()
-    # state_dict names drop activation checkpointing's wrapper and leave out non-persistent buffers
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:  # a tied weight appears under both its names: send it once
-            seen.add(id(t))
-            yield name, t.detach()
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor shard (a collective: every rank of its mesh must call it), else t, detached."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
-
-
-def weight_buckets(named_tensors: Named, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive runs of tensors of at most bucket_bytes each (a larger tensor alone), in order."""
-    bucket, size = [], 0
-    for name, t in named_tensors:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:  # `bucket and`: never an empty bucket; a larger tensor goes alone
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
-
+# ----------------------------------------------------------------------------- native engine
 
 def _stage(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list[tuple[str, torch.Tensor]]:
     """The bucket on `device`: one flat copy per dtype when it lives elsewhere (one transfer, not one per tensor)."""
@@ -275,8 +92,6 @@ def _stage(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list
             out[n] = piece.view(t.shape)  # split and view: no copy on this side
     return [(n, out[n]) for n, _ in bucket]  # back in the bucket's order
 
-
-# ----------------------------------------------------------------------------- native engine
 
 @dataclass
 class DecodeState:
@@ -568,6 +383,7 @@ class NativeEngine:
             return bool(done_B.all())
         from distributed import all_ranks
         return all_ranks(bool(done_B.all()))
+
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:

@@ -66,10 +66,12 @@ from urllib.parse import urlsplit
 
 import torch
 
-from hf import config_from_hf, hf_tensors
+from hf import hf_tensors
+from hf_config import config_from_hf
 from model import ModelConfig
 from fp8 import Named, quantize_fp8
-from rollout import DEFAULT_BUCKET_BYTES, Rollout, SamplingParams, full_tensor, route_dtype, row_keys, weight_buckets
+from sampler import Rollout, SamplingParams, route_dtype, row_keys
+from weights import DEFAULT_BUCKET_BYTES, full_tensor, weight_buckets
 
 ENGINES = ("native", "sglang")
 UPDATE_GROUP = "everyprompt_weight_sync"

@@ -49,9 +49,11 @@ from filter import (STAGE1_COUNTS, STAGE2_COUNTS, FilterConfig, PromptHistory, S
                     post_rollout_filter, pre_rollout_filter, probe_decisions)
 from hf import save_hf
 from metrics import MetricsLog, plot
-from data import Prompts, load_tasks, prompt_ids
-from reward import Item, ItemList, RewardConfig, demonstration, reward_model_for, shaped_rewards
-from rollout import NativeEngine, Rollout, SamplingParams, build_engine, full_tensor, policy_tensors, producer_engine
+from data import Item, ItemList, Prompts, demonstration, load_tasks, prompt_ids
+from reward import RewardConfig, reward_model_for, shaped_rewards
+from rollout import NativeEngine, build_engine, producer_engine
+from sampler import Rollout, SamplingParams
+from weights import full_tensor, policy_tensors
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
 from sglang_engine import SGLangEngine

@@ -37,7 +37,9 @@ from distributed import build_model, setup_distributed  # noqa: E402
 from espo import mismatch_metrics  # noqa: E402
 from mismatch import trainer_logprobs  # noqa: E402  (bench/mismatch.py)
 from fp8 import quantize_fp8  # noqa: E402
-from rollout import NativeEngine, SamplingParams, decode_step, policy_tensors  # noqa: E402
+from rollout import NativeEngine, decode_step  # noqa: E402
+from sampler import SamplingParams  # noqa: E402
+from weights import policy_tensors  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak, SXM (NVIDIA's datasheets)
 

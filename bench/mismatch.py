@@ -42,9 +42,11 @@ from config import load_config  # noqa: E402
 from espo import mismatch_metrics  # noqa: E402
 from hf import load_hf  # noqa: E402
 from model import Transformer  # noqa: E402
-from reward import TaskMix, demonstration  # noqa: E402
+from data import TaskMix, demonstration  # noqa: E402
 from fp8 import quantize_fp8  # noqa: E402
-from rollout import NativeEngine, SamplingParams, policy_tensors  # noqa: E402
+from rollout import NativeEngine  # noqa: E402
+from sampler import SamplingParams  # noqa: E402
+from weights import policy_tensors  # noqa: E402
 from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer  # noqa: E402
 
 

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from reward import Item, ItemList  # noqa: E402
+from data import Item, ItemList  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
 from scoring import RewardPool  # noqa: E402
 from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402

@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qwen3_small import small_qwen3_moe  # noqa: E402
-from rollout import SamplingParams, NativeEngine  # noqa: E402
+from rollout import NativeEngine  # noqa: E402
+from sampler import SamplingParams  # noqa: E402
 
 NO_EOS = -1  # an id never sampled, so every row runs to the token limit
 

@@ -132,7 +132,8 @@ def continuous_ms(prompts: list[int], tokens: list[int], lengths: list[list[int]
 
 def real_engine(args) -> dict:
     """Measured wall time (s) of generating every prompt's G rollouts in FIFO and in length-aware batches."""
-    from rollout import NativeEngine, SamplingParams
+    from rollout import NativeEngine
+    from sampler import SamplingParams
     from config import load_config
     from model import Transformer
     cfg = load_config(TINY_CONFIG, [])
@@ -218,7 +219,8 @@ def overlap_ceiling(args) -> dict:
     in two threads, and in two processes: whether this machine has idle capacity to overlap onto."""
     import multiprocessing as mp
     import threading
-    from rollout import NativeEngine, SamplingParams
+    from rollout import NativeEngine
+    from sampler import SamplingParams
     from config import load_config
     from model import Transformer
     cfg = load_config(TINY_CONFIG, [])

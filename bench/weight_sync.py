@@ -90,7 +90,7 @@ def _stream(model, cfg, fp8: bool):
     scales and the rest bf16. The trainer's tensors are fp32: the cast is part of the stream."""
     from hf import hf_tensors
     from fp8 import FP8, quantize_fp8
-    from rollout import policy_tensors
+    from weights import policy_tensors
     named = hf_tensors(policy_tensors(model), cfg.model)
     if fp8:
         named = quantize_fp8(named, hf=True)
@@ -100,7 +100,7 @@ def _stream(model, cfg, fp8: bool):
 
 def _push(model, cfg, fp8: bool):
     """Build the stream bucket by bucket, as SGLangEngine._send does before each bucket leaves."""
-    from rollout import weight_buckets
+    from weights import weight_buckets
     for bucket in weight_buckets(_stream(model, cfg, fp8)):
         [t.contiguous() for _, t in bucket]
 
@@ -111,7 +111,7 @@ def push_bytes(model_cfg, fp8: bool) -> int:
     from hf import hf_tensors
     from model import Transformer
     from fp8 import HF_FP8_TARGETS, WEIGHT_BLOCK
-    from rollout import policy_tensors
+    from weights import policy_tensors
     with torch.device("meta"):
         model = Transformer(model_cfg)
     total = 0
@@ -129,7 +129,8 @@ def push_bytes(model_cfg, fp8: bool) -> int:
 def measure_one_process(name: str, repeats: int) -> dict:
     """The replica's update_weights and SGLang's stream building, in this process."""
     from model import Transformer
-    from rollout import NativeEngine, policy_tensors
+    from rollout import NativeEngine
+    from weights import policy_tensors
     cfg = _cfg(name)
     torch.manual_seed(0)
     model = Transformer(cfg.model)  # the trainer's fp32 weights
@@ -155,7 +156,8 @@ def _worker(rank: int, world: int, name: str, repeats: int, port: int, out: str)
 
     import distributed
     import plan
-    from rollout import NativeEngine, full_tensor, policy_tensors
+    from rollout import NativeEngine
+    from weights import full_tensor, policy_tensors
     torch.set_num_threads(1)  # two processes on two cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -51,8 +51,8 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]  # the project, and bench/ (mismatch.py's helpers)
 import train  # noqa: E402
 from config import load_config  # noqa: E402
-from reward import Item, ItemList  # noqa: E402
-from rollout import Rollout  # noqa: E402
+from data import Item, ItemList  # noqa: E402
+from sampler import Rollout  # noqa: E402
 from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402
 
 BETA = 0.3  # Beta(BETA, BETA) pass rates: U-shaped
@@ -164,7 +164,7 @@ def simulated(args) -> dict:
 def tiny(args) -> dict:
     """The tiny config's model after a short SFT (or --init-from), sampling its own task."""
     from model import Transformer
-    from reward import TaskMix, demonstration
+    from data import TaskMix, demonstration
     from tokenizer import train_tokenizer
     from mismatch import load_run_output, make_engine  # bench/mismatch.py: an earlier run's model and tokenizer; the engine
 

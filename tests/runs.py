@@ -5,7 +5,7 @@ import torch
 import train
 from config import TrainConfig, load_config
 from model import Transformer
-from reward import Item, ItemList
+from data import Item, ItemList
 from rollout import NativeEngine
 from scoring import RewardPool
 from tokenizer import build_tokenizer, demo_tokenizer

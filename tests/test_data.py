@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from data import MATH_INSTRUCTION, HumanEvalTask, MathTask, load_task
-from reward import Item, TaskMix
+from data import HumanEvalTask, Item, MATH_INSTRUCTION, MathTask, TaskMix, load_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.environ.get("EVERYPROMPT_DATA", os.path.join(REPO, "..", "shared", "data"))

@@ -20,7 +20,7 @@ from config import load_config
 from hf import save_hf
 from model import Transformer
 from plan import engine_bytes
-from rollout import full_tensor, policy_tensors
+from weights import full_tensor, policy_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,7 +9,7 @@ import torch
 import train
 from filter import (OFFLINE_WEIGHT, FilterConfig, PromptHistory, PromptRecord, Scored, post_rollout_filter,
                     pre_rollout_filter, probe_decisions, rest_agree_probability, zvp_token_advantages)
-from reward import Item, ItemList
+from data import Item, ItemList
 from runs import make_run, micro_config
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from filter import post_rollout_filter
-from reward import TaskMix, demonstration
+from data import TaskMix, demonstration
 from scheduler import LengthPredictor, Pipeline, balance, generation_batches, length_buckets
 from trainer import pack_microbatches
 

@@ -11,9 +11,10 @@ import torch
 import torch.multiprocessing as mp
 
 import hf
-from hf import HF_DEFAULTS, config_from_hf, config_to_hf, load_hf, save_hf
+from hf import load_hf, save_hf
+from hf_config import HF_DEFAULTS, config_from_hf, config_to_hf
 from model import ModelConfig, Transformer, rope, rope_frequencies
-from rollout import policy_tensors
+from weights import policy_tensors
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency (requirements-dev.txt)")
 

@@ -8,7 +8,7 @@ import torch
 
 import plan
 import train
-from hf import config_to_hf
+from hf_config import config_to_hf
 from plan import param_counts, print_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 import reward
 import scoring
-from data import load_task
+from data import CodeTask, load_task
 from espo import group_advantages
-from reward import (CodeTask, StubJudge, StubRewardModel, adjust_rewards, code_reward, extract_answer, judge_score,
-                    math_reward, overlong_penalty, repetition_penalty, rm_score)
+from reward import (StubJudge, StubRewardModel, adjust_rewards, code_reward, extract_answer, judge_score, math_reward,
+                    overlong_penalty, repetition_penalty, rm_score)
 from scoring import RewardPool, ScoreTimeout, score_inline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

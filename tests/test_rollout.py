@@ -6,7 +6,8 @@ import torch
 
 from logprobs import token_logprobs
 from model import Transformer
-from rollout import NativeEngine, SamplingParams, route_dtype, sample
+from rollout import NativeEngine
+from sampler import SamplingParams, route_dtype, sample
 
 EOS, PAD = 1, 0
 
@@ -128,7 +129,7 @@ def test_samples_of_one_prompt_differ_and_different_seeds_differ(tiny_cfg):
 
 
 def test_row_uniforms_are_uniform_and_keyed_by_seed_group_and_sample():
-    from rollout import row_keys, row_uniforms
+    from sampler import row_keys, row_uniforms
     keys = row_keys(0, list(range(2000)), [0] * 2000)
     u = torch.stack([row_uniforms(keys, t) for t in range(20)])
     assert 0 <= float(u.min()) and float(u.max()) < 1
@@ -153,14 +154,14 @@ def test_sampled_logprob_is_under_the_untruncated_tempered_softmax():
 # ----------------------------------------------------------------------------- weight sync
 
 def test_weight_buckets_respect_the_byte_limit_and_keep_order():
-    from rollout import weight_buckets
+    from weights import weight_buckets
     named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5, 5])]  # fp32: 4 bytes each
     buckets = list(weight_buckets(named, bucket_bytes=80))
     assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4", "t5"]]
 
 
 def test_update_weights_syncs_the_sigmoid_routers_expert_bias(tiny_cfg):
-    from rollout import policy_tensors
+    from weights import policy_tensors
     cfg = dataclasses.replace(tiny_cfg, router="sigmoid", hf_model_type="glm4_moe")
     model = Transformer(cfg)
     for layer in model.layers:
@@ -304,7 +305,7 @@ class _FakeSGLang:
 
 @pytest.mark.parametrize("sessions", [True, False])
 def test_sglang_weight_sync_brackets_buckets_with_sessions_when_present(tiny_cfg, sessions):
-    from rollout import policy_tensors
+    from weights import policy_tensors
     from sglang_engine import SGLangEngine
     fake = _FakeSGLang(sessions)
     engine = SGLangEngine.from_engine(fake, tiny_cfg, eos_id=EOS, bucket_bytes=64 << 10)
@@ -381,7 +382,7 @@ def test_fp8_checkpoint_holds_e4m3_weights_with_inverse_scales_that_dequantise_t
     from safetensors.torch import load_file
 
     from hf import hf_tensors, save_hf
-    from rollout import policy_tensors
+    from weights import policy_tensors
     from fp8 import FP8, dequantize_fp8_blockwise
     cfg = dataclasses.replace(tiny_cfg, qk_norm=True)  # a Qwen3-MoE
     model = Transformer(cfg)

@@ -15,7 +15,8 @@ import sglang_engine
 from config import TrainConfig
 from model import Transformer
 from fp8 import FP8
-from rollout import SamplingParams, policy_tensors, route_dtype
+from sampler import SamplingParams, route_dtype
+from weights import policy_tensors
 from sglang_engine import SGLangEngine, SGLangServer, build_sglang_engine, check_sglang_config
 
 EOS = 1

@@ -11,7 +11,9 @@ import torch.multiprocessing as mp
 import distributed
 from config import load_config
 from plan import engine_bytes
-from rollout import NativeEngine, SamplingParams, policy_tensors, weight_bytes
+from rollout import NativeEngine, weight_bytes
+from sampler import SamplingParams
+from weights import policy_tensors
 
 MODEL = ["model.vocab_size=64", "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
          "model.head_dim=8", "model.num_experts=4", "model.top_k=2", "model.moe_inter_dim=16", "model.max_seq_len=64",

@@ -306,7 +306,7 @@ def test_a_bf16_run_trains_end_to_end_with_a_bf16_engine(tmp_path):
 
 
 def test_prompts_longer_than_max_prompt_tokens_leave_the_order_counted(tmp_path):
-    from reward import Item
+    from data import Item
     from runs import ParityTask
     cfg = micro_config(tmp_path, [])
     tok = make_run(cfg).tok
