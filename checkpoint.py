@@ -148,7 +148,7 @@ def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dic
         _fsync_dir(root)
         # 9. Only now, with the new checkpoint complete and durable, are older ones deleted, so
         # at every moment at least one complete checkpoint exists. (ckpt_keep <= 0 would keep all,
-        # but train.check_config accepts >= 1 only.)
+        # but its rule in config.TrainConfig accepts >= 1 only.)
         # Only folders up to this position count: a later one is left by an earlier attempt this run is redoing
         # (resume=auto skipped it as unloadable, or resume= named an older folder) and is replaced when the run
         # reaches its position; counted, a corrupt one would push a loadable one out (choice 4).

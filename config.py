@@ -1,33 +1,49 @@
-"""Configuration: TrainConfig (every field with its default and a docstring) and how a run's is built.
+"""Configuration: TrainConfig, composed of one section per concern, and how a run's is built.
 
-This file owns every setting of a run and where it comes from: the defaults below, then a
-config file (configs/*.py: plain assignments of TrainConfig fields, deltas from the defaults
-only, with `model = dict(...)` for ModelConfig fields), then `key=value` on the command line,
-which overrides either (`lr=1e-4`, `model.dim=128`). load_config and parse_args build the
-TrainConfig; its builder methods hand each concern its own small config (the loss, the
-filter, the sampler, the rewards); checks.py refuses what cannot run, before any work.
+A run's settings: the top-level fields below (run-wide, and the loop's own: steps, learning rate,
+evals, checkpoints, which train.py alone reads), and one section per concern that a file below
+train.py owns, each a dataclass declared beside the code that reads it:
+
+    model     model.ModelConfig       the network's shape
+    sampling  sampler.SamplingParams  how rollouts are sampled (max_new_tokens, temperature, top_p, top_k)
+    loss      espo.LossConfig         the policy loss, its corrections and the advantages
+    filter    filter.FilterConfig     zero-variance elimination, stages 1-3
+    reward    reward.RewardConfig     reward shaping and scoring
+    engine    EngineConfig (here)     the rollout engine (rollout.ENGINES)
+
+Where a value comes from: the defaults, then a config file (configs/*.py: plain assignments,
+deltas from the defaults only, a section as a dict of its fields: `loss = dict(type="grpo")`),
+then `key=value` on the command line, which overrides either (`lr=1e-4`, `loss.tis_cap=2`).
+`load_config` builds it and checks it once: every field against the rule declared beside it
+(rules.py: each class's RULES, checked when the class is built), then RELATIONS, the checks that
+span sections. A setting or file found wrong later, while the run is built, is a ConfigError.
 
 Notable choices:
 1. A config file is Python run by runpy, not exec'd into this module's globals: only its
    plain assignments are kept, so it can compute values and import what it needs.
-2. A command-line value is parsed to the type of the field's default; lists, dicts and
-   ModelConfig are set in a config file only.
-3. An unknown key, in a file or on the command line, is a ValueError that names the close matches.
-4. TrainConfig is flat and stores an "off" setting as a plain sentinel (0, -1 or ""); the
-   builder methods alone turn sentinels into None, and the configs they build check the values.
-5. Validation is data, in checks.py (RULES per field, RELATIONS across fields, the files a run
-   reads): load_config refuses a wrong type and a bad ModelConfig field before anything is
-   built; checks.check_config refuses the rest before any work.
+2. A command-line value is parsed by its field's rule (the type is declared there once); lists
+   and dicts are set in a config file only.
+3. An unknown key, in a file or on the command line, is a ValueError that names the close
+   matches; a key that moved into a section names its new home (`tis_cap` -> `loss.tis_cap`).
+4. "Off" is None where 0 would be a valid value (`loss.tis_cap`, `loss.clip_eps_low`), spelled
+   `none` on the command line; no field holds a sentinel that a builder translates.
+5. With init_hf the model's shape is the checkpoint's (its config.json, read once, here) and the
+   unset fields take CHECKPOINT_DEFAULTS; with init_from the configured model must match the
+   checkpoint's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
+import re
 import runpy
 import traceback
 from dataclasses import dataclass, field
+from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import torch
 
@@ -36,7 +52,16 @@ from filter import FilterConfig
 from hf_config import config_from_hf
 from model import ModelConfig
 from reward import RewardConfig
+from rules import (FLAG, NON_NEGATIVE, PATH, POSITIVE, Rule, check_fields, in_a_config_file, integer, number, one_of,
+                   section, text)
 from sampler import SamplingParams
+from tokenizer import NUM_BYTES, SPECIALS
+
+
+class ConfigError(ValueError):
+    """A setting or file found wrong while the run is built (a checkpoint's tensors, the held-out
+    prompts that fit): still before any work, so train.py prints it as a `config error:` line."""
+
 
 # Small-number arithmetic in two surface forms, with item spaces large enough (tens of
 # thousands of distinct questions) that held-out prompts unseen in training are plentiful.
@@ -52,8 +77,83 @@ DEFAULT_TASKS = [
 # the config file or the command line sets wins over these.
 CHECKPOINT_DEFAULTS = dict(
     sft_steps=0, rl_steps=500, lr=1e-6, lr_warmup_steps=10, weight_decay=0.1, prompts_per_step=128, group_size=16,
-    max_prompt_tokens=1024, max_new_tokens=4096, num_minibatches=4, microbatch_tokens=16384, gen_batch_rows=2048,
-    eval_every=25, eval_size=500, eval_batch_rows=2048, ckpt_every=50)
+    max_prompt_tokens=1024, num_minibatches=4, microbatch_tokens=16384, gen_batch_rows=2048, eval_every=25,
+    eval_size=500, eval_batch_rows=2048, ckpt_every=50, sampling=dict(max_new_tokens=4096))
+LOGGERS = ("none", "tensorboard", "wandb")  # metrics.MetricsLog's sinks
+SEED_MAX = 2**32 - 1  # derived seeds ((seed + step) * 1000 + stream * 1e9, train.py) stay far inside int64
+DEMO_IDS = NUM_BYTES + len(SPECIALS)  # ids the demo BPE holds before any merge: the bytes and its specials
+
+
+# ----------------------------------------------------------------------------- the engine section
+
+def parse_sglang_urls(text: str) -> list[str]:
+    """Base URLs ("http://host:port") of `engine.sglang_urls`, comma-separated; [] for "". Raises ValueError
+    naming sglang_urls on an entry that is not a base URL, or on one listed twice."""
+    if not text.strip():
+        return []
+    urls = []
+    for raw in text.split(","):
+        parts = urlsplit(raw.strip())
+        try:
+            bad = (parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/")
+                   or parts.query or parts.fragment or parts.port == 0)
+        except ValueError:  # .port of a non-numeric port
+            bad = True
+        if bad:
+            raise ValueError(f"sglang_urls={text!r}: {raw.strip()!r} is not a server's base URL; expected "
+                             f"http://host:port, comma-separated (e.g. 'http://10.0.0.2:30000,http://10.0.0.3:30000')")
+        urls.append(f"{parts.scheme}://{parts.netloc}")
+    if twice := sorted({u for u in urls if urls.count(u) > 1}):
+        raise ValueError(f"sglang_urls={text!r} lists {twice[0]} twice: each server joins the weight sync once")
+    return urls
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The rollout engine: the run's `engine` section. Its name is checked against rollout.ENGINES (the
+    registry) while the run is built; what engine='sglang' needs of the rest of the run is RELATIONS'."""
+    name: str = "native"
+    """'native' (rollout.NativeEngine, PyTorch; under torchrun it decodes on the policy's own shards, no replica)
+    or 'sglang' (sglang_engine.py: CUDA and the sglang package only): a name in rollout.ENGINES."""
+    sglang_urls: str = ""
+    """name='sglang': comma-separated base URLs of external SGLang servers (weights pushed over an NCCL group);
+    "" = one SGLang engine per node colocated on the training GPUs, its memory released while the trainer trains."""
+    sglang_mem_fraction: float = 0.8
+    """name='sglang', colocated: the fraction of each GPU's memory SGLang's static pool (weights, KV cache) may take."""
+    fp8: bool = False
+    """Rollouts with blockwise-FP8 weights (DeepSeek-V3's recipe): SGLang's FP8 serving, or the native engine in
+    one process; the trainer stays bf16/fp32."""
+
+    RULES = {  # each field's type and range (rules.py); not a field: no annotation
+        "name": text("an engine's name in rollout.ENGINES ('native', 'sglang')", lambda v: bool(v.strip())),
+        "sglang_urls": text("comma-separated http://host:port base URLs ('' = colocated)"),
+        "sglang_mem_fraction": number(0, 1, low_open=True, high_open=True),
+        "fp8": FLAG,
+    }
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.urls and self.name != "sglang":
+            raise ValueError(f"sglang_urls={self.sglang_urls!r} is read only with name='sglang' (name={self.name!r})")
+
+    @property
+    def urls(self) -> list[str]:
+        """The external SGLang servers' base URLs ([] = colocated). Raises ValueError on a malformed list."""
+        return parse_sglang_urls(self.sglang_urls)
+
+
+# ----------------------------------------------------------------------------- the run's settings
+
+def _device_ok(name: str) -> bool:
+    try:
+        return torch.device(name).type in ("cpu", "cuda")
+    except RuntimeError:  # torch's error for a string that names no device
+        return False
+
+
+def _task_specs_ok(specs) -> bool:
+    return len(specs) > 0 and all(isinstance(s, (list, tuple)) and len(s) == 2 and isinstance(s[0], str)
+                                  and isinstance(s[1], dict) for s in specs)
 
 
 @dataclass
@@ -101,12 +201,10 @@ class TrainConfig:
     are skipped with a warning naming them); or a checkpoint folder."""
     logger: str = "none"
     """Metrics sink besides metrics.jsonl and the console: 'none', 'tensorboard' or 'wandb' (imported lazily)."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Model shape; a config file sets it as a dict of deltas."""
     # task
     train_data: str = ""
     """Training prompts: a JSONL or parquet file of GSM8K, MATH or HumanEval rows (the format is read from the
-    fields; reward.load_task). "" = the reasoning-gym `tasks`. Needs eval_data."""
+    fields; data.load_task). "" = the reasoning-gym `tasks`. Needs eval_data."""
     eval_data: str = ""
     """Held-out prompts for the evals, a file as train_data (the first eval_size rows that fit)."""
     system_prompt: str = ""
@@ -116,11 +214,11 @@ class TrainConfig:
     train_seed: int = 1
     """reasoning-gym seed of the training pool."""
     train_size: int = 8_000
-    """Training prompts generated; eval_seed must exceed train_seed + train_size (checked at start)."""
+    """Training prompts generated; eval_seed must exceed train_seed + train_size."""
     eval_seed: int = 1_000_000
     """reasoning-gym seed of held-out prompts (items also seen in training are dropped)."""
     eval_size: int = 1000
-    """Held-out prompts per eval; the run stops with a ValueError if fewer are unseen in training."""
+    """Held-out prompts per eval; the run refuses to start if fewer are unseen in training."""
     bpe_merges: int = 64
     """BPE merges learned from the training prompts and demonstrations (0 = byte-level); at most
     model.vocab_size - 259 (256 bytes and 3 specials)."""
@@ -138,31 +236,13 @@ class TrainConfig:
     """Prompts sampled per RL step."""
     group_size: int = 8
     """Rollouts G per prompt: the size of a group."""
-    max_new_tokens: int = 24
-    """Generation limit per rollout, in tokens."""
     max_prompt_tokens: int = 0
     """Longest prompt, in tokens (verl's max_prompt_length): longer ones are skipped, counted and logged.
-    0 = max_seq_len - max_new_tokens, all that fits. The dry run's engine plan sizes its KV cache by it."""
-    temperature: float = 1.0
-    """Rollout sampling temperature, > 0 (the trainer's logprobs divide the logits by the same)."""
-    top_p: float = 1.0
-    """Rollout nucleus sampling mass, in (0, 1] (1 = off)."""
-    top_k: int = 0
-    """Rollout top-k sampling: only the k most likely tokens can be drawn (0 = off)."""
+    0 = model.max_seq_len - sampling.max_new_tokens, all that fits. The dry run's engine plan sizes its KV cache
+    by it."""
     gen_batch_rows: int = 256
     """Rows (prompts x G) per engine.generate call on each rank (the KV cache holds this many); a call holds at
     least one prompt whatever this is. Under torchrun a generation batch spans every rank: world x this."""
-    engine: str = "native"
-    """Rollout engine: 'native' (rollout.NativeEngine, PyTorch; under torchrun it decodes on the policy's own
-    shards, no replica) or 'sglang' (sglang_engine.py: CUDA and the sglang package only)."""
-    sglang_urls: str = ""
-    """engine='sglang': comma-separated base URLs of external SGLang servers (weights pushed over an NCCL group);
-    "" = one SGLang engine per node colocated on the training GPUs, its memory released while the trainer trains."""
-    sglang_mem_fraction: float = 0.8
-    """engine='sglang', colocated: the fraction of each GPU's memory SGLang's static pool (weights, KV cache) may take."""
-    rollout_fp8: bool = False
-    """Rollouts with blockwise-FP8 weights (DeepSeek-V3's recipe): SGLang's FP8 serving, or the native engine in
-    one process; the trainer stays bf16/fp32."""
     lr: float = 5e-5
     """RL AdamW learning rate (constant after a short warm-up)."""
     lr_warmup_steps: int = 5
@@ -175,77 +255,8 @@ class TrainConfig:
     """Optimizer steps per rollout batch (PPO-style; >1 makes ratios leave 1 and clipping matter)."""
     microbatch_tokens: int = 8192
     """Padded-token budget of one micro-batch (one forward/backward): rows x the longest row's tokens."""
-    loss_type: str = "espo"
-    """'espo', 'grpo' (DAPO token clip), 'drgrpo', 'gspo', 'gspo-token', 'gmpo' or 'cispo' (espo.py)."""
-    aggregation: str = ""
-    """'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm' or (ESPO only)
-    'seq-mean-bin-mean-token-mean'; "" = the loss's paper default (espo.PAPER_AGGREGATION)."""
-    adv_scale_by_std: bool = True
-    """Divide advantages by the reward std (GRPO); false for Dr.GRPO."""
-    adv_std_over: str = "group"
-    """With adv_scale_by_std: the std of each group's rewards ('group') or of the whole batch's ('batch')."""
-    espo_alpha: float = 0.02
-    """ESPO clip scale: eps_tau = alpha * mean entropy / log|V| (arXiv 2512.00499)."""
-    espo_top_frac: float = 0.2
-    """Fraction of highest-entropy tokens in ESPO's first entropy bin."""
-    espo_num_bins: int = 2
-    """ESPO entropy bins per sequence (the paper's "entropy groups"): the top fraction, then the rest split
-    evenly."""
-    clip_eps_low: float = -1.0
-    """Lower clip epsilon of the non-ESPO losses; < 0 = the loss's paper value (espo.PAPER_CLIP_EPS, DAPO's 0.2)."""
-    clip_eps_high: float = -1.0
-    """Upper clip epsilon; < 0 = the loss's paper value (DAPO's clip-higher 0.28, GSPO's 4e-4)."""
-    kl_coef: float = 0.0
-    """KL-to-reference penalty weight (reference = a frozen copy of the policy as RL starts, sharded as the policy is on
-    several ranks); 0 = none, no reference kept."""
-    kl_estimator: str = "k3"
-    """'k1' or 'k3' (Schulman's estimators)."""
-    tis_cap: float = 0.0
-    """TIS cap C on pi_old/pi_infer per token (2.0 in Yao et al.); 0 = off."""
-    icepop_low: float = 0.0
-    """IcePop lower bound a on pi_old/pi_infer (0.5 in Ring-1T); icepop_high > 0 turns IcePop on."""
-    icepop_high: float = 0.0
-    """IcePop upper bound b (5.0 in Ring-1T); 0 = off."""
     router_replay: bool = True
     """Replay the engine's routed experts in every trainer forward (R3)."""
-    # zero-variance elimination (filter.py): the defaults run none of stages 1-2 and drop zero-variance groups
-    skip_prob: float = 0.0
-    """Stage 1: probability of skipping a prompt last seen all-correct or all-wrong, at once (0 = off)."""
-    skip_half_life: float = 200.0
-    """Stage 1: RL steps over which that skip probability halves, so skipped prompts come back."""
-    pass_rate_file: str = ""
-    """Stage 1: JSONL of {"id": question, "pass_rate": p} (e.g. from a smaller model), read once ("" = none)."""
-    probe_size: int = 0
-    """Stage 2: probe rollouts k per prompt; the other G - k are generated only if their rewards differ (0 = off)."""
-    probe_stop_threshold: float = 0.5
-    """Stage 2: agreeing probes stop a prompt when the other G - k would agree too with at least this chance, a
-    posterior given the prompt's last group (filter.rest_agree_probability); 0 = always stop when they agree."""
-    enlarged_group_size: int = 0
-    """Stage 2: rollouts of a prompt whose probes differ, >= group_size (0 = group_size)."""
-    zero_variance: str = "drop"
-    """Stage 3: 'drop' zero-variance groups, or 'rl-zvp' to train on them with entropy-shaped token advantages."""
-    zvp_alpha: float = 0.1
-    """RL-ZVP scale a: all correct A_t = a H_t, all wrong A_t = -a (max H - H_t) (arXiv 2509.21880)."""
-    oversample_rounds: int = 0
-    """Extra rounds of prompts drawn per step until prompts_per_step groups are informative (0 = none)."""
-    # rewards (reward.py): shaping enters inside the correctness class, so no advantage inversion
-    overlong_buffer: int = 0
-    """DAPO soft overlong penalty: tokens before max_new_tokens where it ramps from 0 to -1 (0 = off)."""
-    repetition_weight: float = 0.0
-    """Weight of the repeated-4-gram penalty in the shaping score (0 = off)."""
-    reward_model: str = ""
-    """Scorer mixed into the shaping score: '' (none), 'stub' (a reward model of deterministic noise) or 'stub-judge'
-    (a pairwise judge against the gold answer); both stand-ins test the wiring (reward.py)."""
-    rm_weight: float = 0.5
-    """Weight of the reward model's (or judge's) score in the shaping score."""
-    judge_dead_band: float = 0.1
-    """Judge verdicts within this of 1/2 count as ties and add exactly nothing (reward.judge_score)."""
-    shaping_margin: float = 0.4
-    """Shaping scale m < 1/2 in r = correct + m min(p, 1 - p) s."""
-    reward_workers: int = 0
-    """Threads that score rollouts while generation goes on (0 = score inline after generating)."""
-    reward_timeout_s: float = 30.0
-    """Per-rollout scoring limit; a timeout or an exception gives reward 0, counted in the metrics."""
     # async rollouts (scheduler.Pipeline)
     max_staleness: int = 0
     """Rollouts may come from weights up to this many RL steps old, generated while the trainer trains
@@ -261,95 +272,219 @@ class TrainConfig:
     """Completions per held-out prompt for the sampled accuracy (mean@k at the rollout temperature)."""
     eval_batch_rows: int = 512
     """Rows (prompts x completions each) per eval generate call."""
+    # the sections: each concern's settings, declared (and checked) beside the code that reads them
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The network's shape (model.py)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """How rollouts are sampled (sampler.py)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The policy loss, its train-inference corrections and the advantages (espo.py)."""
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    """Zero-variance elimination, stages 1-3 (filter.py)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward shaping inside the correctness class, and the reward workers (reward.py, scoring.py)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The rollout engine (rollout.py, sglang_engine.py)."""
 
-    # Each concern's own settings, built once from these fields. Why sentinels are translated here and
-    # nowhere else: a field must hold a plain value that `key=value` can set and _parse can type from
-    # its default, so "off" is spelled 0, -1 or ""; the concerns' configs take None for off instead.
-    # Translating in these four methods gives each sentinel one meaning, in one place, and leaves the
-    # functions downstream testing `is None` only. Their constructors check the values, and
-    # train.check_config builds all four before any work, so a bad setting fails at once.
+    # Ranges that depend on another field (max_prompt_tokens <= max_seq_len - ...) are RELATIONS.
+    RULES = {  # each field's type and range (rules.py); not a field: no annotation
+        "out_dir": text("a folder path (a non-empty str)", lambda v: bool(v.strip())),
+        "seed": integer(0, SEED_MAX),
+        "device": text("'cpu', 'cuda' or 'cuda:<index>'", _device_ok),
+        "init_from": PATH,
+        "init_hf": PATH,
+        "dry_run": FLAG,
+        "gpus_per_node": integer(1),
+        "ep": integer(1),
+        "dtype": one_of("auto", "bfloat16", "float32"),
+        "activation_checkpoint": FLAG,
+        "compile": FLAG,
+        "dist_timeout_s": number(0, low_open=True, why="seconds; a dead rank must not hang the job"),
+        "ckpt_every": integer(0, why="0 = no checkpoints"),
+        "ckpt_keep": integer(1),
+        "resume": text("'', 'auto' or a checkpoint folder"),
+        "logger": one_of(*LOGGERS),
+        "train_data": PATH,
+        "eval_data": PATH,
+        "system_prompt": text(),
+        "tasks": Rule((list, tuple), "a non-empty list of (reasoning-gym dataset name, kwargs dict) pairs",
+                      _task_specs_ok, in_a_config_file),
+        "train_seed": integer(0),
+        "train_size": integer(1),
+        "eval_seed": integer(0),
+        "eval_size": integer(1),
+        "bpe_merges": integer(0),
+        "sft_steps": integer(0),
+        "sft_batch_size": integer(1),
+        "sft_lr": POSITIVE,
+        "rl_steps": integer(0),
+        "prompts_per_step": integer(1),
+        "group_size": integer(2, why="a group-relative advantage needs two rollouts"),
+        "max_prompt_tokens": integer(0, why="0 = all that fits, else 1..model.max_seq_len - sampling.max_new_tokens"),
+        "gen_batch_rows": integer(1),
+        "lr": POSITIVE,
+        "lr_warmup_steps": integer(0),
+        "weight_decay": NON_NEGATIVE,
+        "grad_clip": number(0, low_open=True, why="a max norm; a negative one would flip the gradient"),
+        "num_minibatches": integer(1),
+        "microbatch_tokens": integer(1),
+        "router_replay": FLAG,
+        "max_staleness": integer(0),
+        "rollout_threads": integer(0),
+        "trainer_threads": integer(0),
+        "eval_every": integer(1, why="RL steps between evals"),
+        "eval_samples": integer(1),
+        "eval_batch_rows": integer(1),
+        "model": section(ModelConfig),
+        "sampling": section(SamplingParams),
+        "loss": section(LossConfig),
+        "filter": section(FilterConfig),
+        "reward": section(RewardConfig),
+        "engine": section(EngineConfig),
+    }
+
+    def __post_init__(self):
+        check_fields(self)
+
     def compute_dtype(self) -> torch.dtype:
-        """torch's dtype for `dtype` ('auto': bfloat16 on CUDA, float32 elsewhere). Raises ValueError on another name."""
-        if self.dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"dtype={self.dtype!r}; valid: 'auto', 'bfloat16', 'float32'")
+        """torch's dtype for `dtype` ('auto': bfloat16 on CUDA, float32 elsewhere)."""
         if self.dtype == "auto":
             return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 
     def prompt_limit(self) -> int:
-        """The longest prompt a run takes: max_prompt_tokens, or all that fits beside max_new_tokens.
+        """The longest prompt a run takes: max_prompt_tokens, or all that fits beside sampling.max_new_tokens.
         Raises ValueError when no prompt, or a longer one than fits, is allowed."""
-        fits = self.model.max_seq_len - self.max_new_tokens
+        max_new, seq = self.sampling.max_new_tokens, self.model.max_seq_len
+        fits = seq - max_new
         if fits < 1:  # max_new_tokens alone leaves no room: name it, not the prompt limit the user may not have set
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: need less than model.max_seq_len="
-                             f"{self.model.max_seq_len}, so a prompt of at least one token fits beside it")
-        if not 0 <= self.max_prompt_tokens <= fits:
+            raise ValueError(f"sampling.max_new_tokens={max_new}: need less than model.max_seq_len={seq}, so a "
+                             f"prompt of at least one token fits beside it")
+        if self.max_prompt_tokens > fits:
             raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens}: need 0 (all that fits) or 1..{fits} "
-                             f"(max_seq_len={self.model.max_seq_len} - max_new_tokens={self.max_new_tokens})")
+                             f"(model.max_seq_len={seq} - sampling.max_new_tokens={max_new})")
         return self.max_prompt_tokens or fits
 
-    def loss_config(self) -> LossConfig:
-        """The policy loss's settings (espo.LossConfig). Raises ValueError on a bad loss setting."""
-        return LossConfig(
-            loss_type=self.loss_type, aggregation=self.aggregation or None,  # "" = the paper's aggregation
-            # < 0 = the loss's paper value: 0 is a valid epsilon, so it cannot be the sentinel here
-            clip_eps_low=self.clip_eps_low if self.clip_eps_low >= 0 else None,
-            clip_eps_high=self.clip_eps_high if self.clip_eps_high >= 0 else None,
-            espo_alpha=self.espo_alpha, espo_top_frac=self.espo_top_frac, espo_num_bins=self.espo_num_bins,
-            vocab_size=self.model.vocab_size, max_tokens=self.max_new_tokens, kl_coef=self.kl_coef,
-            kl_estimator=self.kl_estimator, tis_cap=self.tis_cap if self.tis_cap > 0 else None,
-            # both bounds or none: icepop_high > 0 switches IcePop on, and icepop_low may well be 0
-            icepop_bounds=(self.icepop_low, self.icepop_high) if self.icepop_high > 0 else None)
 
-    def filter_config(self) -> FilterConfig:
-        """The zero-variance stages' settings (filter.FilterConfig). Raises ValueError on a bad filter setting."""
-        return FilterConfig(group_size=self.group_size, skip_prob=self.skip_prob, skip_half_life=self.skip_half_life,
-                            probe_size=self.probe_size, stop_threshold=self.probe_stop_threshold,
-                            enlarged_group_size=self.enlarged_group_size, oversample_rounds=self.oversample_rounds,
-                            # any spelling but 'rl-zvp' reads as 'drop' here; check_config's RULES refuse them
-                            keep_zero_variance=self.zero_variance == "rl-zvp", zvp_alpha=self.zvp_alpha)
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)
+                             if dataclasses.is_dataclass(f.default_factory)}
+"""TrainConfig's sections, by field name: what `<section>.<field>=value` reaches."""
+MOVED = {
+    **{k: f"sampling.{k}" for k in ("max_new_tokens", "temperature", "top_p", "top_k")},
+    **{k: f"loss.{k}" for k in ("aggregation", "clip_eps_low", "clip_eps_high", "espo_alpha", "espo_top_frac",
+                                "espo_num_bins", "kl_coef", "kl_estimator", "tis_cap", "adv_scale_by_std",
+                                "adv_std_over")},
+    "loss_type": "loss.type", "icepop_low": "loss.icepop", "icepop_high": "loss.icepop",
+    **{k: f"filter.{k}" for k in ("skip_prob", "skip_half_life", "pass_rate_file", "probe_size",
+                                  "probe_stop_threshold", "enlarged_group_size", "zero_variance", "zvp_alpha",
+                                  "oversample_rounds")},
+    **{k: f"reward.{k}" for k in ("overlong_buffer", "repetition_weight", "rm_weight", "judge_dead_band",
+                                  "shaping_margin")},
+    "reward_model": "reward.model", "reward_workers": "reward.workers", "reward_timeout_s": "reward.timeout_s",
+    "sglang_urls": "engine.sglang_urls", "sglang_mem_fraction": "engine.sglang_mem_fraction",
+    "rollout_fp8": "engine.fp8",
+}
+"""Flat keys of earlier versions -> their home in a section (an error names it, so old commands fail clearly)."""
 
-    def sampling_params(self) -> SamplingParams:
-        """How rollouts are sampled (rollout.SamplingParams). Raises ValueError on a bad sampling setting."""
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k)
 
-    def reward_config(self) -> RewardConfig:
-        """How rewards are shaped (reward.RewardConfig). Raises ValueError on a bad reward setting."""
-        return RewardConfig(max_new_tokens=self.max_new_tokens, overlong_buffer=self.overlong_buffer,
-                            repetition_weight=self.repetition_weight, reward_model=self.reward_model,
-                            rm_weight=self.rm_weight, judge_dead_band=self.judge_dead_band,
-                            shaping_margin=self.shaping_margin)
+# ----------------------------------------------------------------------------- checks across sections
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun; absent in a plain python run
+
+
+def _cuda_ok(device: str) -> bool:
+    d = torch.device(device)
+    return d.type != "cuda" or torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count()
+
+
+Relation = tuple[Callable[[TrainConfig], Any], Callable[[TrainConfig], str]]
+# Checks that span fields of different sections (a section checks its own fields' relations when built), each
+# (holds(cfg), message(cfg)), run in order by check_relations once every field passed its rule.
+RELATIONS: list[Relation] = [
+    (lambda c: bool(c.train_data) == bool(c.eval_data),
+     lambda c: f"train_data={c.train_data!r}, eval_data={c.eval_data!r}: give both (a dataset file to train on and "
+               f"one held out for the evals), or neither (reasoning-gym's tasks)"),
+    (lambda c: not (c.init_hf and c.init_from),
+     lambda c: f"init_from={c.init_from!r}: start from init_hf={c.init_hf!r} or from init_from, not both"),
+    (lambda c: c.train_data or c.eval_seed > c.train_seed + c.train_size,
+     lambda c: f"eval_seed={c.eval_seed}: must exceed train_seed + train_size = {c.train_seed + c.train_size}, or "
+               f"the held-out items overlap the training ones"),
+    (lambda c: c.sft_batch_size >= _world(),
+     lambda c: f"sft_batch_size={c.sft_batch_size}: need at least the world size {_world()}"),
+    (lambda c: not c.model.tie_embeddings or _world() == 1,  # parallelize shards lm_head and the embedding apart
+     lambda c: f"model.tie_embeddings=True (a checkpoint's tie_word_embeddings): one process only for now; "
+               f"WORLD_SIZE={_world()}"),
+    (lambda c: c.model.num_experts % c.ep == 0,
+     lambda c: f"ep={c.ep}: must divide model.num_experts={c.model.num_experts}"),
+    (lambda c: _world() == 1 or _world() % c.ep == 0,
+     lambda c: f"ep={c.ep}: must divide the world size {_world()}"),
+    (lambda c: c.dry_run or _cuda_ok(c.device),  # a dry run plans for another machine
+     lambda c: f"device={c.device!r}: this machine has {torch.cuda.device_count()} CUDA devices; use device='cpu'"),
+    (lambda c: c.sampling.temperature > 0,
+     lambda c: f"sampling.temperature={c.sampling.temperature}: need > 0 for a run's rollouts (the trainer's logprobs "
+               f"and RL-ZVP divide by it; greedy evals use their own 0)"),
+    (lambda c: c.sampling.top_k <= c.model.vocab_size,
+     lambda c: f"sampling.top_k={c.sampling.top_k}: need 0 (off) or at most model.vocab_size={c.model.vocab_size}"),
+    (lambda c: c.init_hf or c.init_from or c.bpe_merges <= c.model.vocab_size - DEMO_IDS,
+     lambda c: f"bpe_merges={c.bpe_merges}: the demo tokenizer needs bpe_merges <= model.vocab_size - {DEMO_IDS} = "
+               f"{c.model.vocab_size - DEMO_IDS} (model.vocab_size={c.model.vocab_size}; {NUM_BYTES} bytes and "
+               f"{len(SPECIALS)} specials)"),
+    (lambda c: not c.system_prompt or c.init_hf or c.init_from,
+     lambda c: f"system_prompt={c.system_prompt[:40]!r}: goes in a chat template, which only a checkpoint's "
+               f"tokenizer has (init_hf or init_from); the demo tokenizer has none"),
+    (lambda c: c.filter.probe_size < c.group_size,
+     lambda c: f"filter.probe_size={c.filter.probe_size}: use 0 (off) or 2..{c.group_size - 1} (below "
+               f"group_size={c.group_size})"),
+    (lambda c: c.filter.enlarged_group_size == 0 or c.filter.enlarged_group_size >= c.group_size,
+     lambda c: f"filter.enlarged_group_size={c.filter.enlarged_group_size}: 0 (= group_size) or >= "
+               f"group_size={c.group_size}"),
+    (lambda c: c.reward.overlong_buffer <= c.sampling.max_new_tokens,
+     lambda c: f"reward.overlong_buffer={c.reward.overlong_buffer}: at most sampling.max_new_tokens="
+               f"{c.sampling.max_new_tokens}"),
+    (lambda c: c.max_staleness > 0 or c.rollout_threads == c.trainer_threads == 0,
+     lambda c: f"rollout_threads={c.rollout_threads}, trainer_threads={c.trainer_threads}: read only with "
+               f"max_staleness > 0 (async rollouts); leave them 0"),
+    (lambda c: not c.engine.fp8 or c.engine.name == "sglang" or _world() == 1,
+     lambda c: f"engine.fp8=True: the sharded native engine (WORLD_SIZE={_world()}) has no FP8 rollouts; use "
+               f"engine.name='sglang' or one process"),
+    (lambda c: c.engine.name != "sglang" or c.init_hf or c.init_from,
+     lambda c: "engine.name='sglang' serves a hub-layout checkpoint folder: set init_hf (or init_from, an earlier "
+               "run's output folder); both are empty"),
+    (lambda c: c.engine.name != "sglang" or torch.device(c.device).type == "cuda",
+     lambda c: f"device={c.device!r}: engine.name='sglang' needs device='cuda' (SGLang runs on CUDA GPUs only, and "
+               f"its weight sync uses CUDA IPC or NCCL)"),
+    (lambda c: c.engine.name != "sglang" or c.max_staleness == 0,
+     lambda c: f"max_staleness={c.max_staleness}: engine.name='sglang' runs synchronous steps for now (a colocated "
+               f"engine sleeps while the trainer trains); use max_staleness=0"),
+]
+
+
+def check_relations(cfg: TrainConfig):
+    """The checks across sections (RELATIONS, then the prompt limit), on a config whose fields passed
+    their rules. Raises ValueError naming the fields, their values and what would be valid."""
+    for holds, problem in RELATIONS:
+        if not holds(cfg):
+            raise ValueError(problem(cfg))
+    cfg.prompt_limit()
 
 
 # ----------------------------------------------------------------------------- building a TrainConfig
 
-def _parse(value: str, like, key: str):
-    """Parse a command-line string into the type of the field's default."""
-    # Why the default's type: every value on the command line is a string, and the annotations are
-    # strings too (`from __future__ import annotations`), so the default is the one typed value at
-    # hand. A field is thus typed once, where it is declared, and a mistyped value names its key.
-    # bool first: it is a subclass of int, and bool("false") would be True.
-    if isinstance(like, bool):
-        if value.lower() in ("1", "true", "yes"):
-            return True
-        if value.lower() in ("0", "false", "no"):
-            return False
-        raise ValueError(f"{key}={value!r}: expected a bool (true/false)")
-    # int("1e3") fails: an int field takes an integer spelling only, never a silently truncated float.
-    if isinstance(like, (int, float, str)):
-        try:
-            return type(like)(value)
-        except ValueError:
-            raise ValueError(f"{key}={value!r}: expected {type(like).__name__}") from None
-    # A list, dict or dataclass has no single obvious string form: set it in a config file.
-    raise ValueError(f"{key} is a {type(like).__name__}: set it in a config file, not on the command line")
-
-
 def _unknown(key: str, valid) -> ValueError:
-    # Returned, not raised, so each caller's `raise` shows where the unknown key was found.
+    """The error for a key no field has: its new home if it moved into a section, else the close matches.
+    Returned, not raised, so each caller's `raise` shows where the unknown key was found."""
+    if key in MOVED:
+        home = MOVED[key]
+        return ValueError(f"{key} is {home} now (set {home}=... on the command line, or {home.split('.')[0]} = "
+                          f"dict({home.split('.')[1]}=...) in a config file)")
     close = difflib.get_close_matches(key, list(valid), n=3)
     return ValueError(f"unknown config key {key!r}" + (f"; did you mean {', '.join(close)}?" if close else ""))
+
+
+def _all_keys() -> list[str]:
+    top = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS]
+    return top + [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
 
 def _run_file(path: str) -> dict:
@@ -369,13 +504,25 @@ def _run_file(path: str) -> dict:
         raise ValueError(f"config file {path!r}, line {line}: {type(e).__name__}: {e}") from None
 
 
-def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
-    """TrainConfig from defaults, then the config file's assignments, then key=value overrides.
+def _section(name: str, kw: dict):
+    """Section `name` built from its fields' values; its errors name each of its fields as `<name>.<field>`."""
+    try:
+        return SECTIONS[name](**kw)
+    except ValueError as e:
+        fields = "|".join(f.name for f in dataclasses.fields(SECTIONS[name]))
+        # a section names its own fields bare (`tis_cap=2.0: ... icepop=(0.5, 5.0)`): the user set loss.tis_cap
+        raise ValueError(re.sub(rf"(?<![\w.])({fields})(?==)", rf"{name}.\1", str(e))) from None
 
-    Raises ValueError on an unknown key (naming close matches), a value of the wrong type (the
-    field's Rule in RULES: `group_size = "8"` in a file), a bad ModelConfig field (MODEL_RULES,
-    then ModelConfig's own checks), or a config file that fails to run.
-    Ranges and relations of TrainConfig's fields are check_config's.
+
+def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
+    """TrainConfig from the defaults, then the config file's assignments, then key=value overrides
+    (`key=value` for a top-level field, `<section>.<field>=value` for a section's), checked once:
+    every field against its rule, then RELATIONS.
+
+    Raises ValueError on an unknown key (naming close matches, or the new home of a key that moved),
+    a value of the wrong type or out of range, a relation that does not hold, a checkpoint folder
+    (init_hf, init_from) whose config.json does not describe the model, or a config file that fails
+    to run.
     """
     values = {}
     if path:
@@ -383,83 +530,119 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
         # (`__name__`, helpers), functions and classes, and imported modules.
         ns = _run_file(path)
         values = {k: v for k, v in ns.items() if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"}
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    model_fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    # The file's `model` holds deltas from ModelConfig's defaults, merged with model.* overrides below.
-    model_kw = values.pop("model", {})
-    if not isinstance(model_kw, dict):
-        raise ValueError(f"model={model_kw!r}: need a dict of ModelConfig fields, deltas from the defaults "
-                         f"(model = dict(dim=128, n_layers=2))")
-    model_kw = dict(model_kw)
+    top_fields = {f.name for f in dataclasses.fields(TrainConfig)} - set(SECTIONS)
+    top, parts = {}, {name: {} for name in SECTIONS}
     # Every key of the file is checked before any override, so a typo in the file is named even
     # when the command line is empty.
-    for k in values:
-        if k not in fields:
-            raise _unknown(k, fields)
-    for k in model_kw:
-        if k not in model_fields:
-            raise _unknown(f"model.{k}", (f"model.{m}" for m in model_fields))
-    defaults, model_defaults = TrainConfig(), ModelConfig()  # the typed values _parse reads types from
+    for k, v in values.items():
+        if k in SECTIONS:
+            if not isinstance(v, dict):
+                raise ValueError(f"{k}={v!r}: need a dict of {SECTIONS[k].__name__} fields, deltas from the defaults "
+                                 f"({k} = dict(field=value, ...))" + _hint(k, v))
+            for name in v:
+                _field_of(k, name)
+            parts[k].update(v)
+        elif k in top_fields:
+            top[k] = v
+        else:
+            raise _unknown(k, _all_keys())
     # Overrides come after the file, in command-line order, so the last word is the command line's.
     for item in overrides:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"override {item!r} is not key=value")
-        if key.startswith("model."):
-            name = key[len("model."):]
-            if name not in model_fields:
-                raise _unknown(key, (f"model.{m}" for m in model_fields))
-            model_kw[name] = _parse(value, getattr(model_defaults, name), key)
-        elif key == "model":
-            raise ValueError(f"model={value!r}: set model.<field>=value on the command line, or model = dict(...) "
-                             f"in a config file")
-        elif key in fields:
-            values[key] = _parse(value, getattr(defaults, key), key)
+        name, dot, sub = key.partition(".")
+        if dot and name in SECTIONS:
+            parts[name][sub] = _field_of(name, sub).read(key, value)
+        elif key in SECTIONS:
+            raise ValueError(f"{key}={value!r}: {key} is a section; set {key}.<field>=value on the command line, "
+                             f"or {key} = dict(...) in a config file" + _hint(key, value))
+        elif key in top_fields:
+            top[key] = TrainConfig.RULES[key].read(key, value)
         else:
-            raise _unknown(key, fields)
-    # Types now, before anything reads a value: a str where a number belongs would otherwise be a
-    # TypeError deep in the run. ModelConfig fields in full: ModelConfig is built (and checks its own
-    # relations) next, and its checks compare numbers.
-    from checks import MODEL_RULES, RULES  # checks.py reads TrainConfig: imported when first needed
-    for k, v in values.items():
-        RULES[k].check_type(k, v)
-    for k, v in model_kw.items():
-        MODEL_RULES[k].check(f"model.{k}", v)
-    if values.get("init_hf"):  # a real checkpoint: its shape, and CHECKPOINT_DEFAULTS under what was set
-        return TrainConfig(**{**CHECKPOINT_DEFAULTS, **values}, model=checkpoint_model(values["init_hf"], model_kw))
+            raise _unknown(key, _all_keys())
+    if top.get("init_hf"):  # a real checkpoint: CHECKPOINT_DEFAULTS under what was set
+        top = {**{k: v for k, v in CHECKPOINT_DEFAULTS.items() if k not in SECTIONS}, **top}
+        parts = {name: {**CHECKPOINT_DEFAULTS.get(name, {}), **kw} for name, kw in parts.items()}
+    sections = {name: _section(name, kw) for name, kw in parts.items() if name != "model"}
+    if isinstance(top.get("init_hf"), str) and top["init_hf"]:  # the checkpoint's shape (TrainConfig checks the type)
+        model = checkpoint_model(top["init_hf"], parts["model"])
+    else:
+        model = _section("model", parts["model"])
+    cfg = TrainConfig(**top, **sections, model=model)
+    if cfg.init_from:
+        check_checkpoint_model(cfg)
+    check_relations(cfg)
+    return cfg
+
+
+def _field_of(name: str, sub: str) -> Rule:
+    """The rule of field `sub` of section `name`; raises ValueError naming close matches for a field it lacks."""
+    rules = SECTIONS[name].RULES
+    if sub not in rules:
+        raise _unknown(f"{name}.{sub}", (f"{name}.{f}" for f in rules))
+    return rules[sub]
+
+
+def _hint(key: str, value: str) -> str:
+    # `engine=sglang` was a field before engine became a section
+    return f" (engine.name={value!r}?)" if key == "engine" else ""
+
+
+def read_checkpoint_model(key: str, path: str) -> ModelConfig:
+    """The ModelConfig of HF checkpoint folder `path` (config.json, hf_config.config_from_hf), for the field
+    `key` (init_hf or init_from). Raises ValueError naming the field and what is wrong: no such folder, no
+    or a broken config.json, another family, quantised weights."""
+    name = f"{key}={path!r}"
+    if not os.path.isdir(path):
+        raise ValueError(f"{name}: no such folder")
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"{name}: holds no config.json; need a hub-layout checkpoint folder (config.json, "
+                         f"*.safetensors, tokenizer.json)")
     try:
-        model = ModelConfig(**model_kw)
-    except ValueError as e:  # ModelConfig's own relations name its fields bare: say they are the model's
-        raise ValueError(f"model: {e}") from None
-    return TrainConfig(**values, model=model)
+        with open(file, encoding="utf-8") as f:
+            hf_config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{name}: config.json is not JSON ({e})") from None
+    if isinstance(hf_config, dict) and hf_config.get("quantization_config"):
+        raise ValueError(f"{name}: config.json is quantised ({hf_config['quantization_config']}); only unquantised "
+                         f"weights load")
+    try:
+        return config_from_hf(hf_config)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{name}: config.json: {e}") from None
 
 
 def checkpoint_model(path: str, model_kw: dict) -> ModelConfig:
-    """The ModelConfig of the HF checkpoint folder `path` (its config.json, hf.config_from_hf).
-
-    model_kw, the model fields a config file or the command line set, must agree with it, except
-    max_seq_len, which may be shorter (the same function on the positions it allows). Raises
-    ValueError naming the field otherwise, or the missing or unreadable config.json.
-    """
+    """The ModelConfig of init_hf's checkpoint folder `path`. model_kw, the model fields a config file or
+    the command line set, must agree with it, except max_seq_len, which may be shorter (the same
+    function on the positions it allows). Raises ValueError naming the field otherwise."""
+    model = read_checkpoint_model("init_hf", path)
     file = os.path.join(path, "config.json")
-    if not os.path.isdir(path):
-        raise ValueError(f"init_hf={path!r}: no such folder")
-    if not os.path.isfile(file):
-        raise ValueError(f"init_hf={path!r}: no config.json there; need a hub-layout folder (config.json, "
-                         f"*.safetensors, tokenizer.json, tokenizer_config.json)")
-    try:
-        model = config_from_hf(file)
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # a JSONDecodeError is a ValueError
-        raise ValueError(f"init_hf={path!r}: config.json: {e}") from None
     for k, v in model_kw.items():
         theirs = getattr(model, k)
-        if k == "max_seq_len" and not 0 < v <= theirs:
+        if k == "max_seq_len" and not (isinstance(v, int) and 0 < v <= theirs):
             raise ValueError(f"model.max_seq_len={v!r}: at most the checkpoint's {theirs} ({file}); a shorter "
                              f"context may be set, a longer one would need RoPE scaling the checkpoint lacks")
         if v != theirs and k != "max_seq_len":
             raise ValueError(f"model.{k}={v!r} disagrees with {file} ({theirs!r}): the checkpoint sets the model's "
                              f"shape; drop model.{k}")
     return dataclasses.replace(model, **{k: v for k, v in model_kw.items() if k == "max_seq_len"})
+
+
+def check_checkpoint_model(cfg: TrainConfig):
+    """init_from's checkpoint holds the configured model: every field of cfg.model equals its config.json's,
+    but max_seq_len (it only bounds the positions), init_std (no function) and dense_inter_dim without
+    dense blocks (never read). Raises ValueError naming the first that differs."""
+    want = read_checkpoint_model("init_from", cfg.init_from)
+    ignore = {"max_seq_len", "init_std"} | ({"dense_inter_dim"} if not want.first_k_dense_replace else set())
+    differ = {k: (v, getattr(want, k)) for k, v in vars(cfg.model).items() if k not in ignore and getattr(want, k) != v}
+    if differ:
+        first = next(iter(differ))
+        raise ValueError(f"model.{first}={differ[first][0]!r}: {cfg.init_from}/config.json has {differ[first][1]!r} "
+                         f"(init_from loads its weights into the configured model); all that differ (config, file): "
+                         f"{differ}")
 
 
 def parse_args(argv: list[str]) -> TrainConfig:

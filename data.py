@@ -43,12 +43,15 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from reward import MATH_TIMEOUT_S, code_reward, last_boxed, math_reward, reasoning_gym_reward
 from scoring import ScoreTimeout, time_limited
 
+from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer
+
 if TYPE_CHECKING:
     from config import TrainConfig
-    from tokenizer import Tokenizer
 
 # the math instruction of Qwen2.5-Math's README (CoT) and DeepSeek-R1's usage recommendations (arXiv 2501.12948)
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -94,8 +97,8 @@ class ItemList:
 class TaskMix(ItemList):
     """Round-robin mix of reasoning-gym datasets: item i comes from dataset i % num_tasks.
 
-    specs: list of (dataset name, kwargs) for `reasoning_gym.create_dataset`.
-    Raises ValueError on an empty spec list or an unknown dataset name.
+    specs: list of (dataset name, kwargs) for `reasoning_gym.create_dataset` (a run's `tasks`).
+    Raises ValueError on an empty spec list, or naming `tasks[i]` on a spec reasoning-gym refuses.
     """
 
     def __init__(self, specs: list[tuple[str, dict]], *, seed: int, size: int):
@@ -104,11 +107,12 @@ class TaskMix(ItemList):
             raise ValueError("TaskMix needs at least one (name, kwargs) spec")
         per_task = -(-size // len(specs))  # ceil: each dataset holds at least its round-robin share
         self.datasets = []
-        for name, kwargs in specs:
+        for i, (name, kwargs) in enumerate(specs):
             try:
                 self.datasets.append(reasoning_gym.create_dataset(name, seed=seed, size=per_task, **kwargs))
-            except KeyError as e:  # reasoning-gym's error for an unknown name; a config error is a ValueError here
-                raise ValueError(f"unknown reasoning-gym dataset {name!r}") from e
+            except Exception as e:  # noqa: BLE001  reasoning-gym raises KeyError, ValueError, TypeError, AssertionError
+                raise ValueError(f"tasks[{i}]=({name!r}, {kwargs!r}): reasoning-gym refuses it ({type(e).__name__}: "
+                                 f"{e})") from None
         self.items = []
         # round robin, so any prefix of the items (a smaller size, the first steps' prompts) holds every
         # dataset in equal share
@@ -337,13 +341,22 @@ def _readable(gold: str) -> bool:
 # ----------------------------------------------------------------------------- a run's prompts
 
 def load_tasks(cfg: TrainConfig) -> tuple[ItemList, ItemList]:
-    """The training task and the held-out one: the dataset files (train_data, eval_data), else
-    reasoning-gym's tasks, held out by a seed far from the training one (and 4x eval_size of them,
-    as some repeat a training question)."""
-    if cfg.train_data:
-        return load_task(cfg.train_data), load_task(cfg.eval_data)
-    return (TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size),
-            TaskMix(cfg.tasks, seed=cfg.eval_seed, size=4 * cfg.eval_size))
+    """The training task and the held-out one: the dataset files (train_data, eval_data, every row read
+    once), else reasoning-gym's tasks, held out by a seed far from the training one (and 4x eval_size
+    of them, as some repeat a training question). Raises ValueError naming the field and the file."""
+    if not cfg.train_data:
+        return (TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size),
+                TaskMix(cfg.tasks, seed=cfg.eval_seed, size=4 * cfg.eval_size))
+    tasks = []
+    for key in ("train_data", "eval_data"):
+        path = getattr(cfg, key)
+        if not os.path.exists(path):  # exists: a parquet dataset may be a folder
+            raise ValueError(f"{key}={path!r}: no such file")
+        try:
+            tasks.append(load_task(path))
+        except (OSError, ValueError) as e:  # the message names the file and line
+            raise ValueError(f"{key}={path!r}: {e}") from None
+    return tasks[0], tasks[1]
 
 
 def prompt_ids(tok: Tokenizer, task: ItemList, item: Item, system: str = "") -> list[int]:
@@ -382,3 +395,86 @@ class Prompts:
         out = [self.items[self.order[(self.used + i) % len(self.order)]] for i in range(n)]
         self.used += n
         return out
+
+
+# ----------------------------------------------------------------------------- what a run reads, once
+
+@dataclass
+class RunData:
+    """A run's prompts and tokenizer, each read (or learned) once before any work and the same objects the
+    run then uses (`load_run_data`)."""
+    task: ItemList  # the training prompts' task (their verifier)
+    held_out: ItemList  # the eval prompts' task
+    tok: Tokenizer
+    prompts: Prompts  # the training prompts, tokenized, in the run's order
+    eval_items: list[Item]  # eval_size held-out items, unseen in training and within the prompt limit
+
+
+def load_run_data(cfg: TrainConfig) -> RunData:
+    """Tasks (`load_tasks`), the run's tokenizer (`run_tokenizer`), the held-out prompts the evals use
+    (`held_out_items`) and the training prompts tokenized in a fixed order seeded by cfg.seed. Raises
+    ValueError naming the field (and file) of what is wrong: a data file, a tokenizer that does not
+    fit the model, too few held-out prompts, a prompt the chat template cannot render."""
+    task, held_out = load_tasks(cfg)
+    tok = run_tokenizer(cfg, task)
+    items = held_out_items(cfg, task, held_out, tok)
+    # the data order from its own generator: it does not depend on what else draws from torch's RNG
+    order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    try:
+        prompts = Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt)
+    except ValueError as e:  # none fits
+        raise ValueError(f"max_prompt_tokens={cfg.max_prompt_tokens}: {e}") from None
+    except Exception as e:  # noqa: BLE001  the checkpoint's chat template may raise jinja2's errors too
+        raise ValueError(f"{'train_data' if cfg.train_data else 'tasks'}: a prompt does not render in the "
+                         f"checkpoint's chat template ({type(e).__name__}: {e})") from None
+    return RunData(task=task, held_out=held_out, tok=tok, prompts=prompts, eval_items=items)
+
+
+def run_tokenizer(cfg: TrainConfig, task: ItemList) -> Tokenizer:
+    """The checkpoint's tokenizer (init_hf, or init_from: an earlier run's), loaded once, else the tiny
+    demo's own BPE learned from the task's prompts and answers (tokenizer.py). Raises ValueError naming
+    the folder when it does not load, and when its ids do not fit model.vocab_size or system_prompt has
+    no chat template to go in."""
+    source = cfg.init_hf or cfg.init_from
+    if source:
+        key = "init_hf" if cfg.init_hf else "init_from"
+        name = f"{key}={source!r}"
+        try:
+            tok = load_hf_tokenizer(source)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{name}: its tokenizer: {e}") from None
+    else:
+        name = "the demo BPE"
+        tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
+                                             vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges))
+    if tok.enc.n_vocab > cfg.model.vocab_size:
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: the tokenizer of {name} has {tok.enc.n_vocab} ids; "
+                         f"need at least as many embedding rows")
+    if cfg.system_prompt and tok.chat_template is None:
+        raise ValueError(f"system_prompt={cfg.system_prompt[:40]!r}: the tokenizer of {name} has no chat template to "
+                         f"put it in")
+    return tok
+
+
+def held_out_items(cfg: TrainConfig, task: ItemList, held_out: ItemList, tok: Tokenizer) -> list[Item]:
+    """The first eval_size held-out items no training prompt repeats (reasoning-gym repeats questions) and
+    within the prompt limit. Raises ValueError naming eval_size when fewer are left."""
+    unseen = held_out.exclude({it.question for it in task.items})
+    source = f"eval_data={cfg.eval_data!r}" if cfg.eval_data else "reasoning-gym's held-out seed"
+    if len(unseen) < cfg.eval_size:
+        raise ValueError(f"eval_size={cfg.eval_size}: {source} has {len(held_out)} usable rows, {len(unseen)} of them "
+                         f"unseen in training; need at least eval_size")
+    limit, items = cfg.prompt_limit(), []
+    for it in unseen:
+        try:
+            fits = len(prompt_ids(tok, held_out, it, cfg.system_prompt)) <= limit
+        except Exception as e:  # noqa: BLE001  the checkpoint's chat template may raise jinja2's errors too
+            raise ValueError(f"{source}: a prompt does not render in the checkpoint's chat template "
+                             f"({type(e).__name__}: {e})") from None
+        if fits:
+            items.append(it)
+            if len(items) == cfg.eval_size:
+                return items
+    raise ValueError(f"eval_size={cfg.eval_size}: only {len(items)} prompts of {source} unseen in training fit "
+                     f"max_prompt_tokens={limit} (model.max_seq_len={cfg.model.max_seq_len} - "
+                     f"sampling.max_new_tokens={cfg.sampling.max_new_tokens} when 0); longer ones are skipped")

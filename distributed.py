@@ -243,11 +243,14 @@ def reference_copy(model, cfg: TrainConfig, meshes: Meshes | None = None) -> Tra
 
 def load_shards(model, named: dict[str, torch.Tensor]):
     """Copy each tensor's local shard into model's twin of the same name (policy_tensors names, the same
-    placements): the async producer taking the trainer's published weights, with no communication."""
+    placements): the async producer taking the trainer's published weights, with no communication. A
+    tensor that already is model's own (the engine on the policy itself) is not copied onto itself."""
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
             if name in named:  # a tied name appears once in policy_tensors
-                local(t).copy_(local(named[name]))
+                dst, src = local(t), local(named[name])
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
 
 
 # ----------------------------------------------------------------------------- collectives

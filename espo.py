@@ -92,6 +92,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rules import FLAG, NON_NEGATIVE, POSITIVE, check_fields, integer, number, one_of, optional, pair
+
 LOSS_TYPES = ("grpo", "drgrpo", "gspo", "gspo-token", "gmpo", "cispo", "espo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
                 "seq-mean-bin-mean-token-mean")
@@ -183,33 +185,39 @@ def entropy_bins(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, *, top_frac: f
 # ----------------------------------------------------------------------------- aggregation
 
 def resolve_aggregation(loss_type: str, aggregation: str | None) -> str:
-    """The aggregation `policy_loss` will use: `aggregation`, or the loss's paper default if None.
+    """The aggregation `policy_loss` uses: `aggregation`, or the loss's paper default if None.
 
     Raises ValueError on an unknown loss_type or aggregation, or the ESPO bin mean for a
     loss without entropy bins.
     """
     if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
+        raise ValueError(f"type={loss_type!r}: need one of {', '.join(map(repr, LOSS_TYPES))}")
     agg = PAPER_AGGREGATION[loss_type] if aggregation is None else aggregation
     if agg not in AGGREGATIONS:
-        raise ValueError(f"aggregation={agg!r}; valid: {', '.join(AGGREGATIONS)}")
+        raise ValueError(f"aggregation={agg!r}: need one of {', '.join(map(repr, AGGREGATIONS))}")
     if agg == "seq-mean-bin-mean-token-mean" and loss_type != "espo":
-        raise ValueError(f"aggregation={agg!r} needs entropy bins: only loss_type='espo' has them")
+        raise ValueError(f"aggregation={agg!r}: ESPO's entropy bins; only with type='espo' (type={loss_type!r})")
     return agg
 
 
 def aggregate(obj_BT: torch.Tensor, mask_BT: torch.Tensor, *, aggregation: str, normalizer: float | None = None,
-              max_tokens: int | None = None, bin_BT: torch.Tensor | None = None, num_bins: int = 1) -> torch.Tensor:
+              bin_BT: torch.Tensor | None = None, num_bins: int = 1) -> torch.Tensor:
     """Scalar mean of the per-token objective [B, T] over the valid tokens, as `aggregation` names.
 
     normalizer replaces this batch's own count in the outermost mean (tokens for
     token-mean, sequences otherwise), so micro-batches of one optimizer step add up to the
-    step's mean. max_tokens is seq-mean-token-sum-norm's constant; bin_BT (from
-    `entropy_bins`) and num_bins serve the ESPO bin mean.
-    Raises ValueError when seq-mean-token-sum-norm lacks max_tokens.
+    step's mean. seq-mean-token-sum-norm (Dr.GRPO) divides the sum over every token by a
+    constant, sequences x the generation budget, which only the caller knows: the normalizer,
+    required there. bin_BT (from `entropy_bins`) and num_bins serve the ESPO bin mean.
+    Raises ValueError when seq-mean-token-sum-norm lacks its normalizer.
     """
     if aggregation == "token-mean":  # every token of the batch weighs the same: long sequences weigh more (DAPO)
         return (obj_BT * mask_BT).sum() / (normalizer if normalizer is not None else mask_BT.sum().clamp(min=1))
+    if aggregation == "seq-mean-token-sum-norm":  # sum_i sum_t / (G * max_tokens): Dr.GRPO's constant normaliser
+        if normalizer is None or normalizer <= 0:
+            raise ValueError(f"aggregation='seq-mean-token-sum-norm' needs normalizer = sequences x max_tokens (the "
+                             f"generation budget) > 0, got {normalizer}")
+        return (obj_BT * mask_BT).sum() / normalizer
     num_seqs = normalizer if normalizer is not None else obj_BT.shape[0]
     if aggregation == "seq-mean-bin-mean-token-mean":
         assert bin_BT is not None, "the ESPO bin mean needs bin_BT"
@@ -226,11 +234,6 @@ def aggregate(obj_BT: torch.Tensor, mask_BT: torch.Tensor, *, aggregation: str, 
         return (seq_sum_B / mask_BT.sum(-1).clamp(min=1)).sum() / num_seqs
     if aggregation == "seq-mean-token-sum":
         return seq_sum_B.sum() / num_seqs
-    if aggregation == "seq-mean-token-sum-norm":
-        if max_tokens is None or max_tokens <= 0:
-            raise ValueError(f"aggregation='seq-mean-token-sum-norm' needs max_tokens > 0 (the generation budget), "
-                             f"got {max_tokens}")
-        return (seq_sum_B / max_tokens).sum() / num_seqs
     raise ValueError(f"aggregation={aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
 
 
@@ -388,63 +391,86 @@ def mismatch_metrics(infer_logp: list[torch.Tensor], trainer_logp: list[torch.Te
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The policy loss's settings, checked and resolved once when built (config.py's `loss_config`).
+    """The policy loss and its advantages: the run's `loss` section, checked once when built.
 
-    aggregation / clip_eps_low / clip_eps_high None take the loss's paper value (PAPER_AGGREGATION,
-    PAPER_CLIP_EPS); after construction they hold the resolved values. tis_cap None and
-    icepop_bounds None turn those corrections off. vocab_size is |V| in ESPO's clip range;
-    max_tokens is the generation budget, seq-mean-token-sum-norm's constant.
-    Raises ValueError on an unknown loss_type, aggregation or kl_estimator, a negative clip
-    eps, ESPO without vocab_size or with bad bins, Dr.GRPO's aggregation without max_tokens,
-    both corrections at once, tis_cap <= 0, or IcePop bounds not 0 <= a < b.
+    aggregation, clip_eps_low and clip_eps_high None take the loss's paper value
+    (`aggregation_name`, `clip_eps`); tis_cap None and icepop None leave those corrections off.
+    Raises ValueError on a field its rule refuses (`RULES`), ESPO's bin mean for another loss, or
+    TIS and IcePop at once.
     """
-    loss_type: str = "espo"
+    type: str = "espo"
+    """'espo', 'grpo' (DAPO token clip), 'drgrpo', 'gspo', 'gspo-token', 'gmpo' or 'cispo' (the module docstring)."""
     aggregation: str | None = None
+    """'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum', 'seq-mean-token-sum-norm' or (ESPO only)
+    'seq-mean-bin-mean-token-mean'; None = the loss's paper default (PAPER_AGGREGATION)."""
     clip_eps_low: float | None = None
+    """Lower clip epsilon of the non-ESPO losses; None = the loss's paper value (PAPER_CLIP_EPS, DAPO's 0.2)."""
     clip_eps_high: float | None = None
+    """Upper clip epsilon; None = the loss's paper value (DAPO's clip-higher 0.28, GSPO's 4e-4)."""
     espo_alpha: float = 0.02
+    """ESPO clip scale: eps_tau = alpha * mean entropy / log|V| (arXiv 2512.00499)."""
     espo_top_frac: float = 0.2
+    """Fraction of highest-entropy tokens in ESPO's first entropy bin."""
     espo_num_bins: int = 2
-    vocab_size: int | None = None
-    max_tokens: int | None = None
+    """ESPO entropy bins per sequence (the paper's "entropy groups"): the top fraction, then the rest split evenly."""
     kl_coef: float = 0.0
+    """KL-to-reference penalty weight (reference = a frozen copy of the policy as RL starts, sharded as the policy
+    is on several ranks); 0 = none, no reference kept."""
     kl_estimator: str = "k3"
+    """'k1' or 'k3' (Schulman's estimators)."""
     tis_cap: float | None = None
-    icepop_bounds: tuple[float, float] | None = None
+    """TIS cap C on pi_old/pi_infer per token (2.0 in Yao et al.); None = off."""
+    icepop: tuple[float, float] | None = None
+    """IcePop bounds (a, b) on pi_old/pi_infer, a token outside them masked ((0.5, 5.0) in Ring-1T); None = off.
+    On the command line: loss.icepop=0.5,5."""
+    adv_scale_by_std: bool = True
+    """Divide advantages by the reward std (GRPO); false for Dr.GRPO."""
+    adv_std_over: str = "group"
+    """With adv_scale_by_std: the std of each group's rewards ('group') or of the whole batch's ('batch')."""
+
+    RULES = {  # each field's type and range (rules.py); not a field: no annotation
+        "type": one_of(*LOSS_TYPES),
+        "aggregation": optional(one_of(*AGGREGATIONS), "the loss's paper default"),
+        "clip_eps_low": optional(number(0), "the loss's paper value"),
+        "clip_eps_high": optional(number(0), "the loss's paper value"),
+        "espo_alpha": POSITIVE,
+        "espo_top_frac": number(0, 1, low_open=True),
+        "espo_num_bins": integer(1),
+        "kl_coef": number(0, why="a weight on a penalty; a negative one would reward drifting from the reference"),
+        "kl_estimator": one_of(*KL_ESTIMATORS),
+        "tis_cap": optional(POSITIVE, "off"),
+        "icepop": optional(pair(NON_NEGATIVE, "two numbers 0 <= a < b, e.g. (0.5, 5.0)", lambda v: v[0] < v[1]),
+                           "off"),
+        "adv_scale_by_std": FLAG,
+        "adv_std_over": one_of("group", "batch"),
+    }
 
     def __post_init__(self):
-        aggregation = resolve_aggregation(self.loss_type, self.aggregation)
-        low, high = PAPER_CLIP_EPS.get(self.loss_type, (0.0, 0.0))  # ESPO's clip comes from entropy, not from here
-        low = low if self.clip_eps_low is None else self.clip_eps_low
-        high = high if self.clip_eps_high is None else self.clip_eps_high
-        if low < 0 or high < 0:
-            raise ValueError(f"clip eps must be >= 0, got clip_eps_low={low}, clip_eps_high={high}")
-        if self.loss_type == "espo" and (self.vocab_size is None or self.vocab_size < 2):
-            raise ValueError(f"loss_type='espo' needs vocab_size >= 2 (|V| in its clip range), got {self.vocab_size}")
-        if self.espo_num_bins < 1 or not 0.0 < self.espo_top_frac <= 1.0:
-            raise ValueError(f"need espo_num_bins >= 1 and espo_top_frac in (0, 1]; got {self.espo_num_bins}, "
-                             f"{self.espo_top_frac}")
-        if aggregation == "seq-mean-token-sum-norm" and (self.max_tokens is None or self.max_tokens <= 0):
-            raise ValueError(f"aggregation='seq-mean-token-sum-norm' needs max_tokens > 0 (the generation budget), "
-                             f"got {self.max_tokens}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator={self.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
-        if self.tis_cap is not None and self.icepop_bounds is not None:
-            raise ValueError("give exactly one of tis_cap and icepop_bounds, not both")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"tis_cap={self.tis_cap}; must be > 0")
-        if self.icepop_bounds is not None and not 0 <= self.icepop_bounds[0] < self.icepop_bounds[1]:
-            raise ValueError(f"icepop_bounds={self.icepop_bounds}; need 0 <= a < b")
-        # frozen: the resolved values replace the None defaults once, here
-        object.__setattr__(self, "aggregation", aggregation)
-        object.__setattr__(self, "clip_eps_low", low)
-        object.__setattr__(self, "clip_eps_high", high)
+        check_fields(self)
+        resolve_aggregation(self.type, self.aggregation)  # ESPO's bin mean on another loss
+        if self.tis_cap is not None and self.icepop is not None:
+            raise ValueError(f"tis_cap={self.tis_cap}: None (off) when icepop={self.icepop} is set; one mismatch "
+                             f"correction at a time")
+        if self.icepop is not None:  # a config file may give a list; one spelling from here on
+            object.__setattr__(self, "icepop", tuple(float(x) for x in self.icepop))
+
+    @property
+    def aggregation_name(self) -> str:
+        """The aggregation in use: `aggregation`, or the loss's paper default."""
+        return resolve_aggregation(self.type, self.aggregation)
+
+    @property
+    def clip_eps(self) -> tuple[float, float]:
+        """(eps_low, eps_high) in use: each set one, else the loss's paper value (ESPO's clip comes from entropy)."""
+        low, high = PAPER_CLIP_EPS.get(self.type, (0.0, 0.0))
+        return (low if self.clip_eps_low is None else self.clip_eps_low,
+                high if self.clip_eps_high is None else self.clip_eps_high)
 
 
-def objective(logp_BT, log_w_BT, mask_BT, adv_B1, cfg: LossConfig, old_entropy_BT=None):
-    """cfg.loss_type's per-token objective (the dispatch over the objectives above): obj_BT, the ratio it
+def objective(logp_BT, log_w_BT, mask_BT, adv_B1, cfg: LossConfig, old_entropy_BT=None, vocab_size=None):
+    """cfg.type's per-token objective (the dispatch over the objectives above): obj_BT, the ratio it
     clips, the low/high clip masks, ESPO's entropy bins (None for the others) and ESPO's bin metrics."""
-    loss_type, eps_low, eps_high = cfg.loss_type, cfg.clip_eps_low, cfg.clip_eps_high
+    loss_type, (eps_low, eps_high) = cfg.type, cfg.clip_eps
     metrics, bin_BT = {}, None
     if loss_type in ("grpo", "drgrpo"):
         obj_BT, ratio_BT, low_BT, high_BT = token_clip_objective(log_w_BT, adv_B1, eps_low=eps_low, eps_high=eps_high)
@@ -459,10 +485,12 @@ def objective(logp_BT, log_w_BT, mask_BT, adv_B1, cfg: LossConfig, old_entropy_B
                                                             eps_high=eps_high)
     else:  # espo
         if old_entropy_BT is None:
-            raise ValueError("loss_type='espo' needs old_entropy_BT (pi_old's entropy per token)")
+            raise ValueError("loss type 'espo' needs old_entropy_BT (pi_old's entropy per token)")
+        if vocab_size is None or vocab_size < 2:
+            raise ValueError(f"loss type 'espo' needs vocab_size >= 2 (|V| in its clip range), got {vocab_size}")
         bin_BT = entropy_bins(old_entropy_BT, mask_BT, top_frac=cfg.espo_top_frac, num_bins=cfg.espo_num_bins)
         obj_BT, ratio_BT, low_BT, high_BT, count_BQ, eps_BQ = espo_objective(
-            logp_BT, log_w_BT, mask_BT, adv_B1, old_entropy_BT, bin_BT, alpha=cfg.espo_alpha, vocab_size=cfg.vocab_size,
+            logp_BT, log_w_BT, mask_BT, adv_B1, old_entropy_BT, bin_BT, alpha=cfg.espo_alpha, vocab_size=vocab_size,
             num_bins=cfg.espo_num_bins)
         for q in range(cfg.espo_num_bins):
             nonempty_B = count_BQ[:, q] > 0
@@ -472,8 +500,9 @@ def objective(logp_BT, log_w_BT, mask_BT, adv_B1, cfg: LossConfig, old_entropy_B
 
 
 def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.Tensor, mask_BT: torch.Tensor,
-                cfg: LossConfig, *, old_entropy_BT: torch.Tensor | None = None, ref_logp_BT: torch.Tensor | None = None,
-                infer_logp_BT: torch.Tensor | None = None, normalizer: float | None = None):
+                cfg: LossConfig, *, vocab_size: int | None = None, old_entropy_BT: torch.Tensor | None = None,
+                ref_logp_BT: torch.Tensor | None = None, infer_logp_BT: torch.Tensor | None = None,
+                normalizer: float | None = None):
     """Policy-gradient loss (a scalar to minimise) and a dict of float metrics.
 
     logp_BT: log pi_theta of each target token (grad flows), [B, T] fp32 or fp64; the mask selects the completion.
@@ -485,11 +514,13 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
     bins, the first holding the espo_top_frac highest-entropy tokens, clip
     eps_tau = espo_alpha * mean e / log|V|; the other losses clip at cfg.clip_eps_low/high
     (GMPO: in log space; CISPO: of the IS weight).
+    vocab_size: |V| of the model's vocabulary, in ESPO's clip range (ESPO only).
     old_entropy_BT: [B, T] nats under pi_old (ESPO only).
     ref_logp_BT: the reference policy's logprobs when cfg.kl_coef != 0 (see `kl_penalty`).
     infer_logp_BT: the engine's logprobs [B, T] aligned with the mask, for cfg.tis_cap or
-    cfg.icepop_bounds (see `mismatch_weights`).
-    normalizer: divide by this (tokens for token-mean, sequences otherwise) instead of this
+    cfg.icepop (see `mismatch_weights`).
+    normalizer: divide by this (tokens for token-mean, sequences otherwise; sequences x the
+    generation budget for Dr.GRPO's seq-mean-token-sum-norm, which needs it) instead of this
     batch's own count, so micro-batches of one optimizer step add up to the step's mean.
     Metrics: clip_frac_low/high (valid tokens on the clipped side), ratio_mean/min/max (of
     the ratio the loss clips), approx_kl (k3 of KL(pi_old || pi_theta)), kl_ref,
@@ -506,16 +537,16 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
     old = torch.where(valid, old_logp_BT.detach(), 0.0)
     adv = adv_B.detach().to(logp_BT.dtype)
     adv = torch.where(valid, adv, 0.0) if adv.dim() == 2 else adv  # token advantages [B, T]
-    if adv.dim() == 2 and cfg.loss_type == "gmpo":
-        raise ValueError("token advantages [B, T] need a token-level loss; loss_type='gmpo' takes one per sequence")
+    if adv.dim() == 2 and cfg.type == "gmpo":
+        raise ValueError("token advantages [B, T] need a token-level loss; loss type 'gmpo' takes one per sequence")
     adv_B1 = adv[:, None] if adv.dim() == 1 else adv  # [B, 1], or [B, T] token advantages
     log_w_BT = (logp_BT - old) * mask  # (B, T) log token ratio, 0 on padding (so padding never clips)
-    obj_BT, ratio_BT, low_BT, high_BT, bin_BT, metrics = objective(logp_BT, log_w_BT, mask, adv_B1, cfg, old_entropy_BT)
-    if cfg.tis_cap is not None or cfg.icepop_bounds is not None:
+    obj_BT, ratio_BT, low_BT, high_BT, bin_BT, metrics = objective(logp_BT, log_w_BT, mask, adv_B1, cfg,
+                                                                   old_entropy_BT, vocab_size)
+    if cfg.tis_cap is not None or cfg.icepop is not None:
         if infer_logp_BT is None:
-            raise ValueError("tis_cap / icepop_bounds need infer_logp_BT (the engine's logprobs)")
-        weight_BT, mismatch = mismatch_weights(old, infer_logp_BT, mask, tis_cap=cfg.tis_cap,
-                                               icepop_bounds=cfg.icepop_bounds)
+            raise ValueError("tis_cap / icepop need infer_logp_BT (the engine's logprobs)")
+        weight_BT, mismatch = mismatch_weights(old, infer_logp_BT, mask, tis_cap=cfg.tis_cap, icepop_bounds=cfg.icepop)
         obj_BT = obj_BT * weight_BT  # the policy term only, not the KL term (reading 8)
         metrics.update(mismatch)
     n_tok = mask.sum().clamp(min=1)
@@ -525,8 +556,8 @@ def policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.T
         kl_BT = kl_penalty(logp_BT, ref_logp_BT, mask, estimator=cfg.kl_estimator)
         obj_BT = obj_BT - cfg.kl_coef * kl_BT
         metrics["kl_ref"] = float((kl_BT.detach() * mask).sum() / n_tok)
-    loss = -aggregate(obj_BT, mask, aggregation=cfg.aggregation, normalizer=normalizer, max_tokens=cfg.max_tokens,
-                      bin_BT=bin_BT, num_bins=cfg.espo_num_bins)
+    loss = -aggregate(obj_BT, mask, aggregation=cfg.aggregation_name, normalizer=normalizer, bin_BT=bin_BT,
+                      num_bins=cfg.espo_num_bins)
     with torch.no_grad():
         r = ratio_BT[mask.bool()]
         log_w = log_w_BT.detach()

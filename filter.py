@@ -66,6 +66,8 @@ from typing import Any
 
 import torch
 
+from rules import FRACTION, NON_NEGATIVE, PATH, POSITIVE, check_fields, integer, one_of
+
 MIN_INFORMATIVE_RATE = 0.05  # over-sampling: below this observed rate, draw as if it were this (bounds one round)
 STAGE1_COUNTS = ("prompts_skipped", "rollouts_saved", "tokens_saved_est")  # what pre_rollout_filter counts
 STAGE2_COUNTS = ("prompts_stopped", "rollouts_saved", "tokens_saved_est", "rollouts_added")  # probe_decisions'
@@ -136,14 +138,15 @@ class PromptHistory:
         return skip_prob * 2.0 ** (-max(0, step - rec.last_step) / half_life)
 
 
-def pre_rollout_filter(keys: list, history: PromptHistory, step: int, cfg: FilterConfig, *, rng: random.Random,
-                       predicted_tokens: list[float]) -> tuple[list[bool], dict]:
+def pre_rollout_filter(keys: list, history: PromptHistory, step: int, cfg: FilterConfig, *, group_size: int,
+                       rng: random.Random, predicted_tokens: list[float]) -> tuple[list[bool], dict]:
     """Stage 1: keep mask over `keys` and counts: prompts_skipped, rollouts_saved, tokens_saved_est.
 
     A prompt is skipped when its record's uniform draw (made from rng at the first decision
     after the record was written, then kept) is below its skip probability now, so the chance
     that it is still skipped at step t is that probability, however often it is drawn.
-    predicted_tokens: expected completion length of each prompt (for the token estimate).
+    group_size: the rollouts a prompt would get; predicted_tokens: expected completion length of each
+    prompt (both for the estimates of what was saved).
     """
     keep = []
     for k in keys:  # a prompt drawn twice in a step gets the same decision: its record's draw is kept
@@ -153,8 +156,8 @@ def pre_rollout_filter(keys: list, history: PromptHistory, step: int, cfg: Filte
             rec.draw = rng.random() if rec.draw is None else rec.draw  # one draw per record (reading 1)
         keep.append(not (p > 0 and history.records[k].draw < p))
     skipped = [i for i, kept in enumerate(keep) if not kept]
-    return keep, {"prompts_skipped": len(skipped), "rollouts_saved": len(skipped) * cfg.group_size,
-                  "tokens_saved_est": float(sum(predicted_tokens[i] for i in skipped)) * cfg.group_size}
+    return keep, {"prompts_skipped": len(skipped), "rollouts_saved": len(skipped) * group_size,
+                  "tokens_saved_est": float(sum(predicted_tokens[i] for i in skipped)) * group_size}
 
 
 # ----------------------------------------------------------------------------- stage 2
@@ -184,23 +187,23 @@ def rest_agree_probability(probe_reward: float, probe_size: int, rest: int, reco
     return math.prod((a + i) / (a + b + i) for i in range(rest))
 
 
-def probe_decisions(probes: list[list[Scored]], records: list[PromptRecord | None], cfg: FilterConfig
-                    ) -> tuple[list[int], dict]:
+def probe_decisions(probes: list[list[Scored]], records: list[PromptRecord | None], cfg: FilterConfig, *,
+                    group_size: int) -> tuple[list[int], dict]:
     """Stage 2: the prompts whose probes say go on (indices into probes), and counts.
 
     probes[i]: prompt i's cfg.probe_size scored probe rollouts; records[i]: its last group
-    (None = never seen). A prompt whose probes agree stops if rest_agree_probability(...) >=
-    cfg.stop_threshold: without history, every prompt whose probes agree (reading 3).
+    (None = never seen); group_size: G. A prompt whose probes agree stops if rest_agree_probability(...)
+    >= cfg.probe_stop_threshold: without history, every prompt whose probes agree (reading 3).
     Counts: prompts_stopped, rollouts_saved, tokens_saved_est, rollouts_added (by enlarging).
     """
-    k, rest = cfg.probe_size, cfg.group_size - cfg.probe_size
+    k, rest = cfg.probe_size, group_size - cfg.probe_size
     stopped = [i for i, g in enumerate(probes) if not is_informative(g)
-               and rest_agree_probability(g[0].reward, k, rest, records[i]) >= cfg.stop_threshold]
+               and rest_agree_probability(g[0].reward, k, rest, records[i]) >= cfg.probe_stop_threshold]
     go_on = sorted(set(range(len(probes))) - set(stopped))
     # a stopped prompt would have spent `rest` more rollouts of about its probes' mean length (reading 5)
     tokens = float(sum(sum(s.num_tokens for s in probes[i]) / k for i in stopped)) * rest
     return go_on, {"prompts_stopped": len(stopped), "rollouts_saved": len(stopped) * rest, "tokens_saved_est": tokens,
-                   "rollouts_added": len(go_on) * max(0, cfg.enlarged_group_size - cfg.group_size)}
+                   "rollouts_added": len(go_on) * max(0, cfg.enlarged_group_size - group_size)}
 
 
 def is_informative(group: list[Scored]) -> bool:
@@ -210,41 +213,61 @@ def is_informative(group: list[Scored]) -> bool:
 
 @dataclass(frozen=True)
 class FilterConfig:
-    """The zero-variance stages' settings (TrainConfig's filter fields; see there for their meaning)."""
-    group_size: int
+    """The zero-variance stages' settings: the run's `filter` section. The defaults run none of stages 1-2
+    and drop zero-variance groups (stage 3). Raises ValueError on a field its rule refuses (`RULES`),
+    enlarged_group_size without probes, or a pass-rate file no stage reads; how probe_size and
+    enlarged_group_size stand to the group size is config.RELATIONS'."""
     skip_prob: float = 0.0
+    """Stage 1: probability of skipping a prompt last seen all-correct or all-wrong, at once (0 = off)."""
     skip_half_life: float = 200.0
+    """Stage 1: RL steps over which that skip probability halves, so skipped prompts come back."""
+    pass_rate_file: str = ""
+    """Stage 1: JSONL of {"id": question, "pass_rate": p} (e.g. from a smaller model), read once ("" = none)."""
     probe_size: int = 0
-    stop_threshold: float = 0.5
+    """Stage 2: probe rollouts k per prompt; the other G - k are generated only if their rewards differ (0 = off)."""
+    probe_stop_threshold: float = 0.5
+    """Stage 2: agreeing probes stop a prompt when the other G - k would agree too with at least this chance, a
+    posterior given the prompt's last group (rest_agree_probability); 0 = always stop when they agree."""
     enlarged_group_size: int = 0
-    oversample_rounds: int = 0
-    keep_zero_variance: bool = False  # stage 3 keeps them (RL-ZVP): every group counts toward the step's target
+    """Stage 2: rollouts of a prompt whose probes differ, >= group_size (0 = group_size)."""
+    zero_variance: str = "drop"
+    """Stage 3: 'drop' zero-variance groups, or 'rl-zvp' to train on them with entropy-shaped token advantages."""
     zvp_alpha: float = 0.1
+    """RL-ZVP scale a: all correct A_t = a H_t, all wrong A_t = -a (max H - H_t) (arXiv 2509.21880)."""
+    oversample_rounds: int = 0
+    """Extra rounds of prompts drawn per step until prompts_per_step groups are informative (0 = none)."""
+
+    RULES = {  # each field's type and range (rules.py); not a field: no annotation
+        "skip_prob": FRACTION,
+        "skip_half_life": POSITIVE,
+        "pass_rate_file": PATH,
+        "probe_size": integer(0, why="0 = off, else 2..group_size - 1: two probes can disagree"),
+        "probe_stop_threshold": FRACTION,
+        "enlarged_group_size": integer(0, why="0 = group_size"),
+        "zero_variance": one_of("drop", "rl-zvp"),
+        "zvp_alpha": NON_NEGATIVE,
+        "oversample_rounds": integer(0),
+    }
 
     def __post_init__(self):
-        """Raises ValueError on a setting the stages would reject, before any generation is spent."""
-        if self.group_size < 2:
-            raise ValueError(f"group_size={self.group_size} must be >= 2 (a group-relative advantage needs two "
-                             f"rollouts)")
-        if not 0.0 <= self.skip_prob <= 1.0 or self.skip_half_life <= 0:
-            raise ValueError(f"need 0 <= skip_prob <= 1 and skip_half_life > 0; got {self.skip_prob}, "
-                             f"{self.skip_half_life}")
-        if self.probe_size and not 2 <= self.probe_size < self.group_size:
-            raise ValueError(f"probe_size={self.probe_size}: use 0 (off) or 2..{self.group_size - 1}")
-        if not 0.0 <= self.stop_threshold <= 1.0:
-            raise ValueError(f"stop_threshold={self.stop_threshold} must be in [0, 1]")
-        if self.enlarged_group_size and (self.enlarged_group_size < self.group_size or not self.probe_size):
-            raise ValueError(f"enlarged_group_size={self.enlarged_group_size} needs probe_size > 0 and must be "
-                             f">= group_size={self.group_size}")
-        if self.oversample_rounds < 0:
-            raise ValueError(f"oversample_rounds={self.oversample_rounds} must be >= 0")
-        if self.zvp_alpha < 0:
-            raise ValueError(f"zvp_alpha={self.zvp_alpha} must be >= 0")
+        check_fields(self)
+        if self.probe_size == 1:
+            raise ValueError("probe_size=1: need 0 (off) or at least 2 (one probe always agrees with itself)")
+        if self.enlarged_group_size and not self.probe_size:
+            raise ValueError(f"enlarged_group_size={self.enlarged_group_size}: enlarges the groups whose probes "
+                             f"differ, so it needs probe_size > 0 (probe_size=0)")
+        if self.pass_rate_file and not (self.skip_prob > 0 or self.probe_size > 0):
+            raise ValueError(f"pass_rate_file={self.pass_rate_file!r}: read by stage 1 (skip_prob > 0) and stage 2 "
+                             f"(probe_size > 0), and both are off")
 
     @property
-    def rest_size(self) -> int:
+    def keep_zero_variance(self) -> bool:
+        """Stage 3 keeps zero-variance groups (RL-ZVP): every group counts toward the step's target."""
+        return self.zero_variance == "rl-zvp"
+
+    def rest_size(self, group_size: int) -> int:
         """Stage 2: rollouts still to generate for a prompt whose probes go on (G - k, or G' - k enlarged)."""
-        return max(self.group_size, self.enlarged_group_size) - self.probe_size
+        return max(group_size, self.enlarged_group_size) - self.probe_size
 
 
 def oversample_size(groups: list[list[Scored]], drawn: int, target: int, cfg: FilterConfig) -> int:
@@ -303,10 +326,8 @@ def zvp_token_advantages(entropy_T: torch.Tensor, *, correct: bool, alpha: float
 
     entropy_T: pi_old's entropy (nats) at the response's completion tokens. All correct:
     A_t = alpha * H_t (>= 0); all wrong: A_t = -alpha * (max_t H - H_t) (<= 0), so confident
-    tokens of a wrong answer are pushed down hardest. Raises ValueError if alpha < 0.
+    tokens of a wrong answer are pushed down hardest. alpha >= 0 (FilterConfig's rule for zvp_alpha).
     """
-    if alpha < 0:
-        raise ValueError(f"alpha={alpha} must be >= 0")
     h = entropy_T.detach().float()
     if h.numel() == 0:
         return h

@@ -128,6 +128,37 @@ def _model_for(path: str, model: Transformer | None) -> Transformer:
     return model
 
 
+def check_weights(name: str, path: str):
+    """The safetensors files of checkpoint folder `path` exist (every one its index names) and their
+    headers read: a cheap look before any work, whose tensors load_hf reads later. Raises ValueError
+    starting with `name` (the field that names the folder) and naming the file."""
+    from safetensors import safe_open
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_file):
+        try:
+            with open(index_file, encoding="utf-8") as f:
+                index = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name}: model.safetensors.index.json is not JSON ({e})") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{name}: model.safetensors.index.json has no weight_map of tensor -> file")
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{name}: holds no model.safetensors or model.safetensors.index.json; need a hub-layout "
+                         f"checkpoint folder")
+    for file in files:
+        if not os.path.isfile(os.path.join(path, file)):
+            raise ValueError(f"{name}: {file}, named in model.safetensors.index.json, is not there")
+        try:
+            with safe_open(os.path.join(path, file), "pt") as f:
+                f.keys()
+        except Exception as e:  # noqa: BLE001  safetensors' SafetensorError subclasses nothing of ours
+            raise ValueError(f"{name}: {file} is not a readable safetensors file ({e})") from None
+
+
 def load_hf(path: str, model: Transformer | None = None) -> Transformer:
     """Load an HF checkpoint folder (config.json + model.safetensors or a sharded index).
 

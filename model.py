@@ -2,9 +2,10 @@
 
 One `Transformer` serves training (a full causal forward) and cached decoding (a static KV
 cache addressed by position, gpt-fast style; rollout.py's engine drives decoding over these
-modules). This file owns `ModelConfig` (hf.py maps it to and from HF's config.json), the
-blocks, the two routers and the experts, router replay, and per-token logprobs and entropy
-computed from the hidden states in chunks. It imports nothing from torch.distributed: the
+modules). This file owns `ModelConfig` (hf_config.py maps it to and from HF's config.json), the
+blocks, the two routers and the experts, and router replay; the per-token logprobs and entropy a
+trainer's forward returns are computed from the hidden states in chunks by logprobs.py. It
+imports nothing from torch.distributed: the
 sharding (expert parallel + FSDP2, `parallelize`) is distributed.py's, applied from outside
 as torchtitan does. hf.py moves the weights in and out of HF checkpoints.
 Shapes: B, T, S, D, H, J, d, r, V, N, E, K, I, L, R, M (letters of the README's legend).
@@ -60,7 +61,11 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from logprobs import chunked_logprobs
+from rules import FLAG, POSITIVE, check_fields, integer, number, one_of
 
+
+HF_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
+"""The HF families this model implements (hf.py maps config.json to and from ModelConfig)."""
 
 
 @dataclass
@@ -135,42 +140,49 @@ class ModelConfig:
     hf_model_type: str = "qwen3_moe"
     """HF model_type `save_hf` writes: 'qwen3_moe' or 'glm4_moe'."""
 
+    RULES = {  # each field's type and range (rules.py); not a field: no annotation
+        **{k: integer(1) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "num_experts",
+                                   "top_k", "moe_inter_dim", "n_group", "topk_group", "max_seq_len")},
+        **{k: integer(0) for k in ("num_shared_experts", "first_k_dense_replace", "dense_inter_dim",
+                                   "rope_original_max_seq_len")},
+        **{k: FLAG for k in ("norm_topk_prob", "qk_norm", "attention_bias", "attention_out_bias", "yarn_truncate",
+                             "tie_embeddings")},
+        **{k: POSITIVE for k in ("routed_scaling_factor", "rope_theta", "rope_factor", "yarn_beta_fast",
+                                 "yarn_beta_slow", "norm_eps", "init_std")},
+        "router": one_of("softmax", "sigmoid"),
+        "partial_rotary_factor": number(0, 1, low_open=True),
+        "rope_type": one_of("default", "linear", "yarn"),  # rope_frequencies' types
+        "rope_attention_factor": number(0, why="0 = YaRN's 0.1 ln(s) + 1"),
+        "hf_model_type": one_of(*HF_MODEL_TYPES),
+    }
+
     def __post_init__(self):
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "num_experts", "top_k", "moe_inter_dim", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive")
+        """Each field against its rule (`RULES`), then the relations between them. Raises ValueError naming them."""
+        check_fields(self)
         # GQA: each kv head serves H / J query heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         # RoPE rotates dim i with dim i + r/2, so r must be even
         if self.rotary_dim % 2 or self.rotary_dim == 0:
             raise ValueError(f"head_dim * partial_rotary_factor = {self.rotary_dim} must be even and positive")
-        if not 1 <= self.top_k <= self.num_experts:
+        if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
         if self.top_k == 1 and self.norm_topk_prob:
             # one weight renormalised over one expert is exactly 1: the router's scores never reach the loss
             raise ValueError("top_k=1 with norm_topk_prob=True gives every token a gate weight of exactly 1, so the "
                              "router gets no gradient; set norm_topk_prob=False or top_k >= 2")
-        # s divides frequencies; YaRN's ramp is measured over the pre-training length L
-        if (self.rope_type not in ("default", "linear", "yarn") or self.rope_factor <= 0
-                or self.rope_attention_factor < 0 or self.rope_type == "yarn" and self.rope_original_max_seq_len <= 0):
-            raise ValueError(f"rope_type={self.rope_type!r} (valid: 'default', 'linear', 'yarn') needs rope_factor > 0,"
-                             f" rope_attention_factor >= 0 and for 'yarn' rope_original_max_seq_len > 0; got "
-                             f"{self.rope_factor}, {self.rope_attention_factor}, {self.rope_original_max_seq_len}")
-        if self.router not in ("softmax", "sigmoid"):
-            raise ValueError(f"router={self.router!r}; valid: 'softmax', 'sigmoid'")
+        # YaRN's ramp is measured over the pre-training length L
+        if self.rope_type == "yarn" and self.rope_original_max_seq_len <= 0:
+            raise ValueError(f"rope_type='yarn' needs rope_original_max_seq_len > 0 (the pre-training context), "
+                             f"got {self.rope_original_max_seq_len}")
         # a partition is E / M consecutive experts, so M must divide E
-        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+        if self.num_experts % self.n_group or self.topk_group > self.n_group:
             raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} and "
                              f"1 <= topk_group={self.topk_group} <= n_group")
-        if not 0 <= self.first_k_dense_replace <= self.n_layers:
+        if self.first_k_dense_replace > self.n_layers:
             raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, n_layers={self.n_layers}]")
         if self.first_k_dense_replace and self.dense_inter_dim <= 0:
             raise ValueError("dense_inter_dim must be positive when first_k_dense_replace > 0")
-        # HF_MODEL_TYPES is defined below the class; looked up when an instance is built
-        if self.hf_model_type not in HF_MODEL_TYPES:
-            raise ValueError(f"hf_model_type={self.hf_model_type!r}; valid: {sorted(HF_MODEL_TYPES)}")
 
     @property
     def num_moe_layers(self) -> int:
@@ -182,9 +194,6 @@ class ModelConfig:
         """r: the leading dims of each head that RoPE rotates."""
         return int(self.head_dim * self.partial_rotary_factor)
 
-
-HF_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
-"""The HF families this model implements (hf.py maps config.json to and from ModelConfig)."""
 
 
 class RMSNorm(nn.Module):
@@ -615,7 +624,7 @@ class Transformer(nn.Module):
         """
         B, T = tokens_BT.shape
         if routed_experts is not None:
-            check_routes(routed_experts, (B, T, self.cfg.num_moe_layers, self.cfg.top_k), self.cfg.num_experts)
+            check_route_layout(routed_experts, (B, T, self.cfg.num_moe_layers, self.cfg.top_k))
         if pos_BT is None:
             # 0 .. T-1 in every row, whatever cache_start is: a cached call past column 0 passes its positions
             pos_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)  # (B, T)
@@ -659,14 +668,25 @@ class Transformer(nn.Module):
         return (logp_BT, entropy_BT), routes
 
 
-def check_routes(routed_experts: torch.Tensor, want: tuple, num_experts: int):
-    """Validate replayed expert ids; raises ValueError naming what is wrong."""
+def check_route_layout(routed_experts: torch.Tensor, want: tuple):
+    """The dtype and shape of replayed expert ids: no host sync, so every replayed forward may afford it.
+    Raises ValueError naming what is wrong."""
     if routed_experts.is_floating_point() or routed_experts.is_complex() or routed_experts.dtype == torch.bool:
         # a float id would be truncated by the gather's .long(): 2.7 replays expert 2, silently
         raise ValueError(f"routed_experts has dtype {routed_experts.dtype}; expert ids must be integers")
     if tuple(routed_experts.shape) != want:
         raise ValueError(f"routed_experts has shape {tuple(routed_experts.shape)}, expected {want} (B, T, L, K)")
-    lo, hi = int(routed_experts.min()), int(routed_experts.max())  # host syncs, only when replaying
+
+
+def check_routes(routed_experts: torch.Tensor, num_experts: int):
+    """The values of expert ids [..., K] that enter from outside this project (SGLang's routed_experts),
+    checked once where they enter, not in every forward (it syncs with the host): each id in [0, E) or a
+    whole row of -1 (padding), the K ids of a row distinct. Raises ValueError naming what is wrong."""
+    if routed_experts.is_floating_point() or routed_experts.is_complex() or routed_experts.dtype == torch.bool:
+        raise ValueError(f"routed_experts has dtype {routed_experts.dtype}; expert ids must be integers")
+    if routed_experts.numel() == 0:
+        return
+    lo, hi = int(routed_experts.min()), int(routed_experts.max())
     if lo < -1 or hi >= num_experts:
         raise ValueError(f"routed_experts ids span [{lo}, {hi}]; valid ids are -1 (padding) and [0, {num_experts})")
     # a padding row is all -1: a partly padded row would mix replayed ids with the router's own

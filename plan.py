@@ -138,7 +138,7 @@ def _fake_steps(cfg, world: int, activation_checkpoint: bool, n_layers: int) -> 
             with tracker:
                 for _ in range(2):  # the second step holds the AdamW state the first one made
                     tokens = torch.zeros(B, T, dtype=torch.long)
-                    (logp, _), _ = model(tokens, tokens, temperature=cfg.temperature)
+                    (logp, _), _ = model(tokens, tokens, temperature=cfg.sampling.temperature)
                     (-logp.mean()).backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
@@ -176,7 +176,7 @@ def engine_bytes(cfg, world: int) -> dict[str, int]:
     """
     m, dt = cfg.model, torch.tensor([], dtype=cfg.compute_dtype()).element_size()
     parts = _engine_weights(cfg, world)
-    S = cfg.prompt_limit() + cfg.max_new_tokens - 1  # the last sampled token is never fed back
+    S = cfg.prompt_limit() + cfg.sampling.max_new_tokens - 1  # the last sampled token is never fed back
     return {"dense": parts["dense"], "experts": parts["experts"],
             "kv_cache": 2 * m.n_layers * cfg.gen_batch_rows * m.n_kv_heads * S * m.head_dim * dt}
 
@@ -234,13 +234,13 @@ def engine_memory(cfg, world: int = 1) -> dict[str, int]:
     ep = cfg.ep if world > 1 else 1
     aliased = _experts_are_trainer_shards(cfg, world)
     weights = own["dense"] + (0 if aliased else own["experts"])
-    P, C, B = cfg.prompt_limit(), cfg.max_new_tokens, cfg.gen_batch_rows
+    P, C, B = cfg.prompt_limit(), cfg.sampling.max_new_tokens, cfg.gen_batch_rows
     S = P + C - 1  # cache columns: the prompt and every sampled token but the last
     U = max(1, B // cfg.group_size)  # distinct prompts of a call: one prefill row each
     LK, kv_token = m.num_moe_layers * m.top_k, 2 * m.n_kv_heads * m.head_dim * dt  # k and v of a token, one layer
     prefill_cache = m.n_layers * U * P * kv_token
     kv = engine_bytes(cfg, world)["kv_cache"]
-    routes = B * S * LK * torch.tensor([], dtype=route_dtype(m.num_experts)).element_size()  # rollout.route_dtype
+    routes = B * S * LK * torch.tensor([], dtype=route_dtype(m.num_experts)).element_size()  # sampler.route_dtype
     # under EP a forward sends each token's K routed rows to their experts' ranks and receives as many back
     # (balanced routing): send and receive buffers of N * K rows of D, as the trainer's (choice 1)
     a2a = 2 * m.top_k * m.dim * dt if ep > 1 else 0  # per token
@@ -299,7 +299,7 @@ def print_plan(cfg, nodes=NODES) -> list[dict]:
     dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
     print(f"per GPU (GiB): {cfg.microbatch_tokens}-token micro-batches in {dtype}, activation checkpointing "
           f"{'on' if cfg.activation_checkpoint else 'off'}; the engine generating {cfg.gen_batch_rows} rows per GPU "
-          f"of {cfg.prompt_limit()} + {cfg.max_new_tokens} tokens, on one GPU from a full copy of the weights kept "
+          f"of {cfg.prompt_limit()} + {cfg.sampling.max_new_tokens} tokens, on one GPU from a full copy of the weights kept "
           f"through training, on several from the policy's own: dense weights gathered for the rollout phase, "
           f"experts E/ep per GPU")
     cols = ["params", "grads", "adam", "gathered", "activations", "logits chunk", "trainer peak", "engine dense",

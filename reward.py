@@ -63,6 +63,7 @@ from typing import Protocol, Sequence
 import torch
 
 import sandbox
+from rules import NON_NEGATIVE, POSITIVE, check_fields, integer, number, one_of
 from scoring import grade_elsewhere, time_limited
 
 # non-greedy and across lines; callers take the last match, so a model that drafts an answer and then corrects
@@ -336,59 +337,70 @@ def adjust_rewards(correct_PG: torch.Tensor, shaping_PG: torch.Tensor, *, margin
     return (c + margin * torch.minimum(p, 1 - p) * shaping_PG.double().clamp(-1, 1)).float()
 
 
-@dataclass(frozen=True)
-class RewardConfig:
-    """How a group's rewards are shaped beyond correctness (TrainConfig's reward fields).
-
-    reward_model: "" (none), "stub" (StubRewardModel, a scalar score) or "stub-judge"
-    (StubJudge, pairwise against the gold answer); both stand-ins test the wiring, a real
-    model plugs in behind the same protocol. max_new_tokens is the overlong penalty's limit.
-    Raises ValueError on an unknown reward model, shaping_margin outside [0, 0.5),
-    overlong_buffer outside [0, max_new_tokens], or judge_dead_band outside [0, 0.5).
-    """
-    max_new_tokens: int
-    overlong_buffer: int = 0
-    repetition_weight: float = 0.0
-    reward_model: str = ""
-    rm_weight: float = 0.5
-    judge_dead_band: float = 0.1
-    shaping_margin: float = 0.4
-
-    def __post_init__(self):
-        if self.reward_model not in REWARD_MODELS:
-            raise ValueError(f"reward_model={self.reward_model!r}; valid: {', '.join(map(repr, REWARD_MODELS))}")
-        if not 0 <= self.shaping_margin < 0.5:
-            raise ValueError(f"shaping_margin={self.shaping_margin} must lie in [0, 0.5), or a correct answer could "
-                             f"get a negative advantage")
-        if not 0 <= self.overlong_buffer <= self.max_new_tokens:
-            raise ValueError(f"overlong_buffer={self.overlong_buffer} must lie in [0, max_new_tokens={self.max_new_tokens}]")
-        if not 0 <= self.judge_dead_band < 0.5:
-            raise ValueError(f"judge_dead_band={self.judge_dead_band} must lie in [0, 0.5)")
-
-    @property
-    def shapes(self) -> bool:
-        """Whether any shaping applies (otherwise the reward is the correctness itself)."""
-        return bool(self.overlong_buffer or self.repetition_weight or self.reward_model)
-
-
 REWARD_MODELS = ("", "stub", "stub-judge")
 RM_SCORE_SCALE = 1.0  # reward-model score units per tanh unit in the shaping score (the stub's scores lie in [-1, 1])
 
 
+@dataclass(frozen=True)
+class RewardConfig:
+    """How a group's rewards are shaped beyond correctness, and how they are scored: the run's `reward`
+    section. Shaping enters inside the correctness class (adjust_rewards), so no advantage inversion.
+    Raises ValueError on a field its rule refuses (`RULES`); overlong_buffer against the generation
+    limit is config.RELATIONS'."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong penalty: tokens before sampling.max_new_tokens where it ramps from 0 to -1 (0 = off)."""
+    repetition_weight: float = 0.0
+    """Weight of the repeated-4-gram penalty in the shaping score (0 = off)."""
+    model: str = ""
+    """Scorer mixed into the shaping score: '' (none), 'stub' (a reward model of deterministic noise) or 'stub-judge'
+    (a pairwise judge against the gold answer); both stand-ins test the wiring."""
+    rm_weight: float = 0.5
+    """Weight of the reward model's (or judge's) score in the shaping score."""
+    judge_dead_band: float = 0.1
+    """Judge verdicts within this of 1/2 count as ties and add exactly nothing (judge_score)."""
+    shaping_margin: float = 0.4
+    """Shaping scale m < 1/2 in r = correct + m min(p, 1 - p) s."""
+    workers: int = 0
+    """Threads that score rollouts while generation goes on (0 = score inline after generating)."""
+    timeout_s: float = 30.0
+    """Per-rollout scoring limit; a timeout or an exception gives reward 0, counted in the metrics."""
+
+    RULES = {  # each field's type and range (rules.py); not a field: no annotation
+        "overlong_buffer": integer(0, why="0 = off; at most sampling.max_new_tokens"),
+        "repetition_weight": number(0, why="a penalty's weight; a negative one would pay for repeats"),
+        "model": one_of(*REWARD_MODELS),
+        "rm_weight": NON_NEGATIVE,
+        "judge_dead_band": number(0, 0.5, high_open=True),
+        "shaping_margin": number(0, 0.5, high_open=True, why="at 1/2 a correct answer could get a negative advantage"),
+        "workers": integer(0),
+        "timeout_s": POSITIVE,
+    }
+
+    def __post_init__(self):
+        check_fields(self)
+
+    @property
+    def shapes(self) -> bool:
+        """Whether any shaping applies (otherwise the reward is the correctness itself)."""
+        return bool(self.overlong_buffer or self.repetition_weight or self.model)
+
+
+
+
 def reward_model_for(cfg: RewardConfig) -> RewardModel | PairwiseJudge | None:
-    """The scorer cfg.reward_model names (None for "")."""
-    return {"": None, "stub": StubRewardModel(), "stub-judge": StubJudge()}[cfg.reward_model]
+    """The scorer cfg.model names (None for "")."""
+    return {"": None, "stub": StubRewardModel(), "stub-judge": StubJudge()}[cfg.model]
 
 
-def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg: RewardConfig, *, scorer=None,
-                   prompt: str = "", texts: list[str] | None = None, reference: str = "") -> torch.Tensor:
+def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg: RewardConfig, *, max_new_tokens: int,
+                   scorer=None, prompt: str = "", texts: list[str] | None = None, reference: str = "") -> torch.Tensor:
     """One group's final rewards [G] fp32: correctness plus shaping kept inside the correctness class.
 
     The shaping score s sums DAPO's overlong penalty, the repetition penalty and the
     scorer's term (a reward model's score through `rm_score`, or a judge's verdict against
     `reference` through `judge_score`), and enters through `adjust_rewards`, so no correct
-    response's advantage turns negative. texts (the decoded completions) and prompt are
-    needed only with a scorer. Without any shaping, the correctness is returned as it is.
+    response's advantage turns negative. max_new_tokens: the generation limit the overlong
+    penalty ramps up to. texts (the decoded completions) and prompt are needed only with a scorer. Without any shaping, the correctness is returned as it is.
     """
     if not cfg.shapes:  # the common case: no float64 detour, the verifier's rewards as they are
         return correct_G
@@ -396,7 +408,7 @@ def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg
     # the terms add up and may leave [-1, 1]; adjust_rewards clamps the sum, which is what its guarantee needs
     s_G = torch.zeros(G, dtype=torch.float64)
     if cfg.overlong_buffer:
-        s_G += torch.tensor([overlong_penalty(len(x), max_len=cfg.max_new_tokens, buffer=cfg.overlong_buffer)
+        s_G += torch.tensor([overlong_penalty(len(x), max_len=max_new_tokens, buffer=cfg.overlong_buffer)
                              for x in completion_ids])
     if cfg.repetition_weight:
         s_G += cfg.repetition_weight * torch.tensor([repetition_penalty(x) for x in completion_ids])

@@ -1,18 +1,17 @@
-"""Rollout engines: generate completions with their logprobs and routed expert ids.
+"""Rollout engines: the interface an RL step uses, their registry, and the native engine.
 
-This file owns the rollout side of an RL step: `NativeEngine` (prefill and decode over a
-static KV cache in plain PyTorch, CPU or GPU), the `Rollout` record every engine returns,
-the batch-invariant sampler (`SamplingParams`, `sample`, per-row random streams), and the
-bucketed weight sync; its FP8 weights come from fp8.py. `SGLangEngine` (sglang_engine.py)
-offers the same interface over SGLang and reuses this file's record and weight-sync pieces.
-Both engines: `generate(prompts, params, *, n, seed, group_ids) -> list[Rollout]` and
-`update_weights(named_tensors, version)`.
+This file owns the rollout side of an RL step: `Engine` (the protocol both engines implement:
+generate, update_weights, phase, sleep, wake, memory, weight_version), `ENGINES` (name ->
+builder, what engine.name picks) with `build_engine` and the async producer's `producer_engine`,
+and `NativeEngine` (prefill and decode over a static KV cache in plain PyTorch, CPU or GPU, on its
+own copy of the weights or on the sharded policy itself), with its bucketed weight sync.
+`SGLangEngine` (sglang_engine.py) is the other engine. Both return sampler.Rollout records,
+sampled by sampler.sample from per-row random streams; FP8 weights come from fp8.py.
 
 Sources: router replay (R3, arXiv 2510.11370), for which every rollout records its routed
-experts; nucleus sampling (arXiv 1904.09751); blockwise FP8 after DeepSeek-V3 (arXiv
-2412.19437, section 3.3); splitmix64 (Steele, Lea and Flood 2014) for the random streams;
-gpt-fast's pure prefill / decode over a static cache. The train-inference gap of the
-logprobs and routes recorded here is measured by `espo.mismatch_metrics`.
+experts; blockwise FP8 after DeepSeek-V3 (arXiv 2412.19437, section 3.3); gpt-fast's pure
+prefill / decode over a static cache. The train-inference gap of the logprobs and routes
+recorded here is measured by `espo.mismatch_metrics`.
 
 Shapes: U, B, S, C, T, L, K, E, D, J, d, V (letters of the README's legend). In a generate
 call T is the longest prompt's tokens (the prefill's positions), so the first sampled token
@@ -33,11 +32,10 @@ Notable choices:
    for the stop check every `STOP_CHECK_EVERY` steps, and no Python loop runs over rows.
    `torch.compile` of the step is optional: it pays where per-op launch cost dominates, on
    GPU; on a CPU decode step the expert GEMMs dominate.
-3. Batch-invariant sampling. Temperature / top-k / top-p with one uniform per row per
-   step, drawn by inverse CDF, from a counter-based stream keyed by (seed, group id,
-   sample index): a rollout never depends on its batch-mates, their order or the rank
-   that generated it. Each row stops on its own first stop token (EOS, or any of a chat
-   model's several).
+3. Batch-invariant sampling (sampler.py): temperature / top-k / top-p with one uniform per
+   row per step, from a counter-based stream keyed by (seed, group id, sample index): a
+   rollout never depends on its batch-mates, their order or the rank that generated it.
+   Each row stops on its own first stop token (EOS, or any of a chat model's several).
 4. What a `Rollout` records, for the trainer: the logprob of each sampled token under
    softmax(logits / temperature) before top-k/top-p truncation (what the trainer computes
    for the same token); the top-k expert ids every MoE layer used for every token that
@@ -46,7 +44,7 @@ Notable choices:
 5. FP8 weights (`NativeEngine(fp8=True)`): blockwise e4m3 modules and the trainer-side
    quantiser, DeepSeek-V3's recipe, live in fp8.py; a high-precision tensor sent for an
    FP8 weight is quantised on arrival.
-6. Weight sync in buckets of at most `bucket_bytes` (`weight_buckets`), each staged as one
+6. Weight sync in buckets of at most DEFAULT_BUCKET_BYTES (`weight_buckets`), each staged as one
    flat copy per dtype (`_stage`): staging memory stays bounded and a sync is a few large
    transfers, not one per tensor.
 """
@@ -54,23 +52,22 @@ Notable choices:
 from __future__ import annotations
 
 import copy
-import os
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 
-from distributed import rank_world
+from distributed import all_ranks, collective_group, gathered, load_shards, own_meshes, rank_world, reference_copy
 from fp8 import FP8, FP8GroupedExperts, FP8Linear, quantize_fp8_blockwise, to_fp8_modules
 from model import KVCache, ModelConfig, Transformer
 from sampler import Rollout, SamplingParams, route_dtype, row_keys, row_uniforms, sample
-from weights import DEFAULT_BUCKET_BYTES, Named, full_tensor, weight_buckets
+from sglang_engine import build_sglang_engine
+from weights import DEFAULT_BUCKET_BYTES, Named, full_tensor, local, weight_buckets
 
 if TYPE_CHECKING:
     from config import TrainConfig
-    from sglang_engine import SGLangEngine
     from tokenizer import Tokenizer
 
 STOP_CHECK_EVERY = 8
@@ -118,8 +115,8 @@ def decode_step(model: Transformer, tokens_B: torch.Tensor, state: DecodeState, 
 
 
 class NativeEngine:
-    """A PyTorch rollout engine: its own copy of the policy weights (optionally FP8) in one process, or,
-    given `policy` (a multi-rank run's FSDP/EP-sharded model), no copy at all.
+    """A PyTorch rollout engine (an `Engine`): its own copy of the policy weights (optionally FP8) in one
+    process, or, given `policy` (a multi-rank run's FSDP/EP-sharded model), no copy at all.
 
     On the sharded policy (distributed.gathered): for each rollout phase (`phase()`; a generate call
     outside one opens its own) the dense weights are gathered once and freed after it, the experts
@@ -127,25 +124,27 @@ class NativeEngine:
     step in lockstep (the stop check is a collective) because each forward's all-to-all needs all
     of them, and a rank without prompts decodes one placeholder row. Weight sync is free: the engine
     reads the tensors the optimizer just wrote. The KV cache is this rank's, in the run's dtype.
+    group: the process group of the phase's collectives (None: the default one); the async producer's
+    engine, on a sharded copy of the policy, has groups of its own (`producer_engine`).
     """
 
     def __init__(self, cfg: ModelConfig, *, eos_id: int | Sequence[int], pad_id: int, device="cpu",
-                 dtype=torch.float32, fp8: bool = False, compile: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 num_tokens: int | None = None, policy: nn.Module | None = None):
+                 dtype=torch.float32, fp8: bool = False, compile: bool = False, num_tokens: int | None = None,
+                 policy: nn.Module | None = None, group=None):
         # eos_id: one id or several (a chat model stops at <|im_end|> and at <|endoftext|>).
         # num_tokens: the tokenizer's ids, 0..num_tokens - 1; a checkpoint's embedding may have more rows (Qwen3:
         # 151,936 for 151,665 tokens), which are never sampled: no id the tokenizer cannot decode. Their
         # probability mass (nil in a trained model) is what the engine's logprobs then differ by from the trainer's.
         self.cfg, self.pad_id, self.num_tokens = cfg, pad_id, num_tokens
         self.stop_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
-        self.device, self.dtype, self.fp8, self.bucket_bytes = torch.device(device), dtype, fp8, bucket_bytes
+        self.device, self.dtype, self.fp8, self.group = torch.device(device), dtype, fp8, group
         self.weight_version, self.sharded, self._phase = 0, policy is not None, None
         self.kv_bytes = 0  # the largest KV cache a generate call of this phase allocated (the run logs it)
         self._decode_step = torch.compile(decode_step, dynamic=True) if compile else decode_step
         if policy is not None:
             if fp8:
-                raise ValueError("rollout_fp8 with the sharded native engine (several ranks) is not built: FP8 rollouts "
-                                 "run with engine='sglang', or the native engine in one process")
+                raise ValueError("engine.fp8 with the sharded native engine (several ranks) is not built: FP8 rollouts "
+                                 "run with engine.name='sglang', or the native engine in one process")
             self.model = policy  # the trainer's own module: nothing to copy, nothing to sync
             return
         # no gradients, ever; the initial values are placeholders until the first update_weights
@@ -167,8 +166,9 @@ class NativeEngine:
     @contextmanager
     def phase(self):
         """A rollout phase: on the sharded policy the weights stay gathered across every generate call
-        inside it (a collective: every rank enters and leaves together). kv_bytes counts from its
-        start, so what a step reports does not depend on what ran before it (a resumed run's too)."""
+        inside it (a collective: every rank enters and leaves together), and this thread's collectives
+        (distributed.py's) run on the engine's group. kv_bytes counts from its start, so what a step
+        reports does not depend on what ran before it (a resumed run's too)."""
         if self._phase is not None:  # already inside one
             yield
             return
@@ -180,8 +180,7 @@ class NativeEngine:
             finally:
                 self._phase = None
             return
-        from distributed import gathered
-        with gathered(self.model):
+        with collective_group(self.group), gathered(self.model):
             self._phase = weight_bytes(self.model)  # measured while gathered: what decoding holds
             try:
                 yield
@@ -211,16 +210,18 @@ class NativeEngine:
         weight is quantised on arrival). Every parameter and persistent buffer must arrive.
 
         Raises ValueError on an unknown name, a shape mismatch or a missing tensor.
-        On the sharded policy nothing moves: the engine already reads the trainer's tensors.
+        On the sharded policy nothing moves: the engine already reads the trainer's tensors (a sharded
+        copy of it, the async producer's, copies each of this rank's shards, with no communication).
         """
         if self.sharded:
+            load_shards(self.model, dict(named_tensors))
             self.weight_version = version
             return
         seen = set()
         # a DTensor shard (FSDP, EP) is gathered whole (the engine holds unsharded weights), then cast to its
         # slot's dtype before any transfer: a bf16 engine receives bf16 bytes
         named_tensors = ((n, self._as_slot(n, full_tensor(t))) for n, t in named_tensors)
-        for bucket in weight_buckets(named_tensors, self.bucket_bytes):
+        for bucket in weight_buckets(named_tensors, DEFAULT_BUCKET_BYTES):
             for name, t in _stage(bucket, self.device):
                 slot = self._slots.get(name)
                 if slot is None:
@@ -381,7 +382,6 @@ class NativeEngine:
         """Every row has stopped: this rank's, or on the sharded policy every rank's (all decode in lockstep)."""
         if not self.sharded:
             return bool(done_B.all())
-        from distributed import all_ranks
         return all_ranks(bool(done_B.all()))
 
 
@@ -394,39 +394,87 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     from the shapes."""
     out = {"dense": 0, "experts": 0}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        local = t.to_local() if hasattr(t, "to_local") else t
-        out["experts" if ".mlp.experts." in name else "dense"] += local.numel() * local.element_size()
+        shard = local(t)
+        out["experts" if ".mlp.experts." in name else "dense"] += shard.numel() * shard.element_size()
     return out
 
 
-# ----------------------------------------------------------------------------- the run's engine
+# ----------------------------------------------------------------------------- the engine interface
 
-def build_engine(cfg: TrainConfig, tok: Tokenizer, model) -> NativeEngine | SGLangEngine:
-    """The rollout engine: engine='sglang' (sglang_engine.py: colocated servers, or cfg.sglang_urls),
-    else the native engine, under torchrun on the sharded policy itself (no replica; NativeEngine's
-    docstring), in one process a copy of the policy (FP8 with rollout_fp8)."""
-    if cfg.engine == "sglang":
-        from hf import save_hf  # both import this file: imported when used
-        from sglang_engine import build_sglang_engine
-        path = cfg.init_hf or cfg.init_from
-        if cfg.rollout_fp8 and not cfg.sglang_urls:  # colocated SGLang serves FP8 from a blockwise-FP8 checkpoint
-            path = os.path.join(cfg.out_dir, "sglang_fp8")  # on a filesystem every node sees
-            save_hf(model, path, write=rank_world()[0] == 0, fp8=True)  # a collective: every rank calls it
-        return build_sglang_engine(cfg, tok, path)
-    on_policy = model if rank_world()[1] > 1 else None
+class Engine(Protocol):
+    """What an RL step asks of a rollout engine, and all it asks: NativeEngine (above) and
+    sglang_engine.SGLangEngine implement it; `ENGINES` names the builders, `build_engine` calls one.
+
+    generate(prompts, params, *, n, seed, group_ids) -> list[Rollout]: n rollouts of each prompt
+        (token ids), prompt-major, each sample's random stream keyed by (seed, group id, sample
+        index) so that batching does not change what is sampled; every Rollout records its tokens,
+        logprobs (pi_infer), routed experts and the weight version that produced it.
+    update_weights(named_tensors, version): take the trainer's weights (weights.policy_tensors
+        names) and stamp `version` (RL steps trained) on what it generates from then on.
+    phase(): a context manager around a step's (or an eval's) generate calls: an engine that
+        gathers weights or switches process groups does it once per phase.
+    sleep() / wake(): release and take back the engine's memory around the trainer's update.
+    memory() -> {name: bytes}: what this rank holds for it (logged each step).
+    weight_version: the version of the weights it holds.
+    """
+    weight_version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, seed: int | None = None,
+                 group_ids: list[int] | None = None) -> list[Rollout]: ...
+
+    def update_weights(self, named_tensors: Named, version: int) -> None: ...
+
+    def phase(self) -> AbstractContextManager: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def memory(self) -> dict[str, int]: ...
+
+
+def build_native_engine(cfg: TrainConfig, tok: Tokenizer, policy: nn.Module) -> NativeEngine:
+    """The native engine of a run: under torchrun on the sharded policy itself (no replica; NativeEngine's
+    docstring), in one process a copy of the policy's weights (FP8 with engine.fp8), filled by the first
+    update_weights."""
+    on_policy = policy if rank_world()[1] > 1 else None
     return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device, dtype=cfg.compute_dtype(),
-                        compile=cfg.compile, num_tokens=tok.enc.n_vocab, fp8=cfg.rollout_fp8, policy=on_policy)
+                        compile=cfg.compile, num_tokens=tok.enc.n_vocab, fp8=cfg.engine.fp8, policy=on_policy)
 
 
-def producer_engine(engine, cfg: TrainConfig, tok: Tokenizer, model) -> NativeEngine:
-    """The async producer's engine: a copy of the one-process engine, or under torchrun the native engine
-    on a sharded copy of the policy parallelized over meshes of its own (other process groups)."""
+ENGINES: dict[str, Callable[[TrainConfig, Tokenizer, nn.Module], Engine]] = {
+    "native": build_native_engine,
+    "sglang": build_sglang_engine,
+}
+"""The rollout engines a run can use (engine.name): name -> builder(cfg, tok, policy). A new engine is a
+file implementing `Engine` and one line here."""
+
+
+def engine_builder(name: str) -> Callable[[TrainConfig, Tokenizer, nn.Module], Engine]:
+    """The builder of engine `name`. Raises ValueError naming engine.name and the valid names."""
+    if name not in ENGINES:
+        raise ValueError(f"engine.name={name!r}: need one of {', '.join(map(repr, ENGINES))} (rollout.ENGINES)")
+    return ENGINES[name]
+
+
+def build_engine(cfg: TrainConfig, tok: Tokenizer, policy: nn.Module) -> Engine:
+    """The run's rollout engine, engine.name's builder called on the policy (trainer's model)."""
+    return engine_builder(cfg.engine.name)(cfg, tok, policy)
+
+
+def producer_engine(engine: Engine, cfg: TrainConfig, policy: nn.Module) -> Engine:
+    """The async producer's engine, beside the trainer's `engine`: a copy of a one-process native engine,
+    or under torchrun the native engine on a sharded copy of the policy parallelized over meshes and
+    process groups of its own, so the producer's collectives never share a communicator with the
+    trainer's (its update_weights copies the published weights shard by shard). Raises ValueError for
+    another engine (config.RELATIONS refuses async rollouts with SGLang)."""
+    if not isinstance(engine, NativeEngine):
+        raise ValueError(f"max_staleness={cfg.max_staleness}: async rollouts run on the native engine only")
     if not engine.sharded:
         return copy.deepcopy(engine)
-    from distributed import own_meshes, reference_copy
     meshes = own_meshes(rank_world()[1], cfg.ep)
-    twin = reference_copy(model, cfg, meshes)
-    twin.meshes = meshes
-    producer = build_engine(cfg, tok, twin)
+    producer = NativeEngine(cfg.model, eos_id=engine.stop_ids, pad_id=engine.pad_id, device=cfg.device,
+                            dtype=cfg.compute_dtype(), compile=cfg.compile, num_tokens=engine.num_tokens,
+                            policy=reference_copy(policy, cfg, meshes), group=meshes.fsdp.get_group())
     producer.weight_version = engine.weight_version  # the version its copy holds (a resumed run's, say)
     return producer

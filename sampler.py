@@ -17,23 +17,32 @@ from dataclasses import dataclass
 
 import torch
 
+from rules import check_fields, integer, number
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How an engine samples (SGLang's and vLLM's sampling parameters): the rollout's settings.
-
-    temperature 0 is greedy; top_k 0 and top_p 1 keep the whole vocabulary.
-    Raises ValueError on max_new_tokens < 1, temperature < 0, top_p outside (0, 1] or top_k < 0.
-    """
-    max_new_tokens: int
+    """How an engine samples (SGLang's and vLLM's sampling parameters): the run's `sampling` section,
+    the rollouts' settings (an eval's greedy pass uses temperature 0). Raises ValueError on a field
+    its rule refuses (`RULES`)."""
+    max_new_tokens: int = 24
+    """Generation limit per rollout, in tokens."""
     temperature: float = 1.0
+    """Sampling temperature (0 = greedy). A run's rollouts need > 0: the trainer's logprobs divide the logits by it."""
     top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1] (1 = off)."""
     top_k: int = 0
+    """Only the k most likely tokens can be drawn (0 = off)."""
+
+    RULES = {  # each field's type and range (rules.py); not a field: no annotation
+        "max_new_tokens": integer(1),
+        "temperature": number(0, why="0 = greedy"),
+        "top_p": number(0, 1, low_open=True),
+        "top_k": integer(0, why="0 = off"),
+    }
 
     def __post_init__(self):
-        if self.max_new_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"sampling: max_new_tokens={self.max_new_tokens} (>= 1), temperature={self.temperature} "
-                             f"(>= 0), top_p={self.top_p} (in (0, 1]), top_k={self.top_k} (>= 0, 0 = off)")
+        check_fields(self)
 
 
 @dataclass

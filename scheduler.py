@@ -1,13 +1,11 @@
 """Length-aware scheduling and the bounded-staleness rollout/train pipeline.
 
 Owns how a step's work is laid out: `LengthPredictor` (a prompt's completion length),
-`length_buckets` (generation batches of similar predicted length), `balance` (work over
-workers, longest processing time first), `generation_batches` (one step's batches, each
-spread over the ranks) and `Pipeline` (a producer thread that generates rollouts at most
-`max_staleness` weight versions behind the trainer). The trainer packs its own
-micro-batches (trainer.pack_microbatches). Papers: "Each Prompt Matters" (arXiv 2512.07710), whose system measures
-include length-based load balancing and rollout overlapped with training; LPT from
-Graham, "Bounds on multiprocessing timing anomalies" (SIAM J. Appl. Math. 17(2), 1969).
+`length_buckets` (generation batches of similar predicted length), `generation_batches` (one
+step's batches, each dealt over the ranks) and `Pipeline` (a producer thread that generates
+rollouts at most `max_staleness` weight versions behind the trainer). The trainer packs its own
+micro-batches (trainer.pack_microbatches). Papers: "Each Prompt Matters" (arXiv 2512.07710), whose
+system measures include length-based load balancing and rollout overlapped with training.
 
 Notable choices:
 1. Why lengths: in a batched engine a generation batch runs until its longest member
@@ -17,8 +15,10 @@ Notable choices:
    measures, length-based load balancing among them (arXiv 2512.07710).
 2. `LengthPredictor` answers from a prompt's own history, else the mean for its task and
    prompt-length bucket, else the mean of all completions, else a prior.
-3. `balance` is Graham's LPT: its makespan is within 4/3 - 1/(3 m) of the optimum on m
-   workers. It is deterministic, so every rank computes the same assignment unaided.
+3. Load balance across ranks: each length bucket is dealt round-robin over the ranks in its
+   longest-first order, so every rank gets neighbours in length (about the same predicted
+   work) and every rank computes the same split unaided; ranks decode in lockstep, so a
+   batch's time is its longest row's on the slowest rank.
 4. `Pipeline` publishes weights with a version (the number of RL steps trained);
    the producer applies the newest published weights between batches and never starts
    batch s with weights older than s - max_staleness, so 0 is synchronous on-policy RL.
@@ -26,7 +26,6 @@ Notable choices:
 
 from __future__ import annotations
 
-import heapq
 import queue
 import threading
 from collections import defaultdict
@@ -95,27 +94,6 @@ def length_buckets(predicted_lengths: list[float], batch_size: int) -> list[list
     # (ties keep index order), so every rank cuts the same batches from the same predictions.
     order = sorted(range(len(predicted_lengths)), key=lambda i: -predicted_lengths[i])
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def balance(costs: list[float], num_workers: int) -> list[list[int]]:
-    """Indices split over num_workers, largest cost first to the least-loaded worker (LPT).
-
-    Raises ValueError if num_workers < 1.
-    """
-    if num_workers < 1:
-        raise ValueError(f"num_workers={num_workers} must be >= 1")
-    # Graham 1969: the item j that ends last started on the least-loaded worker, so the makespan is at most
-    # mean load + cost_j <= optimum + cost_j. Taking costs in decreasing order makes cost_j the smallest so
-    # far: either cost_j <= optimum / 3, or items 1..j all exceed a third of the optimum, so an optimal split
-    # holds at most two of them per worker, and on such items LPT is optimal. Hence makespan <= (4/3 - 1/(3 m))
-    # x optimum, where the same greedy on unsorted costs guarantees only 2 - 1/m.
-    heap = [(0.0, w) for w in range(num_workers)]  # (load, worker); equal loads go to the lowest worker id
-    assigned: list[list[int]] = [[] for _ in range(num_workers)]
-    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):  # stable: every rank gets the same split
-        load, w = heapq.heappop(heap)
-        assigned[w].append(i)
-        heapq.heappush(heap, (load + costs[i], w))
-    return assigned
 
 
 def generation_batches(predictor: LengthPredictor, requests: list[tuple], rows_per_batch: int, *,

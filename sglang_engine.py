@@ -1,10 +1,11 @@
 """SGLangEngine: rollouts from SGLang servers, with routed-expert capture, FP8 and weight sync.
 
-The same interface and `Rollout` record as rollout.NativeEngine (`generate`, `update_weights`),
-so the trainer and its router replay (R3, arXiv 2510.11370) need not know which engine ran;
-plus `sleep()` / `wake()`, which train.py calls around the trainer. `build_sglang_engine(cfg,
-tok, model_path)` builds it from the config (engine='sglang'). SGLang is imported lazily (GPU
-machines only, requirements-gpu.txt).
+An engine of rollout.Engine's interface (`generate`, `update_weights`, `phase`, `sleep`, `wake`,
+`memory`, `weight_version`), returning sampler.Rollout records, so the trainer and its router
+replay (R3, arXiv 2510.11370) need not know which engine ran; `sleep()` / `wake()` release and
+resume its memory while the trainer trains. `build_sglang_engine(cfg, tok, policy)` builds it
+for a run (engine.name='sglang', rollout.ENGINES). SGLang is imported lazily (GPU machines only,
+requirements-gpu.txt).
 
 Status: contract-tested on CPU only; has not run on a real SGLang engine. Requests and
 responses are checked against SGLang's documented formats, the HTTP client against a fake
@@ -42,7 +43,7 @@ Notable choices:
    broadcasts each tensor over an NCCL group formed once with every server's GPUs. A barrier
    after the sync keeps every rank from generating on old weights.
 5. FP8 serves a blockwise-FP8 checkpoint (DeepSeek-V3's recipe, arXiv 2412.19437; see
-   rollout.py) and syncs weights quantised on the trainer's side (`quantize_fp8`, HF names).
+   fp8.py) and syncs weights quantised on the trainer's side (`quantize_fp8`, HF names).
    Other tensors go in the trainer's dtype; SGLang casts them as it loads.
 6. Memory released by `sleep()` comes back without its values (no CPU backup), so after
    `wake()` the engine refuses to generate until `update_weights` has run: a wrong call order
@@ -62,18 +63,23 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from itertools import accumulate
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import torch
 
-from hf import hf_tensors
+from distributed import all_gather_list, rank_world
+from hf import hf_tensors, save_hf
 from hf_config import config_from_hf
-from model import ModelConfig
-from fp8 import Named, quantize_fp8
+from model import ModelConfig, check_routes
+from fp8 import quantize_fp8
 from sampler import Rollout, SamplingParams, route_dtype, row_keys
-from weights import DEFAULT_BUCKET_BYTES, full_tensor, weight_buckets
+from weights import DEFAULT_BUCKET_BYTES, Named, full_tensor, weight_buckets
 
-ENGINES = ("native", "sglang")
+if TYPE_CHECKING:
+    from config import TrainConfig
+    from tokenizer import Tokenizer
+
 UPDATE_GROUP = "everyprompt_weight_sync"
 """Name of the NCCL group rank 0 broadcasts weights on (SGLang keeps one group per name)."""
 HTTP_TIMEOUT_S = 3600.0
@@ -85,56 +91,6 @@ FLUSH_RETRIES = 10
 SGLANG_SEED_BITS = 31
 """Per-request sampling_seed kept a non-negative int32, a range every SGLang version takes."""
 _ABSENT = object()  # what an HTTP call answers for a route this server's SGLang version lacks (404)
-
-
-# ----------------------------------------------------------------------------- config
-
-
-def parse_sglang_urls(text: str) -> list[str]:
-    """Base URLs ("http://host:port") of `sglang_urls`, comma-separated; [] for "". Raises ValueError
-    naming sglang_urls on an entry that is not a base URL, or on one listed twice."""
-    if not text.strip():
-        return []
-    urls = []
-    for raw in text.split(","):
-        parts = urlsplit(raw.strip())
-        try:
-            bad = (parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/")
-                   or parts.query or parts.fragment or parts.port == 0)
-        except ValueError:  # .port of a non-numeric port
-            bad = True
-        if bad:
-            raise ValueError(f"sglang_urls={text!r}: {raw.strip()!r} is not a server's base URL; expected "
-                             f"http://host:port, comma-separated (e.g. 'http://10.0.0.2:30000,http://10.0.0.3:30000')")
-        urls.append(f"{parts.scheme}://{parts.netloc}")
-    if twice := sorted({u for u in urls if urls.count(u) > 1}):
-        raise ValueError(f"sglang_urls={text!r} lists {twice[0]} twice: each server joins the weight sync once")
-    return urls
-
-
-def check_sglang_config(cfg) -> None:
-    """Refuse rollout-engine settings of a config.TrainConfig that cannot run (engine, sglang_urls,
-    sglang_mem_fraction and what engine='sglang' needs). Raises ValueError naming the field, its
-    value and what would be valid."""
-    if cfg.engine not in ENGINES:
-        raise ValueError(f"engine={cfg.engine!r}; valid: {', '.join(map(repr, ENGINES))}")
-    urls = parse_sglang_urls(cfg.sglang_urls)
-    if cfg.engine == "native":
-        if urls:
-            raise ValueError(f"sglang_urls={cfg.sglang_urls!r} is read only with engine='sglang' (engine='native')")
-        return
-    if not (cfg.init_hf or cfg.init_from):
-        raise ValueError("engine='sglang' serves a hub-layout checkpoint folder: set init_hf (or init_from, an "
-                         "earlier run's output folder); both are empty")
-    if torch.device(cfg.device).type != "cuda":
-        raise ValueError(f"device={cfg.device!r}: engine='sglang' needs device='cuda' (SGLang runs on CUDA GPUs "
-                         f"only, and its weight sync uses CUDA IPC or NCCL)")
-    if not 0 < cfg.sglang_mem_fraction < 1:
-        raise ValueError(f"sglang_mem_fraction={cfg.sglang_mem_fraction}: must be in (0, 1), the fraction of each "
-                         f"GPU's memory SGLang's weights and KV cache may take")
-    if cfg.max_staleness:
-        raise ValueError(f"max_staleness={cfg.max_staleness}: engine='sglang' runs synchronous steps for now (a "
-                         f"colocated engine sleeps while the trainer trains); use max_staleness=0")
 
 
 # ----------------------------------------------------------------------------- requests and responses
@@ -205,7 +161,8 @@ def decode_routed_experts(payload, num_tokens: int, cfg: ModelConfig) -> torch.T
     SGLang sends base64 of int32 [num_tokens, num_hidden_layers, top_k] (logical expert
     ids); the first `first_k_dense_replace` layers are dense (GLM-4.5) and their rows are
     dropped. num_tokens is T + C - 1 when the request set routed_experts_start_len=0.
-    Raises ValueError when the size does not match.
+    Raises ValueError when the size does not match or an id is not a valid one (model.check_routes: ids that
+    enter from outside are checked here, once, not in every replayed forward).
     """
     # Format as SGLang documents it (sgl-project/sglang R3 usage notes, and sglang-jax
     # docs/features/return_routed_experts.md, after sglang PR 12162): base64-decode,
@@ -219,9 +176,10 @@ def decode_routed_experts(payload, num_tokens: int, cfg: ModelConfig) -> torch.T
     if flat.numel() != want:
         raise ValueError(f"routed_experts holds {flat.numel()} ids; expected {num_tokens} tokens x {cfg.n_layers} "
                          f"layers x {cfg.top_k} = {want}")
-    # (num_tokens, n_layers, K) -> (num_tokens, L, K): the dense layers come first; copy=True owns the memory
-    return flat.view(num_tokens, cfg.n_layers, cfg.top_k)[:, cfg.first_k_dense_replace:].to(
-        route_dtype(cfg.num_experts), copy=True)
+    # (num_tokens, n_layers, K) -> (num_tokens, L, K): the dense layers come first
+    routes = flat.view(num_tokens, cfg.n_layers, cfg.top_k)[:, cfg.first_k_dense_replace:]
+    check_routes(routes, cfg.num_experts)  # before the cast: an id past route_dtype's range would wrap around
+    return routes.to(route_dtype(cfg.num_experts), copy=True)  # copy=True owns the memory
 
 
 def decode_sglang_output(out: dict, prompt_ids: list[int], *, cfg: ModelConfig, group_id: int,
@@ -633,35 +591,38 @@ class SGLangEngine:
         return broadcast
 
 
-def build_sglang_engine(cfg, tok, model_path: str) -> SGLangEngine:
-    """The SGLang rollout engine a config.TrainConfig asks for (engine='sglang'); every rank calls it.
+def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngine:
+    """The SGLang rollout engine of a run (engine.name='sglang', rollout.ENGINES); every rank calls it.
 
-    sglang_urls "": colocated. Local rank 0 of each node launches a server on the node's
+    engine.sglang_urls "": colocated. Local rank 0 of each node launches a server on the node's
     LOCAL_WORLD_SIZE GPUs (tensor parallel over them, expert parallel over them when they divide
-    the experts) loading model_path, a hub-layout folder (blockwise FP8 when cfg.rollout_fp8:
-    hf.save_hf(model, path, fp8=True) writes one); every rank of the node generates through it.
-    sglang_urls set: every rank generates through those servers (already serving the same model)
-    and rank 0 pushes the weights over NCCL. tok: the run's tokenizer (its stop_ids end a
-    completion). Raises ValueError (check_sglang_config's) on a config that cannot run.
+    the experts) loading the run's checkpoint folder (init_hf or init_from; with engine.fp8 a
+    blockwise-FP8 copy of the policy that this writes first, hf.save_hf(fp8=True)); every rank of
+    the node generates through it. engine.sglang_urls set: every rank generates through those
+    servers (already serving the same model) and rank 0 pushes the weights over NCCL. tok: the
+    run's tokenizer (its stop_ids end a completion). config.RELATIONS has refused a run this
+    cannot serve (no checkpoint, no CUDA, async steps).
     """
-    from distributed import all_gather_list, rank_world
-    check_sglang_config(cfg)
+    engine_cfg = cfg.engine
     rank, _ = rank_world()
-    urls = parse_sglang_urls(cfg.sglang_urls)
-    if urls:
-        return SGLangEngine.from_engine([SGLangServer(u) for u in urls], cfg.model, eos_id=tok.stop_ids,
-                                        fp8=cfg.rollout_fp8, leader=rank == 0, join_group=join_update_group)
+    if engine_cfg.urls:
+        return SGLangEngine.from_engine([SGLangServer(u) for u in engine_cfg.urls], cfg.model, eos_id=tok.stop_ids,
+                                        fp8=engine_cfg.fp8, leader=rank == 0, join_group=join_update_group)
+    path = cfg.init_hf or cfg.init_from
+    if engine_cfg.fp8:  # colocated SGLang serves FP8 from a blockwise-FP8 checkpoint
+        path = os.path.join(cfg.out_dir, "sglang_fp8")  # on a filesystem every node sees
+        save_hf(policy, path, write=rank == 0, fp8=True)  # a collective: every rank calls it
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     _barrier()  # a checkpoint rank 0 has just written (the FP8 one) is complete before any server loads it
     engine = None
     if local_rank == 0:
         ep = local_world if cfg.model.num_experts % local_world == 0 else 1  # SGLang's EP splits experts evenly
-        engine = SGLangEngine(model_path, eos_id=tok.stop_ids, fp8=cfg.rollout_fp8, tp_size=local_world, ep_size=ep,
-                              mem_fraction_static=cfg.sglang_mem_fraction, seed=cfg.seed)
+        engine = SGLangEngine(path, eos_id=tok.stop_ids, fp8=engine_cfg.fp8, tp_size=local_world, ep_size=ep,
+                              mem_fraction_static=engine_cfg.sglang_mem_fraction, seed=cfg.seed)
     # every rank learns its node leader's URL (torchrun numbers a node's ranks consecutively); the gather also
     # waits for the leaders' servers to be up
     node_url = all_gather_list([engine.servers[0].url if engine is not None else None])[rank - local_rank]
     if engine is None:  # a non-leader rank: generates through its node's server, sends no weights
-        engine = SGLangEngine.from_engine(SGLangServer(node_url), cfg.model, eos_id=tok.stop_ids, fp8=cfg.rollout_fp8,
+        engine = SGLangEngine.from_engine(SGLangServer(node_url), cfg.model, eos_id=tok.stop_ids, fp8=engine_cfg.fp8,
                                           leader=False, colocated=True)
     return engine

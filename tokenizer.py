@@ -442,10 +442,14 @@ class Tokenizer:
 
 
 def _read_json(path: str, default: dict | None = None) -> dict:
+    """The JSON of file `path`, or default when it is absent (None: required). Raises ValueError naming the file."""
     if default is not None and not os.path.exists(path):
         return default
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{os.path.basename(path)} is not JSON ({e})") from None
 
 
 def _chat_template(path: str, config: dict) -> str | None:
@@ -471,11 +475,11 @@ def load_hf_tokenizer(path: str) -> Tokenizer:
     template), chat_template.jinja (wins over tokenizer_config's) and generation_config.json
     (eos_token_id, an int or a list). stop_ids: generation_config's eos ids, then the tokenizer's eos if
     not among them; pad: pad_token, else the first stop id. Raises ValueError when tokenizer.json is
-    missing, for what hf_encoding refuses, and when no eos is named anywhere."""
+    missing, a file is not JSON, for what hf_encoding refuses, and when no eos is named anywhere."""
     tokenizer_path = os.path.join(path, "tokenizer.json")
     if not os.path.exists(tokenizer_path):
-        raise ValueError(f"{tokenizer_path} not found: a checkpoint's tokenizer is read from a Hugging Face fast "
-                         f"tokenizer's tokenizer.json (byte-level BPE), with tokenizer_config.json and "
+        raise ValueError(f"{path} holds no tokenizer.json: a checkpoint's tokenizer is read from a Hugging Face "
+                         f"fast tokenizer's tokenizer.json (byte-level BPE), with tokenizer_config.json and "
                          f"generation_config.json beside it")
     tj = _read_json(tokenizer_path)
     enc = hf_encoding(tj)

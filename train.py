@@ -40,25 +40,22 @@ from tqdm import tqdm
 
 from checkpoint import (latest_checkpoint, read_checkpoint, resume_checkpoint, rng_state, set_rng_state,
                         write_checkpoint)
-from checks import ConfigError, check_config, check_tokenizer
-from config import TrainConfig, parse_args
-from distributed import (Meshes, all_gather_list, build_model, collective_group, load_shards, rank_world,
-                         reference_copy, setup_distributed)
-from espo import LossConfig, ragged_group_advantages
-from filter import (STAGE1_COUNTS, STAGE2_COUNTS, FilterConfig, PromptHistory, Scored, is_informative, oversample_size,
+from config import ConfigError, TrainConfig, parse_args
+from data import Item, ItemList, Prompts, RunData, load_run_data, prompt_ids
+from distributed import Meshes, all_gather_list, build_model, rank_world, reference_copy, setup_distributed
+from espo import ragged_group_advantages
+from filter import (STAGE1_COUNTS, STAGE2_COUNTS, PromptHistory, Scored, is_informative, oversample_size,
                     post_rollout_filter, pre_rollout_filter, probe_decisions)
-from hf import save_hf
+from hf import check_weights, save_hf
 from metrics import MetricsLog, plot
-from data import Item, ItemList, Prompts, demonstration, load_tasks, prompt_ids
-from reward import RewardConfig, reward_model_for, shaped_rewards
-from rollout import NativeEngine, build_engine, producer_engine
-from sampler import Rollout, SamplingParams
-from weights import full_tensor, policy_tensors
+from reward import reward_model_for, shaped_rewards
+from rollout import Engine, build_engine, engine_builder, producer_engine
+from sampler import Rollout
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
-from sglang_engine import SGLangEngine
-from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer
+from tokenizer import Tokenizer
 from trainer import NonFiniteError, TrainBatch, lr_at, sft_step, train_on_rollouts
+from weights import full_tensor, policy_tensors
 
 STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds (probes, the rest, over-sampling)
 ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken as hung
@@ -66,12 +63,17 @@ ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken a
 
 @dataclass
 class Run:
-    """What a run carries from step to step, built once (`start_run`). Each concern's settings are
-    built from cfg here (config.py), so the step passes them on and never reads a sentinel."""
+    """What a run carries from step to step, built once (`start_run`). Its settings are cfg's sections
+    (cfg.loss, cfg.filter, cfg.reward, cfg.sampling, ...), read where they are used."""
     cfg: TrainConfig
-    engine: NativeEngine | SGLangEngine  # generates rollouts (rollout.build_engine); follows every policy update
+    engine: Engine  # generates rollouts (rollout.build_engine); follows every policy update
     tok: Tokenizer
     prompts: Prompts
+    # State the rollout side changes step by step, checkpointed and restored on resume. Plain fields, so the
+    # async producer's view of the run (dataclasses.replace(run, engine=...)) holds these very objects.
+    predictor: LengthPredictor  # completion lengths, for length-bucketed generation and stage 1's estimates
+    filter_rng: random.Random  # stage 1's draws only, apart from torch's RNG
+    history: PromptHistory = field(default_factory=PromptHistory)  # each prompt's last pass rate (stages 1, 2)
     model: torch.nn.Module | None = None  # the policy (FSDP/EP-sharded under torchrun)
     opt: torch.optim.Optimizer | None = None  # the RL optimizer (SFT has its own)
     ref_model: torch.nn.Module | None = None  # the KL penalty's frozen reference
@@ -79,24 +81,9 @@ class Run:
     eval_items: list[Item] = field(default_factory=list)
     log: MetricsLog = field(default_factory=MetricsLog)  # in memory only, unless given MetricsLog(cfg)
     pool: RewardPool | None = None  # reward workers that score while generation goes on
-    history: PromptHistory = field(default_factory=PromptHistory)  # each prompt's last pass rate (stages 1, 2)
+    scorer: object = None  # reward model or judge (reward.reward_model_for), None without one
     evals: dict = field(default_factory=dict)  # "after_sft" / "after_rl": (sampled, greedy) accuracy per prompt
     t_start: float = field(default_factory=time.perf_counter)
-    loss: LossConfig = field(init=False)
-    filt: FilterConfig = field(init=False)
-    sampling: SamplingParams = field(init=False)
-    shaping: RewardConfig = field(init=False)
-    scorer: object = field(init=False)  # reward model or judge (reward.reward_model_for), None without one
-    predictor: LengthPredictor = field(init=False)  # completion lengths, for length-bucketed generation
-    filter_rng: random.Random = field(init=False)  # stage 1's draws only, apart from torch's RNG
-
-    def __post_init__(self):
-        cfg = self.cfg
-        self.loss, self.filt, self.sampling = cfg.loss_config(), cfg.filter_config(), cfg.sampling_params()
-        self.shaping = cfg.reward_config()
-        self.scorer = reward_model_for(self.shaping)
-        self.predictor = LengthPredictor(prior=cfg.max_new_tokens / 2)
-        self.filter_rng = random.Random(cfg.seed)
 
 
 # ----------------------------------------------------------------------------- the RL step
@@ -117,7 +104,7 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     every group was dropped), and metrics. Never changes the policy, so the async loop runs it on its
     producer thread. Callers run it inside one rollout phase of the engine (on the sharded policy the
     weights are gathered once for all of its generate calls)."""
-    cfg, filt = run.cfg, run.filt
+    cfg, filt = run.cfg, run.cfg.filter
     t0 = time.perf_counter()
     groups = []  # (item, [Scored]) in draw order: what the stages have kept so far
     streams = itertools.count()  # numbers the step's generate rounds, so each draws its own random numbers
@@ -134,16 +121,19 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
         if filt.skip_prob > 0:  # stage 1, before rollout: skip prompts last seen all-correct or all-wrong
             predicted = [predicted_length(run, it, len(run.prompts.ids[it.question])) for it in items]
             keep, counts = pre_rollout_filter([it.question for it in items], run.history, step, filt,
-                                              rng=run.filter_rng, predicted_tokens=predicted)
+                                              group_size=cfg.group_size, rng=run.filter_rng,
+                                              predicted_tokens=predicted)
             items = [it for it, k in zip(items, keep) if k]
             stage1.update(counts)
         if not items:
             continue
         if filt.probe_size:  # stage 2, during rollout: k probes first, the rest only where they disagree
             new = sample_groups(run, items, filt.probe_size, step, next(streams))
-            go_on, counts = probe_decisions(new, [run.history.records.get(it.question) for it in items], filt)
+            go_on, counts = probe_decisions(new, [run.history.records.get(it.question) for it in items], filt,
+                                            group_size=cfg.group_size)
             if go_on:
-                rest = sample_groups(run, [items[i] for i in go_on], filt.rest_size, step, next(streams))
+                rest = sample_groups(run, [items[i] for i in go_on], filt.rest_size(cfg.group_size), step,
+                                     next(streams))
                 for i, extra in zip(go_on, rest):
                     new[i] = new[i] + extra  # probes first, in order
             stage2.update(counts)
@@ -162,8 +152,9 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     # shaping (penalties, reward model, judge) moves a reward only inside its correctness class, so no
     # correct response can get a negative advantage (reward.adjust_rewards)
     rewards = correct
-    if run.shaping.shapes:
-        rewards = [shaped_rewards(c, [s.payload.completion_ids for s in g], run.shaping, scorer=run.scorer,
+    if cfg.reward.shapes:
+        rewards = [shaped_rewards(c, [s.payload.completion_ids for s in g], cfg.reward,
+                                  max_new_tokens=cfg.sampling.max_new_tokens, scorer=run.scorer,
                                   prompt=item.question, reference=item.answer,
                                   texts=[completion_text(run.tok, s.payload) for s in g] if run.scorer else None)
                    for (item, g), c in zip(groups, correct)]
@@ -175,8 +166,8 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
         filtered.update(zvp_groups=filtered["groups_dropped"], groups_dropped=0, rollouts_dropped=0, tokens_dropped=0)
     # A = (r - mean) / std within each group (GRPO, arXiv 2402.03300); groups differ in size when stage 2
     # stopped some at their probes. Rollouts are group-major, so the concatenation lines up with them.
-    adv = torch.cat(ragged_group_advantages(rewards, scale_by_std=cfg.adv_scale_by_std, std_over=cfg.adv_std_over)
-                    or [torch.zeros(0)])  # no group at all when stage 1 skipped every prompt drawn
+    adv = torch.cat(ragged_group_advantages(rewards, scale_by_std=cfg.loss.adv_scale_by_std,
+                                            std_over=cfg.loss.adv_std_over) or [torch.zeros(0)])  # no group at all when stage 1 skipped every prompt drawn
 
     counts = {**{f"stage1_{k}": v for k, v in stage1.items()}, **{f"stage2_{k}": v for k, v in stage2.items()},
               "oversample_rounds": rounds, "prompts_drawn": drawn,
@@ -190,7 +181,7 @@ def update_policy(run: Run, batch: TrainBatch, step: int) -> dict:
     """The second half of an RL step: the policy update (trainer.py), then weight sync to the engine."""
     t0 = time.perf_counter()
     run.engine.sleep()  # a colocated SGLang engine gives its GPU memory back while the trainer trains
-    m = train_on_rollouts(run.model, run.opt, batch, step, run.cfg, run.loss, run.ref_model)
+    m = train_on_rollouts(run.model, run.opt, batch, step, run.cfg, run.ref_model)
     run.engine.wake()
     # version = RL steps trained (policy updates): the next step's rollouts record which weights produced them
     run.engine.update_weights(policy_tensors(run.model), version=step + 1)
@@ -225,7 +216,7 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
     for share in generation_batches(run.predictor, [(it.question, it.task, len(p)) for it, p in zip(items, prompts)],
                                     max(1, cfg.gen_batch_rows // n), num_workers=world, worker=rank):
         # share: this rank's indices into items (maybe none), which become the rollouts' group ids
-        generated = run.engine.generate([prompts[i] for i in share], run.sampling, n=n, group_ids=share, seed=seed)
+        generated = run.engine.generate([prompts[i] for i in share], cfg.sampling, n=n, group_ids=share, seed=seed)
         if run.pool is not None:  # rollouts of a prompt come out in order, so (stream, group, j) names each one
             for j, r in enumerate(generated):
                 run.pool.submit((stream, r.group_id, j % n), completion_text(run.tok, r), items[r.group_id])
@@ -245,13 +236,13 @@ def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int,
     else:
         # on this thread, each bounded by reward_timeout_s as a worker's would be
         results = [score_inline(run.prompts.task.score, completion_text(run.tok, r), items[r.group_id],
-                                timeout_s=run.cfg.reward_timeout_s) for r in rollouts]
+                                timeout_s=run.cfg.reward.timeout_s) for r in rollouts]
         rewards, reasons = [w for w, _ in results], [why for _, why in results]
     scored = [Scored(reward=w, num_tokens=len(r.completion_ids), payload=r, reason=why)
               for w, r, why in zip(rewards, rollouts, reasons)]
     rank, world = rank_world()
     if world > 1:
-        tokens = bool(run.shaping.shapes)
+        tokens = run.cfg.reward.shapes
         everyone = all_gather_list([dataclasses.replace(s, payload=s.payload.summary(rank, tokens)) for s in scored])
         mine = iter(scored)  # this rank's part of the gathered list, in the same order: keep the full rollouts
         scored = [next(mine) if s.payload.rank == rank else s for s in everyone]
@@ -353,11 +344,10 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
     Raises whatever the producer raised, or TimeoutError if no batch arrives in ROLLOUT_TIMEOUT_S.
     """
     cfg = run.cfg
-    # the producer's view of the run: its own engine; prompts, history, predictor and RNG are shared (only
-    # the producer touches them during RL, and the trainer reads them for checkpoints while it waits)
-    producer, group = dataclasses.replace(run, engine=producer_engine(run.engine, run.cfg, run.tok, run.model)), None
-    if producer.engine.sharded:  # its own process groups: its collectives never interleave with the trainer's
-        group = producer.engine.model.meshes.fsdp.get_group()
+    # the producer's view of the run: its own engine; prompts, history, predictor and filter RNG are the very
+    # objects the trainer's run holds (only the producer changes them during RL; the trainer checkpoints them
+    # while the producer waits, Pipeline's sync_before)
+    producer = dataclasses.replace(run, engine=producer_engine(run.engine, cfg, run.model))
     threads = torch.get_num_threads()
     rollout_threads, trainer_threads = cfg.rollout_threads, cfg.trainer_threads
     if torch.device(cfg.device).type == "cpu":  # split the cores; on a GPU each thread only launches work
@@ -370,14 +360,12 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
         if rollout_threads:
             torch.set_num_threads(rollout_threads)  # OpenMP teams are per thread
         t = time.perf_counter()
-        with collective_group(group), producer.engine.phase():
+        with producer.engine.phase():  # on the sharded policy its collectives run on the producer's own groups
             m, batch = collect_rollouts(producer, step)
         m["t_rollout"] = time.perf_counter() - t
         return m, batch
 
     def apply(weights, version):  # on the producer thread, between its steps
-        if producer.engine.sharded:
-            load_shards(producer.engine.model, weights)  # this rank's shards: no communication
         producer.engine.update_weights(weights.items(), version=version)
 
     sync_after = sync_after or (lambda step: False)
@@ -442,8 +430,7 @@ def evaluate(run: Run, *, samples: int, temperature: float) -> torch.Tensor:
     run draws from the same random stream.
     """
     cfg, items = run.cfg, run.eval_items
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p,
-                            top_k=cfg.top_k)
+    params = dataclasses.replace(cfg.sampling, temperature=temperature)
     scores = []
     rows = max(1, cfg.eval_batch_rows // samples)
     rank, world = rank_world()
@@ -462,7 +449,7 @@ def evaluate(run: Run, *, samples: int, temperature: float) -> torch.Tensor:
 
 def run_eval(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled (mean of eval_samples at the rollout temperature) and greedy accuracy per held-out prompt, logged."""
-    sampled = evaluate(run, samples=run.cfg.eval_samples, temperature=run.cfg.temperature)
+    sampled = evaluate(run, samples=run.cfg.eval_samples, temperature=run.cfg.sampling.temperature)
     greedy = evaluate(run, samples=1, temperature=0.0)
     (acc, se), (g_acc, g_se) = mean_se(sampled), mean_se(greedy)
     run.log({"stage": "eval", "step": step, "eval_acc": acc, "eval_se": se, "eval_greedy_acc": g_acc,
@@ -497,43 +484,50 @@ def checkpoint(run: Run, opt, phase: str, step: int):
     write_checkpoint(run.cfg.out_dir, position, run.model, opt, state, run.cfg)
 
 
-def start_run(cfg: TrainConfig, meshes: Meshes | None, resumed: dict | None) -> Run:
-    """Tokenizer, prompts, policy, engine, metrics log and filter state of a fresh (or resumed) run."""
-    task, held_out = load_tasks(cfg)
-    tok = run_tokenizer(cfg, task)
+@dataclass
+class Start:
+    """What a run starts from, read and checked once before any work (`prepare`, then `resume_checkpoint`
+    under main): the same objects the run then uses."""
+    data: RunData  # tasks, tokenizer, training prompts and the held-out items (data.load_run_data)
+    history: PromptHistory  # stages 1-2's records: the offline pass rates, if any (a resumed run's replace them)
+    offline_rates: int = 0  # rows of filter.pass_rate_file read into history
+    ckpt: str | None = None  # the checkpoint folder the run resumes from (None: afresh) and its trainer state
+    resumed: dict | None = None
+
+
+def prepare(cfg: TrainConfig) -> Start:
+    """Every file the run reads, read once and checked, before any work: the engine's name (rollout.ENGINES),
+    out_dir, the checkpoint folder's weights (their headers; load_hf reads them later), the data and the
+    tokenizer (data.load_run_data), the offline pass rates. Raises ValueError naming the field (and the file)."""
+    engine_builder(cfg.engine.name)
+    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
+        raise ValueError(f"out_dir={cfg.out_dir!r}: a file is there; need a folder (or nothing, to create one)")
+    for key in ("init_hf", "init_from"):
+        if getattr(cfg, key):
+            check_weights(f"{key}={getattr(cfg, key)!r}", getattr(cfg, key))
+    start = Start(data=load_run_data(cfg), history=PromptHistory())
+    if cfg.filter.pass_rate_file:
+        try:
+            start.offline_rates = start.history.load_offline(cfg.filter.pass_rate_file)
+        except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:  # a folder, bad bytes, a bad row
+            raise ValueError(f"filter.pass_rate_file={cfg.filter.pass_rate_file!r}: {e}") from None
+    return start
+
+
+def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
+    """The policy, engine, metrics log and reward workers of a fresh (or resumed) run, around what
+    `prepare` read."""
+    data = start.data
     if rank_world()[0] == 0:
         with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
             f.write(json.dumps(dataclasses.asdict(cfg), default=str, indent=1))
-    # held-out prompts no training prompt repeats (reasoning-gym repeats questions), as long as Prompts allows
-    unseen = held_out.exclude({it.question for it in task.items})
-    fits = (it for it in unseen if len(prompt_ids(tok, held_out, it, cfg.system_prompt)) <= cfg.prompt_limit())
-    eval_items = list(itertools.islice(fits, cfg.eval_size))
-    if len(eval_items) < cfg.eval_size:
-        raise ValueError(f"only {len(eval_items)} held-out prompts ({cfg.eval_data or 'reasoning-gym'}) are unseen in "
-                         f"training and at most max_prompt_tokens={cfg.prompt_limit()} long; need eval_size={cfg.eval_size}")
     model = build_model(cfg, meshes)  # before the engine: both draw their init from torch's RNG
-    engine = build_engine(cfg, tok, model)
-    # the data order from its own generator: it does not depend on what else drew from torch's RNG
-    order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    return Run(cfg=cfg, engine=engine, tok=tok, prompts=Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt),
-               model=model, held_out=held_out, eval_items=eval_items,
-               log=MetricsLog(cfg, keep=resumed["num_records"] if resumed else None),
-               pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
-               if cfg.reward_workers else None)
-
-
-def run_tokenizer(cfg: TrainConfig, task: ItemList) -> Tokenizer:
-    """The checkpoint's tokenizer (init_hf, or init_from: an earlier run's), else the tiny demo's own
-    BPE learned from the task's prompts and answers (tokenizer.py). Raises ValueError when its ids do
-    not fit the model's vocabulary, or a system prompt has no chat template to go in."""
-    source = cfg.init_hf or cfg.init_from
-    if source:
-        tok = load_hf_tokenizer(source)
-    else:
-        tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
-                                             vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges))
-    check_tokenizer(cfg, tok, repr(source) if source else "the demo BPE")  # the demo's is first known here
-    return tok
+    return Run(cfg=cfg, engine=build_engine(cfg, data.tok, model), tok=data.tok, prompts=data.prompts,
+               predictor=LengthPredictor(prior=cfg.sampling.max_new_tokens / 2), filter_rng=random.Random(cfg.seed),
+               history=start.history, model=model, held_out=data.held_out, eval_items=data.eval_items,
+               log=MetricsLog(cfg, keep=start.resumed["num_records"] if start.resumed else None),
+               pool=RewardPool(data.task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+               if cfg.reward.workers else None, scorer=reward_model_for(cfg.reward))
 
 
 def save_model(run: Run):
@@ -546,17 +540,17 @@ def save_model(run: Run):
         run.tok.save(run.cfg.out_dir)
 
 
-def run(cfg: TrainConfig, meshes: Meshes | None = None) -> dict:
-    """main's body once the config is checked and the process group (if any) is up."""
+def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
+    """main's body once the config and the files are checked and the process group (if any) is up."""
     rank, world = rank_world()
     if rank == 0:
         print(json.dumps(dataclasses.asdict(cfg), default=str))  # the resolved config
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)  # the policy's init; sampling and data order have their own seeded streams
+    ckpt, resumed = start.ckpt, start.resumed
     try:
-        ckpt, resumed = resume_checkpoint(cfg)  # under resume=auto past any newer checkpoint that fails to load
-        r = start_run(cfg, meshes, resumed)
-    except ValueError as e:  # what only building the run could find (a checkpoint, the eval set): still before any work
+        r = start_run(cfg, start, meshes)
+    except ValueError as e:  # what only building the run could find (a checkpoint's tensors): still before any work
         raise ConfigError(str(e)) from e
     if rank == 0:
         print(f"model: {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M params; {len(r.prompts.task)} train "
@@ -564,6 +558,8 @@ def run(cfg: TrainConfig, meshes: Meshes | None = None) -> dict:
               + (f"; resuming from {ckpt} ({resumed['step'] + 1} {resumed['phase']} steps done)" if ckpt else ""))
         if r.prompts.skipped:
             print(f"skipped {r.prompts.skipped} training prompts longer than max_prompt_tokens={cfg.prompt_limit()}")
+        if start.offline_rates and (resumed is None or resumed["phase"] == "sft"):
+            print(f"stage 1: {start.offline_rates} offline pass rates from {cfg.filter.pass_rate_file}")
 
     if resumed is None or resumed["phase"] == "sft":  # a fresh run, or one resumed inside its SFT warm-up
         opt, start = sft_optimizer(r.model, cfg), 0
@@ -580,7 +576,7 @@ def run(cfg: TrainConfig, meshes: Meshes | None = None) -> dict:
         r.evals["after_sft"] = r.evals["after_rl"] = run_eval(r, 0)
         r.opt = rl_optimizer(r.model, cfg)
         # the KL penalty's reference: a frozen copy of the policy as RL starts, kept only when used
-        r.ref_model = reference_copy(r.model, cfg, meshes) if cfg.kl_coef != 0 else None
+        r.ref_model = reference_copy(r.model, cfg, meshes) if cfg.loss.kl_coef != 0 else None
         rl_start = 0
     else:  # resumed inside RL: optimizer, reference, data position, filter and predictor as checkpointed
         r.opt = rl_optimizer(r.model, cfg)
@@ -593,10 +589,6 @@ def run(cfg: TrainConfig, meshes: Meshes | None = None) -> dict:
         r.filter_rng.setstate(resumed["filter_rng"])
         set_rng_state(resumed["rng"])
         r.engine.update_weights(policy_tensors(r.model), version=rl_start)
-    if cfg.pass_rate_file and resumed is None:  # a resumed run's history already holds them
-        n = r.history.load_offline(cfg.pass_rate_file)
-        if rank == 0:
-            print(f"stage 1: {n} offline pass rates from {cfg.pass_rate_file}")
 
     rl_loop(r, rl_start)
     if r.pool is not None:
@@ -615,7 +607,7 @@ def summarize(run: Run) -> dict:
         plot(run.log.records, os.path.join(cfg.out_dir, "plot.png"))
         start = "after SFT" if cfg.sft_steps else "before RL"  # a checkpoint's run has no SFT warm-up
         print(f"{f'held-out accuracy (n={len(run.eval_items)} prompts)':<38}{start:<17}{'after RL':<17}RL gain")
-    for k, name in enumerate([f"sampled (mean of {cfg.eval_samples}, T={cfg.temperature})", "greedy"]):
+    for k, name in enumerate([f"sampled (mean of {cfg.eval_samples}, T={cfg.sampling.temperature})", "greedy"]):
         (a0, s0), (a1, s1) = mean_se(after_sft[k]), mean_se(after_rl[k])
         gain, paired_se = mean_se(after_rl[k] - after_sft[k])  # same prompts before and after: a paired difference
         if rank == 0:
@@ -639,24 +631,33 @@ def stopped(e: NonFiniteError, cfg: TrainConfig) -> str:
 
 
 def main(cfg: TrainConfig) -> dict:
-    """Run SFT then RL as configured; returns the held-out accuracies before and after RL.
+    """Run SFT then RL as configured (cfg as load_config built and checked it); returns the held-out
+    accuracies before and after RL.
 
-    Under torchrun (WORLD_SIZE > 1) every rank runs this: see setup_distributed. With cfg.resume
-    it continues from a checkpoint exactly where that run was (same weights, optimizer, data
-    position, RNGs, filter history and length predictor), so a resumed run ends with the weights
-    an uninterrupted one would have.
+    Before any work every file the run reads is read and checked once (`prepare`; a problem is a
+    ConfigError). Under torchrun (WORLD_SIZE > 1) every rank runs this: see setup_distributed. With
+    cfg.resume it continues from a checkpoint exactly where that run was (same weights, optimizer,
+    data position, RNGs, filter history and length predictor), so a resumed run ends with the
+    weights an uninterrupted one would have.
     """
     if cfg.dry_run:
         print(json.dumps(dataclasses.asdict(cfg), default=str))
         from plan import print_plan
         return {"plan": print_plan(cfg)}
-    check_config(cfg)
+    try:
+        start = prepare(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     meshes = setup_distributed(cfg)
     if torch.device(cfg.device).type == "cuda":
         # beside bf16 compute, the fp32 matmuls left (the router's) use TF32 tensor cores; a float32 run stays exact
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.compute_dtype() != torch.float32
     try:
-        return run(cfg, meshes)
+        try:  # a collective under torchrun: rank 0 chooses, past any newer checkpoint that fails to load
+            start.ckpt, start.resumed = resume_checkpoint(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        return run(cfg, start, meshes)
     finally:
         import torch.distributed as dist
         if dist.is_initialized():
@@ -665,9 +666,7 @@ def main(cfg: TrainConfig) -> dict:
 
 if __name__ == "__main__":
     try:
-        config = parse_args(sys.argv[1:])
-        if not config.dry_run:
-            check_config(config)
+        config = parse_args(sys.argv[1:])  # every field's rule and the relations across sections, once
     except (ValueError, FileNotFoundError) as e:  # a config mistake: say what is wrong, without a traceback
         sys.exit(f"config error: {e}")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:

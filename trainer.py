@@ -38,7 +38,7 @@ import torch
 
 from config import TrainConfig
 from distributed import all_gather_list, all_reduce_float, idle_forward, padded_microbatches, rank_world
-from espo import LossConfig, mismatch_metrics, policy_loss
+from espo import mismatch_metrics, policy_loss
 from filter import zvp_token_advantages
 from logprobs import NO_TARGET
 
@@ -283,7 +283,7 @@ def policy_logprobs(model, batch: TrainBatch, idx: list[int], cfg: TrainConfig):
     logits are never held.
     """
     inputs, targets, mask, routes = batch.micro(idx, cfg)
-    (logp_BT, entropy_BT), _ = model(inputs, targets, temperature=cfg.temperature, routed_experts=routes)
+    (logp_BT, entropy_BT), _ = model(inputs, targets, temperature=cfg.sampling.temperature, routed_experts=routes)
     return logp_BT, entropy_BT, mask
 
 
@@ -295,18 +295,27 @@ def old_logprobs(model, batch: TrainBatch, seqs: list[int], cfg: TrainConfig):
             idle_forward(model, cfg, backward=False)
             continue
         logp_BT, entropy_BT, _ = policy_logprobs(model, batch, idx, cfg)
-        batch.set_old(idx, logp_BT, entropy_BT, cfg.zvp_alpha)
+        batch.set_old(idx, logp_BT, entropy_BT, cfg.filter.zvp_alpha)
+
+
+def minibatch_normalizer(batch: TrainBatch, members: list[int], aggregation: str, max_new_tokens: int) -> float:
+    """What one mini-batch's loss is divided by, over every rank's members, so its micro-batches add up to
+    the mini-batch's mean: its tokens (token-mean), its sequences times the generation budget (Dr.GRPO's
+    seq-mean-token-sum-norm), else its sequences."""
+    if aggregation == "token-mean":
+        return sum(batch.all_lens[g] for g in members)
+    return len(members) * (max_new_tokens if aggregation == "seq-mean-token-sum-norm" else 1)
 
 
 def minibatch_backward(model, batch: TrainBatch, members: list[int], first: bool, cfg: TrainConfig,
-                       loss_cfg: LossConfig, ref_model=None) -> tuple[float, list[dict]]:
+                       ref_model=None) -> tuple[float, list[dict]]:
     """Accumulate the gradient of one mini-batch's loss (this rank's share of `members`); returns the
     loss (summed over ranks) and each micro-batch's loss metrics. first: the step's first mini-batch,
     whose pi_old comes from this forward."""
     world = rank_world()[1]
-    # the loss of one optimizer step is a mean over the whole mini-batch, not per micro-batch
-    normalizer = sum(batch.all_lens[g] for g in members) if loss_cfg.aggregation == "token-mean" else len(members)
-    needs_infer = loss_cfg.tis_cap is not None or loss_cfg.icepop_bounds is not None
+    loss_cfg = cfg.loss
+    normalizer = minibatch_normalizer(batch, members, loss_cfg.aggregation_name, cfg.sampling.max_new_tokens)
+    needs_infer = loss_cfg.tis_cap is not None or loss_cfg.icepop is not None
     total, metrics = 0.0, []
     for idx in rank_microbatches(batch, batch.local(members), cfg):
         if not idx:  # this rank has run out of micro-batches: join the others' collectives
@@ -317,14 +326,14 @@ def minibatch_backward(model, batch: TrainBatch, members: list[int], first: bool
         logp, entropy, mask = policy_logprobs(model, batch, idx, cfg)
         T = mask.shape[1]
         if first:  # pi_old = pi_theta until the first optimizer step (detached: no graph is kept)
-            batch.set_old(idx, logp, entropy, cfg.zvp_alpha)
+            batch.set_old(idx, logp, entropy, cfg.filter.zvp_alpha)
         ref_logp = None
         if ref_model is not None:  # the KL penalty's reference, under the same replayed routes
             with torch.no_grad():
                 ref_logp = policy_logprobs(ref_model, batch, idx, cfg)[0]
         old_logp_BT = pad_rows([batch.old_logp[i] for i in idx], T)
         loss, lm = policy_loss(
-            logp, old_logp_BT, batch.advantages(idx, T).to(cfg.device), mask, loss_cfg,
+            logp, old_logp_BT, batch.advantages(idx, T).to(cfg.device), mask, loss_cfg, vocab_size=cfg.model.vocab_size,
             old_entropy_BT=pad_rows([batch.old_ent[i] for i in idx], T), ref_logp_BT=ref_logp,
             infer_logp_BT=batch.engine_logp(idx, T).to(cfg.device) if needs_infer else None, normalizer=normalizer)
         (loss * world if world > 1 else loss).backward()  # times world: FSDP averages gradients over ranks
@@ -333,13 +342,12 @@ def minibatch_backward(model, batch: TrainBatch, members: list[int], first: bool
     return all_reduce_float(total), metrics
 
 
-def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig, loss_cfg: LossConfig,
-                      ref_model=None) -> dict:
+def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig, ref_model=None) -> dict:
     """The policy update of one RL step (module docstring, 1-4); returns metrics.
 
     pi_old is recomputed by the trainer (not taken from the engine), so with stale rollouts the
     ratio is taken against the current weights and pi_infer / pi_old is what TIS or IcePop
-    correct. ref_model: the frozen reference of the KL penalty (needed when loss_cfg.kl_coef != 0).
+    correct. ref_model: the frozen reference of the KL penalty (needed when cfg.loss.kl_coef != 0).
     """
     split = minibatches(len(batch.all_lens), cfg, step)  # over every rank's sequences, the same on all
     check_advantages([batch.adv_B], step)  # before any forward: a NaN reward or std would reach every weight
@@ -350,7 +358,7 @@ def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig
     m, losses, lmetrics = {}, [], []
     lr = lr_at(step, cfg.lr, cfg.lr_warmup_steps, cfg.rl_steps, cosine=False)
     for mb, members in enumerate(split):
-        loss, metrics = minibatch_backward(model, batch, members, mb == 0, cfg, loss_cfg, ref_model)
+        loss, metrics = minibatch_backward(model, batch, members, mb == 0, cfg, ref_model)
         if mb == 0:  # RL-ZVP's token advantages come from pi_old's entropy: all of them exist from here on
             check_advantages(list(batch.adv_tokens.values()), step)
         m["grad_norm"] = optimizer_step(model, opt, cfg, lr, loss, phase="rl", step=step)

@@ -10,12 +10,12 @@ rl_steps = 4
 prompts_per_step = 8
 group_size = 8
 max_prompt_tokens = 256
-max_new_tokens = 64
+sampling = dict(max_new_tokens=64)
 lr = 1e-5
 num_minibatches = 1
 microbatch_tokens = 4096
 gen_batch_rows = 64
-zero_variance = "rl-zvp"
+filter = dict(zero_variance="rl-zvp")
 eval_every = 2
 eval_size = 16
 eval_samples = 2

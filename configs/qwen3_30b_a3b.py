@@ -24,11 +24,11 @@ weight_decay = 0.1
 prompts_per_step = 128
 group_size = 16  # 2048 rollouts per step
 max_prompt_tokens = 2048  # longer prompts are skipped; the engine plan sizes its KV cache by it
-max_new_tokens = 8192
+sampling = dict(max_new_tokens=8192)
 num_minibatches = 4
 gen_batch_rows = 32  # rows per generate call: its static KV cache holds them at full length (1 GiB a row here)
-probe_size = 4  # stage 2: 4 probes per prompt, the other 12 only where the probes disagree
-reward_workers = 8  # math-verify scores while generation goes on
+filter = dict(probe_size=4)  # stage 2: 4 probes per prompt, the other 12 only where the probes disagree
+reward = dict(workers=8)  # math-verify scores while generation goes on
 eval_every = 25
 eval_size = 500  # all of MATH-500
 eval_batch_rows = 32

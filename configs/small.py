@@ -24,10 +24,10 @@ sft_lr = 1e-3
 rl_steps = 1000
 prompts_per_step = 256
 group_size = 16  # 4096 rollouts per step
-max_new_tokens = 64
+sampling = dict(max_new_tokens=64)
 gen_batch_rows = 4096  # a whole step in one engine call: decode is latency-bound at this size
 eval_batch_rows = 4096
 lr = 1e-5
 num_minibatches = 4
 microbatch_tokens = 32768
-tis_cap = 2.0  # engine in its own precision and batch: correct the small train-inference gap
+loss = dict(tis_cap=2.0)  # engine in its own precision and batch: correct the small train-inference gap

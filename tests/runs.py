@@ -1,12 +1,16 @@
 """A train.Run for tests: a micro model, a byte tokenizer, a stand-in task and a fresh engine."""
 
+import random
+
 import torch
 
 import train
 from config import TrainConfig, load_config
 from model import Transformer
 from data import Item, ItemList
+from reward import reward_model_for
 from rollout import NativeEngine
+from scheduler import LengthPredictor
 from scoring import RewardPool
 from tokenizer import build_tokenizer, demo_tokenizer
 
@@ -21,7 +25,7 @@ sft_batch_size = 8
 rl_steps = 3
 prompts_per_step = 4
 group_size = 4
-max_new_tokens = 8
+sampling = dict(max_new_tokens=8)
 eval_every = 2
 """
 
@@ -52,6 +56,7 @@ def make_run(cfg: TrainConfig, task=None) -> train.Run:
     engine.update_weights(model.named_parameters(), version=0)
     return train.Run(cfg=cfg, engine=engine, tok=tok, model=model,
                      prompts=train.Prompts(task, list(range(len(task))), tok, cfg.prompt_limit()),
-                     opt=torch.optim.AdamW(model.parameters(), lr=cfg.lr),
-                     pool=RewardPool(task.score, workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s)
-                     if cfg.reward_workers else None)
+                     predictor=LengthPredictor(prior=cfg.sampling.max_new_tokens / 2), filter_rng=random.Random(cfg.seed),
+                     opt=torch.optim.AdamW(model.parameters(), lr=cfg.lr), scorer=reward_model_for(cfg.reward),
+                     pool=RewardPool(task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+                     if cfg.reward.workers else None)

@@ -21,7 +21,7 @@ class CountingPrompts(train.Prompts):
 
 
 def run_async(tmp_path, overrides):
-    cfg = micro_config(tmp_path, ["temperature=1.5", "lr=1e-2"] + overrides)
+    cfg = micro_config(tmp_path, ["sampling.temperature=1.5", "lr=1e-2"] + overrides)
     run = make_run(cfg)
     run.prompts = CountingPrompts(ParityTask(), run.tok, cfg.prompt_limit())
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
@@ -31,7 +31,8 @@ def run_async(tmp_path, overrides):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_async_rollouts_are_at_most_max_staleness_versions_old_and_the_policy_trains(tmp_path, k):
-    cfg, model, engine, before, metrics, drawn = run_async(tmp_path, [f"max_staleness={k}", "rl_steps=5", "tis_cap=2.0"])
+    cfg, model, engine, before, metrics, drawn = run_async(tmp_path, [f"max_staleness={k}", "rl_steps=5",
+                                                                      "loss.tis_cap=2.0"])
     assert [m["step"] for m in metrics] == list(range(5))
     for s, m in enumerate(metrics):
         assert max(0, s - k) <= m["weight_version_min"] <= m["weight_version_max"] <= s
@@ -49,8 +50,8 @@ def test_async_rollouts_are_at_most_max_staleness_versions_old_and_the_policy_tr
 
 def test_async_loop_runs_the_filter_stages_and_rl_zvp_on_the_producer(tmp_path):
     cfg, model, engine, before, metrics, drawn = run_async(tmp_path, [
-        "max_staleness=1", "rl_steps=3", "probe_size=2", "enlarged_group_size=6", "oversample_rounds=1",
-        "zero_variance=rl-zvp"])
+        "max_staleness=1", "rl_steps=3", "filter.probe_size=2", "filter.enlarged_group_size=6",
+        "filter.oversample_rounds=1", "filter.zero_variance=rl-zvp"])
     for m in metrics:
         assert "skipped_update" not in m and m["trained_sequences"] == m["filter/rollouts_generated"]
         assert m["filter/zvp_sequences"] >= 2 * m["filter/zvp_groups"]
@@ -58,7 +59,7 @@ def test_async_loop_runs_the_filter_stages_and_rl_zvp_on_the_producer(tmp_path):
 
 
 def test_stale_rollouts_show_a_logprob_gap_that_tis_sees(tmp_path):
-    metrics = run_async(tmp_path, ["max_staleness=1", "rl_steps=4", "tis_cap=2.0"])[4]
+    metrics = run_async(tmp_path, ["max_staleness=1", "rl_steps=4", "loss.tis_cap=2.0"])[4]
     by_staleness = {}
     for m in metrics:
         if "skipped_update" not in m and m["async/staleness_min"] == m["async/staleness_max"]:
@@ -113,7 +114,8 @@ def test_async_checkpoints_hold_no_rollout_run_ahead_and_resume_finishes(tmp_pat
         path = tmp_path / f"{name}.py"
         path.write_text(MICRO + f"out_dir = {str(out)!r}\n")
         # stage 1 on (it never skips at skip_prob 1e-9), so the prompt history is recorded and checkpointed
-        train.main(train.parse_args([str(path), "sft_lr=1e-3", "ckpt_every=1", "ckpt_keep=20", "skip_prob=1e-9", *over]))
+        train.main(train.parse_args([str(path), "sft_lr=1e-3", "ckpt_every=1", "ckpt_keep=20", "filter.skip_prob=1e-9",
+                                     *over]))
         return out
 
     def states(out):

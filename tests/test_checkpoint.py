@@ -44,11 +44,9 @@ sft_batch_size = 8
 rl_steps = 4
 prompts_per_step = 4
 group_size = 4
-max_new_tokens = 8
-temperature = 1.5
+sampling = dict(max_new_tokens=8, temperature=1.5)
 eval_every = 3
-zero_variance = "rl-zvp"
-skip_prob = 0.5
+filter = dict(zero_variance="rl-zvp", skip_prob=0.5)
 lr = 1e-3
 """
 TOTAL_STEPS = 3 + 4  # sft_steps + rl_steps: checkpoint positions 1..7
@@ -154,13 +152,13 @@ def test_prompt_history_round_trips_through_its_state_dict():
 def test_resume_with_a_kl_reference_model_ends_bitwise_equal(tmp_path):
     """The KL penalty's frozen reference travels in the checkpoint (full tensors) and comes back."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    path, over = config(tmp_path, full, "ckpt_every=1", "ckpt_keep=20", "kl_coef=0.1")
+    path, over = config(tmp_path, full, "ckpt_every=1", "ckpt_keep=20", "loss.kl_coef=0.1")
     train.main(load_config(path, over))
     shutil.copytree(full, resumed)
     for d in (resumed / "ckpt").iterdir():
         if int(d.name.split("_")[1]) > 5:  # keep up to RL step 1 (3 SFT steps, then 2 RL steps)
             shutil.rmtree(d)
-    train.main(load_config(path, [f"out_dir={resumed}", "ckpt_every=1", "ckpt_keep=20", "kl_coef=0.1",
+    train.main(load_config(path, [f"out_dir={resumed}", "ckpt_every=1", "ckpt_keep=20", "loss.kl_coef=0.1",
                                         "resume=auto"]))
     a, b = weights(full), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -336,11 +334,13 @@ def test_run_stopped_by_a_nan_keeps_its_last_good_checkpoint_newest_and_resumes_
     step = {}
 
     def at_temperature_zero_from_rl_step_1(model, batch, idx, cfg):
-        return real(model, batch, idx, dataclasses.replace(cfg, temperature=0.0) if step.get("rl", 0) >= 1 else cfg)
+        if step.get("rl", 0) >= 1:  # SamplingParams allows 0 (greedy); only a run's config refuses it (RELATIONS)
+            cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, temperature=0.0))
+        return real(model, batch, idx, cfg)
 
-    def note_step(model, opt, batch, rl_step, *args):
+    def note_step(model, opt, batch, rl_step, cfg, ref_model=None):
         step["rl"] = rl_step
-        return trainer.train_on_rollouts(model, opt, batch, rl_step, *args)
+        return trainer.train_on_rollouts(model, opt, batch, rl_step, cfg, ref_model)
 
     monkeypatch.setattr(trainer, "policy_logprobs", at_temperature_zero_from_rl_step_1)
     monkeypatch.setattr(train, "train_on_rollouts", note_step)

@@ -2,10 +2,12 @@
 
 import json
 import os
+import re
 
 import pytest
 
-from data import HumanEvalTask, Item, MATH_INSTRUCTION, MathTask, TaskMix, load_task
+from config import load_config
+from data import HumanEvalTask, Item, MATH_INSTRUCTION, MathTask, TaskMix, load_task, load_tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.environ.get("EVERYPROMPT_DATA", os.path.join(REPO, "..", "shared", "data"))
@@ -108,6 +110,20 @@ def test_each_task_words_its_prompt_for_a_chat_model(tmp_path):
     assert f"```python\n{HUMANEVAL['prompt'].rstrip()}\n```" in message and "```python code block" in message
     mix = TaskMix([("chain_sum", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1))], seed=0, size=2)
     assert mix.user_message(mix[0]) == mix[0].question  # the demo's prompts, ids and all, stay as they were
+
+
+def test_bad_task_specs_and_data_files_are_refused_naming_their_setting(tmp_path):
+    with pytest.raises(ValueError, match=r"tasks\[1\]=\('chain_sum', \{'no_such_kwarg': 1\}\): reasoning-gym refuses it"):
+        TaskMix([("chain_sum", {}), ("chain_sum", dict(no_such_kwarg=1))], seed=0, size=2)
+    good, bad = write_jsonl(tmp_path, [MATH]), write_jsonl(tmp_path, [MATH, {"problem": "p"}], name="bad.jsonl")
+
+    def tasks(train, evals):
+        return load_tasks(load_config(None, [f"train_data={train}", f"eval_data={evals}", f"out_dir={tmp_path / 'run'}"]))
+    assert [len(t) for t in tasks(good, good)] == [1, 1]
+    with pytest.raises(ValueError, match=re.escape(f"train_data={bad!r}: ") + ".*line 2"):
+        tasks(bad, good)
+    with pytest.raises(ValueError, match=re.escape(f"eval_data={str(tmp_path / 'none.jsonl')!r}: no such file")):
+        tasks(good, tmp_path / "none.jsonl")
 
 
 def test_demonstrations_earn_the_full_reward(tmp_path):

@@ -42,12 +42,10 @@ sft_batch_size = 8
 rl_steps = 3
 prompts_per_step = 4
 group_size = 4
-max_new_tokens = 8
-temperature = 1.5
+sampling = dict(max_new_tokens=8, temperature=1.5)
 gen_batch_rows = 8
 eval_every = 2
-zero_variance = "rl-zvp"
-zvp_alpha = 1.0
+filter = dict(zero_variance="rl-zvp", zvp_alpha=1.0)
 lr = 1e-3
 ckpt_every = 0
 """
@@ -65,7 +63,7 @@ def records(out):
 
 
 # each torchrun case costs 20-40 s on 2 cores: the KL variant, the sync resume and the seeded start are `slow`
-@pytest.mark.parametrize("extra", [[], pytest.param(["kl_coef=0.5"], marks=pytest.mark.slow)],
+@pytest.mark.parametrize("extra", [[], pytest.param(["loss.kl_coef=0.5"], marks=pytest.mark.slow)],
                          ids=["plain", "kl-to-sharded-reference"])
 def test_two_ranks_with_ep2_match_the_one_process_run_step_by_step(tmp_path, extra):
     cfg_path = tmp_path / "cfg.py"
@@ -230,16 +228,19 @@ def test_two_rank_model_starts_from_the_one_process_weights(tmp_path, init):
     """Random init: every rank builds the 1-process model under the seed and keeps its slice.
     HF: built on meta, sharded, then each rank reads its slice of the checkpoint (load_hf)."""
     import socket
+    # vocab_size: the byte-level demo tokenizer's 259 ids fit (bpe_merges=0), a relation load_config checks
     overrides = ["ep=2", "model.num_experts=4", "model.dim=32", "model.n_layers=2", "model.n_heads=4",
-                 "model.n_kv_heads=2", "model.head_dim=8", "model.moe_inter_dim=16", "model.vocab_size=64",
-                 "model.qk_norm=true"]
+                 "model.n_kv_heads=2", "model.head_dim=8", "model.moe_inter_dim=16", "model.vocab_size=320",
+                 "bpe_merges=0", "model.qk_norm=true"]
     cfg = load_config(None, overrides)
     torch.manual_seed(cfg.seed)
     if init == "hf":
         torch.manual_seed(123)
         saved = Transformer(cfg.model)  # weights the run's own seed would not give
         save_hf(saved, str(tmp_path / "hf"))
-        cfg = load_config(None, overrides + [f"init_hf={tmp_path / 'hf'}"])
+        # lengths that fit the model's 1024 positions (CHECKPOINT_DEFAULTS' 1024 + 4096 do not)
+        cfg = load_config(None, overrides + [f"init_hf={tmp_path / 'hf'}", "sampling.max_new_tokens=64",
+                                             "max_prompt_tokens=0"])
         torch.manual_seed(cfg.seed)
     want = dict(distributed.build_model(cfg).named_parameters())
     if init == "hf":

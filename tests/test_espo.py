@@ -11,7 +11,7 @@ from reference_losses import espo_bins, reference_loss
 V = 50
 TOL = 1e-10
 TOKEN_AGGS = [a for a in AGGREGATIONS if a != "seq-mean-bin-mean-token-mean"]
-MAX_TOKENS = 16  # Dr.GRPO's constant normaliser in these tests (>= T)
+MAX_TOKENS = 16  # Dr.GRPO's generation budget in these tests (>= T): its normalizer is sequences x MAX_TOKENS
 # clip ranges wide enough that some tokens (or sequences) clip and some do not on random_batch
 TEST_EPS = {"grpo": (0.2, 0.28), "drgrpo": (0.2, 0.2), "gspo": (0.04, 0.06), "gspo-token": (0.04, 0.06),
             "gmpo": (0.3, 0.4), "cispo": (0.3, 0.2)}
@@ -43,13 +43,19 @@ def value_and_grad(fn, logp):
     return loss.detach(), logp.grad.clone()
 
 
-TENSOR_ARGS = ("old_entropy_BT", "ref_logp_BT", "infer_logp_BT", "normalizer")
+POLICY_LOSS_ARGS = ("vocab_size", "old_entropy_BT", "ref_logp_BT", "infer_logp_BT", "normalizer")
 
 
-def loss_call(b, **kw):
-    """espo.policy_loss on batch b with kw split into LossConfig fields and policy_loss's own arguments."""
-    tensors = {k: kw.pop(k) for k in TENSOR_ARGS if k in kw}
-    return policy_loss(b["logp"], b["old"], b["adv"], b["mask"], LossConfig(**kw), **tensors)
+def loss_call(b, max_tokens=None, **kw):
+    """espo.policy_loss on batch b with kw split into LossConfig fields and policy_loss's own arguments.
+
+    max_tokens: Dr.GRPO's generation budget; when the aggregation in use is seq-mean-token-sum-norm and no
+    normalizer is given, the normalizer is b's sequences x max_tokens (none without max_tokens)."""
+    args = {k: kw.pop(k) for k in POLICY_LOSS_ARGS if k in kw}
+    cfg = LossConfig(**kw)
+    if max_tokens is not None and "normalizer" not in args and cfg.aggregation_name == "seq-mean-token-sum-norm":
+        args["normalizer"] = b["mask"].shape[0] * max_tokens
+    return policy_loss(b["logp"], b["old"], b["adv"], b["mask"], cfg, **args)
 
 
 def ours(b, loss_type, **kw):
@@ -57,7 +63,7 @@ def ours(b, loss_type, **kw):
     eps = TEST_EPS.get(loss_type, (None, None))
     kw = {"clip_eps_low": eps[0], "clip_eps_high": eps[1], "max_tokens": MAX_TOKENS, "old_entropy_BT": b["ent"],
           "vocab_size": V, **kw}
-    return loss_call(b, loss_type=loss_type, **kw)
+    return loss_call(b, type=loss_type, **kw)
 
 
 def reference(b, loss_type, aggregation, **kw):
@@ -109,7 +115,7 @@ def test_kl_penalty_matches_float64_loop_reference(loss_type, estimator):
 @pytest.mark.parametrize("loss_type", ["grpo", "gspo-token", "cispo", "espo"])
 def test_tis_and_icepop_match_float64_loop_reference(loss_type, correction):
     b = random_batch(seed=4)
-    ours_kw = dict(tis_cap=2.0) if correction == "tis" else dict(icepop_bounds=(0.5, 2.0))
+    ours_kw = dict(tis_cap=2.0) if correction == "tis" else dict(icepop=(0.5, 2.0))
     ref_kw = dict(tis_cap=2.0) if correction == "tis" else dict(icepop=(0.5, 2.0))
     assert_parity(b, loss_type, PAPER_AGG[loss_type], ours_kw=dict(infer_logp_BT=b["infer"], **ours_kw),
                   ref_kw=dict(infer=b["infer"], **ref_kw))
@@ -122,7 +128,7 @@ def test_tis_and_icepop_match_float64_loop_reference(loss_type, correction):
 def test_default_clip_ranges_are_the_papers(loss_type, eps):
     b = random_batch(seed=5)
     want = reference(b, loss_type, PAPER_AGG[loss_type], eps_low=eps[0], eps_high=eps[1])
-    got = loss_call(b, loss_type=loss_type, max_tokens=MAX_TOKENS)[0]
+    got = loss_call(b, type=loss_type, max_tokens=MAX_TOKENS)[0]
     assert abs(float((got - want).detach())) <= TOL
 
 
@@ -159,7 +165,7 @@ def test_espo_with_one_entropy_bin_is_gspo_token_with_the_adaptive_clip():
             n = b["mask"][i].sum()
             eps = float(alpha * (b["ent"][i] * b["mask"][i]).sum() / n.clamp(min=1) / math.log(V))
             row = {k: b[k][i:i + 1] for k in ("logp", "old", "adv", "mask")}
-            total = total + loss_call(row, loss_type="gspo-token", clip_eps_low=eps, clip_eps_high=eps,
+            total = total + loss_call(row, type="gspo-token", clip_eps_low=eps, clip_eps_high=eps,
                                       aggregation="seq-mean-token-mean", normalizer=B)[0]
         return total
 
@@ -189,7 +195,8 @@ def test_zero_variance_group_gives_zero_gradient(loss_type):
 def test_normalizer_splits_a_batch_into_micro_batches_that_add_up(loss_type, aggregation):
     b = random_batch()
     whole = ours(b, loss_type, aggregation=aggregation)[0]
-    norm = b["mask"].sum() if aggregation == "token-mean" else 6
+    norm = (b["mask"].sum() if aggregation == "token-mean" else 6 * MAX_TOKENS
+            if aggregation == "seq-mean-token-sum-norm" else 6)  # Dr.GRPO's: sequences x the generation budget
     parts = sum(ours({k: v[s] for k, v in b.items()}, loss_type, aggregation=aggregation, normalizer=norm)[0]
                 for s in (slice(0, 2), slice(2, 6)))
     assert abs(float((whole - parts).detach())) <= 1e-12
@@ -227,7 +234,7 @@ def test_clip_fractions_count_tokens_on_the_clipped_side():
     ratios = torch.tensor([[0.5, 1.0, 1.5, 1.1], [0.5, 1.0, 1.5, 1.1]], dtype=torch.float64)
     mask = torch.ones(2, 4, dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    m = policy_loss(ratios.log(), old, adv, mask, LossConfig(loss_type="grpo", clip_eps_low=0.2, clip_eps_high=0.28))[1]
+    m = policy_loss(ratios.log(), old, adv, mask, LossConfig(type="grpo", clip_eps_low=0.2, clip_eps_high=0.28))[1]
     # A > 0 clips only above 1.28 (the 1.5), A < 0 only below 0.8 (the 0.5)
     assert m["clip_frac_high"] == 1 / 8 and m["clip_frac_low"] == 1 / 8
     assert (m["ratio_min"], m["ratio_max"]) == (0.5, 1.5) and abs(m["ratio_mean"] - 1.025) < 1e-12
@@ -244,18 +251,18 @@ def test_metrics_report_entropy_bin_sizes_kl_and_mismatch():
 def test_bad_options_are_value_errors():
     b = random_batch()
     cases = [
-        (dict(loss_type="ppo"), "loss_type"),
-        (dict(loss_type="espo"), "vocab_size"),
-        (dict(loss_type="espo", vocab_size=V), "old_entropy"),
-        (dict(loss_type="grpo", aggregation="sum"), "aggregation"),
-        (dict(loss_type="gspo", aggregation="seq-mean-bin-mean-token-mean"), "entropy bins"),
-        (dict(loss_type="drgrpo"), "max_tokens"),
-        (dict(loss_type="grpo", clip_eps_low=-0.1), "clip eps"),
-        (dict(loss_type="grpo", kl_coef=0.1), "ref_logp"),
-        (dict(loss_type="grpo", kl_estimator="k7"), "kl_estimator"),
-        (dict(loss_type="grpo", tis_cap=2.0), "infer_logp"),
-        (dict(loss_type="grpo", infer_logp_BT=b["infer"], tis_cap=2.0, icepop_bounds=(0.5, 2.0)), "exactly one"),
-        (dict(loss_type="grpo", infer_logp_BT=b["infer"], icepop_bounds=(2.0, 0.5)), "icepop_bounds"),
+        (dict(type="ppo"), "type='ppo'"),
+        (dict(type="espo", old_entropy_BT=b["ent"]), "vocab_size"),
+        (dict(type="espo", vocab_size=V), "old_entropy"),
+        (dict(type="grpo", aggregation="sum"), "aggregation"),
+        (dict(type="gspo", aggregation="seq-mean-bin-mean-token-mean"), "entropy bins"),
+        (dict(type="drgrpo"), "normalizer = sequences x max_tokens"),
+        (dict(type="grpo", clip_eps_low=-0.1), "clip_eps_low"),
+        (dict(type="grpo", kl_coef=0.1), "ref_logp"),
+        (dict(type="grpo", kl_estimator="k7"), "kl_estimator"),
+        (dict(type="grpo", tis_cap=2.0), "infer_logp"),
+        (dict(type="grpo", infer_logp_BT=b["infer"], tis_cap=2.0, icepop=(0.5, 2.0)), "one mismatch correction"),
+        (dict(type="grpo", infer_logp_BT=b["infer"], icepop=(2.0, 0.5)), "icepop"),
     ]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):

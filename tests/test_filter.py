@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import train
+from config import load_config
 from filter import (OFFLINE_WEIGHT, FilterConfig, PromptHistory, PromptRecord, Scored, post_rollout_filter,
                     pre_rollout_filter, probe_decisions, rest_agree_probability, zvp_token_advantages)
 from data import Item, ItemList
@@ -60,8 +61,9 @@ def test_pre_rollout_filter_skips_recent_zero_variance_prompts_and_counts_the_sa
     h = PromptHistory()
     h.observe("a", 1.0, step=3)
     h.observe("b", 0.25, step=3)
-    cfg = FilterConfig(group_size=8, skip_prob=1.0, skip_half_life=10.0)
-    keep, stats = pre_rollout_filter(["a", "b", "c"], h, 3, cfg, rng=random.Random(0), predicted_tokens=[5.0, 7.0, 9.0])
+    cfg = FilterConfig(skip_prob=1.0, skip_half_life=10.0)
+    keep, stats = pre_rollout_filter(["a", "b", "c"], h, 3, cfg, group_size=8, rng=random.Random(0),
+                                     predicted_tokens=[5.0, 7.0, 9.0])
     assert keep == [False, True, True]
     assert stats == {"prompts_skipped": 1, "rollouts_saved": 8, "tokens_saved_est": 40.0}
 
@@ -71,7 +73,8 @@ def test_a_prompt_drawn_many_times_is_skipped_with_its_skip_probability_not_that
     keys = [f"q{i}" for i in range(2000)]
     for k in keys:
         h.observe(k, 0.0, step=0)
-    cfg, kw = FilterConfig(group_size=8, skip_prob=1.0, skip_half_life=1.0), dict(rng=rng, predicted_tokens=[1.0] * len(keys))
+    cfg = FilterConfig(skip_prob=1.0, skip_half_life=1.0)
+    kw = dict(group_size=8, rng=rng, predicted_tokens=[1.0] * len(keys))
     visits = [pre_rollout_filter(keys, h, 1, cfg, **kw)[0] for _ in range(5)]  # five draws of every prompt at step 1
     assert all(v == visits[0] for v in visits)  # one decision per record, not one per visit
     assert sum(not kept for kept in visits[0]) / len(keys) == pytest.approx(0.5, abs=0.04)  # 2^(-1/1)
@@ -94,12 +97,13 @@ def test_offline_pass_rates_are_applied_once_and_bad_rows_rejected(tmp_path):
 
 
 def test_probes_that_agree_stop_the_prompt_and_the_others_get_the_rest_of_their_group(tmp_path):
-    cfg = FilterConfig(group_size=8, probe_size=2)
-    go_on, stats = probe_decisions([scored([1.0, 1.0]), scored([0.0, 0.0]), scored([1.0, 0.0])], [None] * 3, cfg)
+    cfg = FilterConfig(probe_size=2)
+    go_on, stats = probe_decisions([scored([1.0, 1.0]), scored([0.0, 0.0]), scored([1.0, 0.0])], [None] * 3, cfg,
+                                   group_size=8)
     assert go_on == [2]
     assert stats == {"prompts_stopped": 2, "rollouts_saved": 12, "tokens_saved_est": 120.0, "rollouts_added": 0}
     run, calls = scripted_run(tmp_path, {"easy": [1.0], "hard": [0.0], "mixed": [1.0, 0.0]},
-                              ["group_size=8", "probe_size=2"])
+                              ["group_size=8", "filter.probe_size=2"])
     m, batch = train.collect_rollouts(run, 0)
     assert calls == [(["easy", "hard", "mixed"], 2), (["mixed"], 6)]
     assert m["filter/rollouts_generated"] == 2 + 2 + 8 and m["filter/stage2_prompts_stopped"] == 2
@@ -108,16 +112,24 @@ def test_probes_that_agree_stop_the_prompt_and_the_others_get_the_rest_of_their_
 
 def test_informative_prompts_can_get_an_enlarged_group(tmp_path):
     run, calls = scripted_run(tmp_path, {"easy": [1.0], "mixed": [1.0, 0.0]},
-                              ["probe_size=2", "enlarged_group_size=6"])
+                              ["filter.probe_size=2", "filter.enlarged_group_size=6"])
     m, _ = train.collect_rollouts(run, 0)
     assert calls == [(["easy", "mixed"], 2), (["mixed"], 4)]
     assert m["filter/rollouts_generated"] == 2 + 6 and m["filter/stage2_rollouts_added"] == 2
 
 
-@pytest.mark.parametrize("probe_size, enlarged", [(1, 0), (8, 0), (0, 12), (2, 6)])
-def test_bad_probe_settings_are_value_errors(probe_size, enlarged):
-    with pytest.raises(ValueError):
-        FilterConfig(group_size=8, probe_size=probe_size, enlarged_group_size=enlarged)
+@pytest.mark.parametrize("probe_size, enlarged, refused", [(1, 0, "probe_size=1"), (8, 0, "probe_size=8"),
+                                                             (0, 12, "enlarged_group_size=12"),
+                                                             (2, 6, "enlarged_group_size=6")])
+def test_bad_probe_settings_are_value_errors(tmp_path, probe_size, enlarged, refused):
+    # FilterConfig refuses what needs no group size (one probe, enlarging without probes); config.RELATIONS refuses
+    # the settings that do not fit group_size=8 (probes of the whole group, an "enlarged" group smaller than it)
+    if (probe_size, enlarged) in ((1, 0), (0, 12)):
+        with pytest.raises(ValueError, match=refused):
+            FilterConfig(probe_size=probe_size, enlarged_group_size=enlarged)
+    with pytest.raises(ValueError, match=rf"filter\.{refused}:"):
+        load_config(None, [f"filter.probe_size={probe_size}", f"filter.enlarged_group_size={enlarged}", "group_size=8",
+                           f"out_dir={tmp_path / 'run'}"])
 
 
 def test_with_every_stage_off_the_driver_samples_each_prompt_once_with_a_full_group(tmp_path):
@@ -129,7 +141,7 @@ def test_with_every_stage_off_the_driver_samples_each_prompt_once_with_a_full_gr
 
 def test_over_sampling_draws_prompts_until_the_batch_has_its_informative_groups(tmp_path):
     script = {f"p{i}": ([1.0, 0.0] if i % 2 else [0.0]) for i in range(40)}  # every other prompt is informative
-    run, calls = scripted_run(tmp_path, script, ["prompts_per_step=4", "probe_size=2", "oversample_rounds=3"])
+    run, calls = scripted_run(tmp_path, script, ["prompts_per_step=4", "filter.probe_size=2", "filter.oversample_rounds=3"])
     m, _ = train.collect_rollouts(run, 0)
     assert m["filter/groups_informative"] >= 4 and m["filter/oversample_rounds"] == 1
     # probes of the 4 drawn, the rest of the 2 informative; 2 missing at rate 1/2: 4 more drawn, and so on
@@ -139,7 +151,7 @@ def test_over_sampling_draws_prompts_until_the_batch_has_its_informative_groups(
 
 def test_history_from_one_step_makes_stage_one_skip_the_next(tmp_path):
     run, calls = scripted_run(tmp_path, {"easy": [1.0], "mixed": [1.0, 0.0]},
-                              ["skip_prob=1.0", "skip_half_life=100.0"])
+                              ["filter.skip_prob=1.0", "filter.skip_half_life=100.0"])
     train.collect_rollouts(run, 0)
     calls.clear()
     m, _ = train.collect_rollouts(run, 1)  # the same two prompts again: the task's order cycles
@@ -151,7 +163,7 @@ def test_history_from_one_step_makes_stage_one_skip_the_next(tmp_path):
 
 def test_agreeing_probes_stop_a_prompt_unless_its_history_makes_the_rest_likely_to_differ(tmp_path):
     script = {"was_mixed": [1.0, 1.0, 0.0, 0.0], "unseen": [1.0, 1.0, 0.0, 0.0]}  # the first two probes agree
-    run, calls = scripted_run(tmp_path, script, ["probe_size=2"])
+    run, calls = scripted_run(tmp_path, script, ["filter.probe_size=2"])
     run.history.observe("was_mixed", 0.5, step=0, n=4)
     m, _ = train.collect_rollouts(run, 1)
     assert calls == [(["unseen", "was_mixed"], 2), (["was_mixed"], 2)] and m["filter/stage2_prompts_stopped"] == 1
@@ -174,8 +186,8 @@ def test_rest_agree_probability_is_the_beta_posterior_predictive():
 
 @pytest.mark.parametrize("threshold", [-0.1, 1.5])
 def test_stop_threshold_outside_unit_interval_is_refused(threshold):
-    with pytest.raises(ValueError, match="stop_threshold"):
-        FilterConfig(group_size=8, probe_size=4, stop_threshold=threshold)
+    with pytest.raises(ValueError, match="probe_stop_threshold"):
+        FilterConfig(probe_size=4, probe_stop_threshold=threshold)
 
 
 def test_history_state_dict_round_trips_and_reads_older_two_field_records():
@@ -201,8 +213,8 @@ def test_rl_zvp_rewards_confident_wrong_tokens_least_and_uncertain_correct_token
     h = torch.tensor([0.5, 2.0, 1.0])
     assert zvp_token_advantages(h, correct=True, alpha=0.1).tolist() == pytest.approx([0.05, 0.2, 0.1])
     assert zvp_token_advantages(h, correct=False, alpha=0.1).tolist() == pytest.approx([-0.15, 0.0, -0.1])
-    with pytest.raises(ValueError):
-        zvp_token_advantages(h, correct=True, alpha=-1.0)
+    with pytest.raises(ValueError, match="zvp_alpha"):  # a negative alpha is refused where it is set
+        FilterConfig(zvp_alpha=-1.0)
 
 
 @pytest.mark.parametrize("line", ['{"id": "q", "pass_rate": "0.5"}', '{"id": "q", "pass_rate": true}',

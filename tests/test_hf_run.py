@@ -13,6 +13,7 @@ import torch
 import data
 import train
 from config import load_config
+from tokenizer import load_hf_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency (requirements-dev.txt)")
 hf_checkpoint = pytest.importorskip("hf_checkpoint", reason="tests/hf_checkpoint.py builds the checkpoints")
@@ -56,7 +57,7 @@ def test_rl_from_an_hf_checkpoint_on_gsm8k_rows_saves_a_model_transformers_loads
     cfg = load_config("configs/hf_tiny.py", [
         f"init_hf={checkpoints[family]}", f"train_data={write_jsonl(tmp_path / 'train.jsonl', gsm8k_rows(32))}",
         f"eval_data={write_jsonl(tmp_path / 'test.jsonl', gsm8k_rows(8, start=100))}", f"out_dir={out}",
-        "rl_steps=2", "prompts_per_step=4", "group_size=4", "max_new_tokens=8", "eval_every=2", "eval_size=4",
+        "rl_steps=2", "prompts_per_step=4", "group_size=4", "sampling.max_new_tokens=8", "eval_every=2", "eval_size=4",
         "eval_samples=1", "ckpt_every=2"])
     # the checkpoint sets the model and CHECKPOINT_DEFAULTS what the config file leaves unset
     assert cfg.model.hf_model_type == family and cfg.model.vocab_size == hf_checkpoint.QWEN_VOCAB
@@ -75,7 +76,7 @@ def test_rl_from_an_hf_checkpoint_on_gsm8k_rows_saves_a_model_transformers_loads
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ours = train.build_model(cfg)
     train.read_checkpoint(str(out / "ckpt" / "step_00000002"), ours, train.rl_optimizer(ours, cfg))
-    ids = torch.tensor([train.load_hf_tokenizer(str(out)).prompt_ids("What is 12 times 3?")])
+    ids = torch.tensor([load_hf_tokenizer(str(out)).prompt_ids("What is 12 times 3?")])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids)[0], theirs(ids).logits, rtol=1e-4, atol=1e-4)
     # and the tokenizer round-trips: transformers renders the same prompt ids
@@ -88,8 +89,10 @@ def test_rl_from_an_hf_checkpoint_on_gsm8k_rows_saves_a_model_transformers_loads
 def test_a_model_field_that_disagrees_with_the_checkpoint_is_refused(checkpoints):
     with pytest.raises(ValueError, match=r"model\.dim=32 disagrees with .*config\.json \(64\)"):
         load_config("configs/hf_tiny.py", [f"init_hf={checkpoints['qwen3_moe']}", "model.dim=32"])
-    # a shorter context is the same function on the positions it allows
-    assert load_config(None, [f"init_hf={checkpoints['qwen3_moe']}", "model.max_seq_len=128"]).model.max_seq_len == 128
+    # a shorter context is the same function on the positions it allows (with lengths that fit in it:
+    # CHECKPOINT_DEFAULTS' sampling.max_new_tokens=4096 and max_prompt_tokens=1024 would not)
+    assert load_config(None, [f"init_hf={checkpoints['qwen3_moe']}", "model.max_seq_len=128",
+                              "sampling.max_new_tokens=64", "max_prompt_tokens=0"]).model.max_seq_len == 128
     with pytest.raises(ValueError, match=r"model\.max_seq_len=1024: at most the checkpoint's 512"):
         load_config(None, [f"init_hf={checkpoints['qwen3_moe']}", "model.max_seq_len=1024"])
 
@@ -101,11 +104,11 @@ def test_a_bad_data_row_or_an_incomplete_checkpoint_is_refused_before_any_work(t
     cfg = load_config("configs/hf_tiny.py", [f"init_hf={checkpoints['qwen3_moe']}", f"train_data={bad}",
                                              f"eval_data={good}"])
     with pytest.raises(ValueError, match=r"bad\.jsonl, line 2"):
-        train.check_config(cfg)
+        train.prepare(cfg)
     empty = tmp_path / "no_tokenizer"
     empty.mkdir()
     for name in ("config.json", "model.safetensors"):  # the weights without the tokenizer files
         shutil.copy(f"{checkpoints['qwen3_moe']}/{name}", empty / name)
     cfg = load_config("configs/hf_tiny.py", [f"init_hf={empty}", f"train_data={good}", f"eval_data={good}"])
     with pytest.raises(ValueError, match="holds no tokenizer.json"):
-        train.check_config(cfg)
+        train.prepare(cfg)

@@ -87,14 +87,14 @@ def test_sft_step_names_its_step_and_leaves_the_weights_untouched(tmp_path):
 
 
 def test_a_nan_sequence_advantage_stops_the_rl_step_before_any_forward(tmp_path):
-    run = make_run(micro_config(tmp_path, ["temperature=1.5"]))
+    run = make_run(micro_config(tmp_path, ["sampling.temperature=1.5"]))
     _, batch = train.collect_rollouts(run, 4)
     batch.adv_B[1] = math.nan
     forwards = []
     run.model.register_forward_hook(lambda *_: forwards.append(1))
     before = snapshot(run.model, run.opt)
     with pytest.raises(NonFiniteError, match=r"non-finite advantages \(1 values\) at rl step 4"):
-        train_on_rollouts(run.model, run.opt, batch, 4, run.cfg, run.loss)
+        train_on_rollouts(run.model, run.opt, batch, 4, run.cfg)
     assert not forwards and same(snapshot(run.model, run.opt), before)
 
 
@@ -106,13 +106,14 @@ class AllWrong(ParityTask):
 
 
 def test_temperature_zero_nan_token_advantages_stop_the_rl_step_before_its_optimizer_step(tmp_path):
-    run = make_run(micro_config(tmp_path, ["temperature=1.5", "zero_variance=rl-zvp"]), task=AllWrong())
+    run = make_run(micro_config(tmp_path, ["sampling.temperature=1.5", "filter.zero_variance=rl-zvp"]), task=AllWrong())
     _, batch = train.collect_rollouts(run, 0)
     assert batch.zvp and all(not correct for correct in batch.zvp.values())
     before = snapshot(run.model, run.opt)
-    cfg = dataclasses.replace(run.cfg, temperature=0.0)  # the trainer's logits / 0: NaN logprobs and entropies
+    # the trainer's logits / 0: NaN logprobs and entropies (SamplingParams allows 0; only a run's config refuses it)
+    cfg = dataclasses.replace(run.cfg, sampling=dataclasses.replace(run.cfg.sampling, temperature=0.0))
     with pytest.raises(NonFiniteError, match="non-finite advantages .* at rl step 0") as stop:
-        train_on_rollouts(run.model, run.opt, batch, 0, cfg, run.loss)
+        train_on_rollouts(run.model, run.opt, batch, 0, cfg)
     assert stop.value.quantity == "advantages"
     assert same(snapshot(run.model, run.opt), before)
 
@@ -140,16 +141,18 @@ def loss_inputs(poison: float, B=4, T=9, seed=0) -> dict:
 
 
 @pytest.mark.parametrize("extra", [dict(kl_coef=0.1, tis_cap=2.0), dict(kl_coef=0.1, kl_estimator="k1",
-                                                                        icepop_bounds=(0.5, 5.0))])
+                                                                        icepop=(0.5, 5.0))])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_policy_loss_value_and_gradient_ignore_nan_and_inf_at_masked_positions(loss_type, extra):
     results = []
     for poison in (0.0, math.nan, math.inf, -math.inf):
         b = loss_inputs(poison)
         adv = b["adv_B"] if loss_type == "gmpo" else b["adv"]  # GMPO takes one advantage per sequence
-        loss, metrics = policy_loss(b["logp"], b["old"], adv, b["mask"],
-                                    LossConfig(loss_type=loss_type, vocab_size=50, max_tokens=16, **extra),
-                                    old_entropy_BT=b["ent"], ref_logp_BT=b["ref"], infer_logp_BT=b["infer"])
+        cfg = LossConfig(type=loss_type, **extra)
+        # Dr.GRPO's seq-mean-token-sum-norm divides by sequences x the generation budget (16 tokens)
+        normalizer = len(adv) * 16 if cfg.aggregation_name == "seq-mean-token-sum-norm" else None
+        loss, metrics = policy_loss(b["logp"], b["old"], adv, b["mask"], cfg, vocab_size=50, old_entropy_BT=b["ent"],
+                                    ref_logp_BT=b["ref"], infer_logp_BT=b["infer"], normalizer=normalizer)
         loss.backward()
         results.append((loss.detach(), b["logp"].grad, metrics))
     clean = results[0]
@@ -161,7 +164,8 @@ def test_policy_loss_value_and_gradient_ignore_nan_and_inf_at_masked_positions(l
 def test_the_trainers_rl_update_ignores_nan_and_inf_at_masked_positions(tmp_path):
     """Two mini-batches (pi_old from a no-grad pass and from the loss's own forward), RL-ZVP token
     advantages: the metrics and the weights after the update are bitwise those of a clean model."""
-    run = make_run(micro_config(tmp_path, ["temperature=1.5", "num_minibatches=2", "zero_variance=rl-zvp"]))
+    run = make_run(micro_config(tmp_path, ["sampling.temperature=1.5", "num_minibatches=2",
+                                           "filter.zero_variance=rl-zvp"]))
     _, batch = train.collect_rollouts(run, 0)
     out = []
     for poison in (False, True):
@@ -169,7 +173,7 @@ def test_the_trainers_rl_update_ignores_nan_and_inf_at_masked_positions(tmp_path
         if poison:
             poison_masked_positions(model)
         opt = torch.optim.AdamW(model.parameters(), lr=run.cfg.lr)
-        m = train_on_rollouts(model, opt, copy.deepcopy(batch), 0, run.cfg, run.loss)
+        m = train_on_rollouts(model, opt, copy.deepcopy(batch), 0, run.cfg)
         out.append((m, [p.detach() for p in model.parameters()]))
     assert all(math.isfinite(v) for v in out[0][0].values())
     assert out[1][0] == out[0][0] and same(out[1][1], out[0][1])
@@ -198,8 +202,8 @@ import dataclasses, runpy, sys
 sys.path.insert(0, {root!r})
 import trainer
 real = trainer.policy_logprobs
-trainer.policy_logprobs = lambda model, batch, idx, cfg: real(model, batch, idx,
-                                                              dataclasses.replace(cfg, temperature=0.0))
+trainer.policy_logprobs = lambda model, batch, idx, cfg: real(
+    model, batch, idx, dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, temperature=0.0)))
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -209,7 +213,7 @@ def test_a_run_stopped_by_a_nan_exits_nonzero_with_one_line_naming_step_quantity
     path, out = tmp_path / "cfg.py", tmp_path / "run"
     path.write_text(MICRO)
     args = [os.path.join(ROOT, "train.py"), str(path), f"out_dir={out}", "sft_steps=2", "ckpt_every=2",
-            "zero_variance=rl-zvp", "temperature=1.5", "eval_size=8", "eval_samples=1"]
+            "filter.zero_variance=rl-zvp", "sampling.temperature=1.5", "eval_size=8", "eval_samples=1"]
     done = subprocess.run([sys.executable, "-c", TRAINER_AT_TEMPERATURE_ZERO.format(root=ROOT), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     newest = out / "ckpt" / "step_00000002"  # after the 2 SFT steps

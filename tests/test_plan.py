@@ -36,7 +36,7 @@ def test_the_plan_is_within_15_percent_of_measured_runs_in_both_dtypes():
     block, qk-norm and activation checkpointing."""
     memory = _bench_memory()
     shape = ["model.n_layers=3", "model.first_k_dense_replace=1", "model.dense_inter_dim=384", "model.qk_norm=True",
-             "activation_checkpoint=True", "microbatch_tokens=2048", "gen_batch_rows=64", "max_new_tokens=16",
+             "activation_checkpoint=True", "microbatch_tokens=2048", "gen_batch_rows=64", "sampling.max_new_tokens=16",
              "max_prompt_tokens=128"]
     runs = [(part, [*shape, f"dtype={dtype}"]) for dtype in ("float32", "bfloat16") for part in ("trainer", "engine")]
     for (part, args), measured in zip(runs, memory.measure_many(runs)):
@@ -69,7 +69,7 @@ def test_the_engine_plan_grows_with_the_prompt_limit():
 
 def test_100b_param_count_equals_transformers_on_meta():
     transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency")
-    cfg = train.parse_args([os.path.join(os.path.dirname(CONFIGS[0]), "100b.py")]).model
+    cfg = train.parse_args([os.path.join(os.path.dirname(CONFIGS[0]), "100b.py"), "dry_run=True"]).model
     with torch.device("meta"):
         ref = transformers.AutoModelForCausalLM.from_config(transformers.Glm4MoeConfig(**config_to_hf(cfg)))
     counts = param_counts(cfg)
@@ -79,14 +79,14 @@ def test_100b_param_count_equals_transformers_on_meta():
 
 def test_qwen3_30b_a3b_param_count_equals_transformers_on_meta():
     transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency")
-    cfg = train.parse_args([os.path.join(os.path.dirname(CONFIGS[0]), "qwen3_30b_a3b.py")]).model
+    cfg = train.parse_args([os.path.join(os.path.dirname(CONFIGS[0]), "qwen3_30b_a3b.py"), "dry_run=True"]).model
     with torch.device("meta"):
         ref = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**config_to_hf(cfg)))
     assert param_counts(cfg)["total"] == sum(p.numel() for p in ref.parameters())
 
 
 class ChecksPassed(Exception):
-    """Raised where main() starts building the task: every setting was accepted up to there."""
+    """Raised where main() starts the run: every setting and file was accepted up to there."""
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
@@ -94,20 +94,21 @@ def test_every_config_passes_the_checks_a_real_run_makes_before_training(path, t
     def stop(*args, **kwargs):
         raise ChecksPassed
 
-    monkeypatch.setattr(train, "load_tasks", stop)  # the first work after the checks: reading the tasks
+    # the first work after the checks (train.prepare's files, the process group, the resume checkpoint): the run
+    monkeypatch.setattr(train, "run", stop)
     cpu = [] if torch.cuda.is_available() else ["device=cpu"]  # a CUDA config's checks, on this machine's device
     with pytest.raises(ChecksPassed):
         train.main(train.parse_args([path, f"out_dir={tmp_path}", *cpu]))
 
 
 def test_small_config_fits_one_80gb_gpu():
-    cfg = train.parse_args([os.path.join(ROOT, "configs", "small.py")])
+    cfg = train.parse_args([os.path.join(ROOT, "configs", "small.py"), "dry_run=True"])
     assert cfg.gpus_per_node == 1 and plan.memory_plan(cfg, 1)["total"] < 80 * plan.GB
     assert 2e8 < param_counts(cfg.model)["total"] < 1e9  # "a few hundred M"
 
 
 def _100b():
-    return train.parse_args([os.path.join(ROOT, "configs", "100b.py")])
+    return train.parse_args([os.path.join(ROOT, "configs", "100b.py"), "dry_run=True"])
 
 
 def test_one_process_engine_bytes_are_the_replicas_tensors():
@@ -123,7 +124,7 @@ def test_one_process_engine_bytes_are_the_replicas_tensors():
     assert got["experts"] == sum(b for n, b in sizes.items() if ".mlp.experts." in n)
     assert got["dense"] == sum(b for n, b in sizes.items() if ".mlp.experts." not in n)
     assert got["dense"] + got["experts"] == plan.engine_memory(cfg, 1)["weights"]
-    cache = KVCache(cfg.model, cfg.gen_batch_rows, cfg.prompt_limit() + cfg.max_new_tokens - 1,
+    cache = KVCache(cfg.model, cfg.gen_batch_rows, cfg.prompt_limit() + cfg.sampling.max_new_tokens - 1,
                     dtype=cfg.compute_dtype(), device="meta")
     assert got["kv_cache"] == cache.k.nbytes + cache.v.nbytes
 

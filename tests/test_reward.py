@@ -17,8 +17,8 @@ import reward
 import scoring
 from data import CodeTask, load_task
 from espo import group_advantages
-from reward import (StubJudge, StubRewardModel, adjust_rewards, code_reward, extract_answer, judge_score, math_reward,
-                    overlong_penalty, repetition_penalty, rm_score)
+from reward import (RewardConfig, StubJudge, StubRewardModel, adjust_rewards, code_reward, extract_answer, judge_score,
+                    math_reward, overlong_penalty, repetition_penalty, reward_model_for, rm_score, shaped_rewards)
 from scoring import RewardPool, ScoreTimeout, score_inline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -258,6 +258,20 @@ def test_stub_reward_model_is_deterministic_and_centred_scores_lie_in_the_unit_i
 def test_adjust_rewards_rejects_a_margin_that_could_invert():
     with pytest.raises(ValueError, match="margin"):
         adjust_rewards(torch.tensor([1.0, 0.0]), torch.zeros(2), margin=0.5)
+
+
+def test_shaped_rewards_ramp_the_overlong_penalty_up_to_the_generation_limit_they_are_given():
+    correct, ids = torch.tensor([1.0, 1.0, 0.0, 0.0]), [[5] * 16, [5] * 19, [5] * 10, [5] * 18]
+    cfg = RewardConfig(overlong_buffer=4)
+    r = shaped_rewards(correct, ids, cfg, max_new_tokens=20)
+    s = torch.tensor([overlong_penalty(len(x), max_len=20, buffer=4) for x in ids], dtype=torch.float64)
+    assert torch.equal(r, adjust_rewards(correct, s, margin=cfg.shaping_margin))
+    assert r[0] > r[1] > r[2] > r[3]  # the longer within each class, the lower; every correct one above every wrong one
+    assert torch.equal(shaped_rewards(correct, ids, cfg, max_new_tokens=40), correct)  # nothing near a higher limit
+    assert shaped_rewards(correct, ids, RewardConfig(), max_new_tokens=20) is correct  # no shaping: as it was
+    assert isinstance(reward_model_for(RewardConfig(model="stub")), StubRewardModel)
+    with pytest.raises(ValueError, match="model='gpt'"):
+        RewardConfig(model="gpt")
 
 
 # ----------------------------------------------------------------------------- overlapped scoring

@@ -1,9 +1,11 @@
-"""sglang_engine.py on CPU: the config checks, the HTTP payloads and call order against a fake SGLang
-server (http.server on 127.0.0.1, answering in SGLang's documented format), and, on a CUDA machine
-with sglang installed, a real end-to-end run from the config."""
+"""sglang_engine.py on CPU: the engine settings' checks (config.EngineConfig, config.RELATIONS,
+rollout.ENGINES), the HTTP payloads and call order against a fake SGLang server (http.server on
+127.0.0.1, answering in SGLang's documented format), and, on a CUDA machine with sglang installed,
+a real end-to-end run from the config."""
 import base64
 import dataclasses
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -12,12 +14,14 @@ import pytest
 import torch
 
 import sglang_engine
-from config import TrainConfig
-from model import Transformer
+from config import EngineConfig, TrainConfig, load_config, parse_sglang_urls
+from hf_config import config_to_hf
+from model import ModelConfig, Transformer
 from fp8 import FP8
+from rollout import ENGINES, engine_builder
 from sampler import SamplingParams, route_dtype
 from weights import policy_tensors
-from sglang_engine import SGLangEngine, SGLangServer, build_sglang_engine, check_sglang_config
+from sglang_engine import SGLangEngine, SGLangServer, build_sglang_engine
 
 EOS = 1
 TOK = SimpleNamespace(stop_ids=(EOS,), pad_id=0)  # what build_sglang_engine reads of a tokenizer.Tokenizer
@@ -92,35 +96,78 @@ def routes(log, url=None) -> list[str]:
     return [r for u, r, _ in log if url is None or u in (url, None)]
 
 
-def sglang_cfg(model, **kw) -> TrainConfig:
-    return TrainConfig(engine="sglang", init_hf="/ckpt", device="cuda", model=model, **kw)
+def sglang_cfg(model, **engine) -> TrainConfig:
+    """A run's settings with engine.name='sglang' (`engine`: the section's other fields); the policy is `model`."""
+    return TrainConfig(engine=EngineConfig(name="sglang", **engine), init_hf="/ckpt", device="cuda", model=model)
 
 
 # ----------------------------------------------------------------------------- the config
 
 
+@pytest.fixture
+def run_folder(tmp_path):
+    """An earlier run's output folder, as far as load_config reads it (init_from): its config.json."""
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(ModelConfig())))
+    return str(tmp_path)
+
+
+def sglang_args(run_folder) -> list[str]:
+    """Command-line settings SGLang can run. dry_run: a CUDA config's checks on this machine, whatever its
+    devices (RELATIONS skip only the device's availability for a dry run)."""
+    return [f"init_from={run_folder}", "engine.name=sglang", "device=cuda", "dry_run=True"]
+
+
+def check_engine(args: list[str]) -> TrainConfig:
+    """What a run checks of its engine settings before any work: load_config (each field's rule, then
+    RELATIONS), then train.prepare's look-up of engine.name in rollout.ENGINES."""
+    cfg = load_config(None, args)
+    engine_builder(cfg.engine.name)
+    return cfg
+
+
 @pytest.mark.parametrize("change, field", [
-    (dict(engine="vllm"), "engine="),
-    (dict(init_hf=""), "init_hf"),
-    (dict(device="cpu"), "device="),
-    (dict(sglang_urls="localhost:30000"), "sglang_urls="),  # no scheme
-    (dict(sglang_urls="http://10.0.0.2:30000/generate"), "sglang_urls="),  # a route, not a base URL
-    (dict(sglang_urls="http://a:1,,http://b:2"), "sglang_urls="),  # an empty entry
-    (dict(sglang_urls="http://a:1,http://a:1/"), "sglang_urls="),  # one server twice
-    (dict(sglang_urls="http://a:port"), "sglang_urls="),
-    (dict(engine="native", sglang_urls="http://a:1"), "sglang_urls="),  # set but never read
-    (dict(sglang_mem_fraction=1.5), "sglang_mem_fraction="),
-    (dict(max_staleness=1), "max_staleness="),
+    (["engine.name=vllm"], r"engine\.name='vllm': need one of 'native', 'sglang'"),
+    (["init_from="], "init_hf"),
+    (["device=cpu"], r"device='cpu': engine\.name='sglang' needs device='cuda'"),
+    (["engine.sglang_urls=localhost:30000"], r"engine\.sglang_urls="),  # no scheme
+    (["engine.sglang_urls=http://10.0.0.2:30000/generate"], r"engine\.sglang_urls="),  # a route, not a base URL
+    (["engine.sglang_urls=http://a:1,,http://b:2"], r"engine\.sglang_urls="),  # an empty entry
+    (["engine.sglang_urls=http://a:1,http://a:1/"], r"engine\.sglang_urls="),  # one server twice
+    (["engine.sglang_urls=http://a:port"], r"engine\.sglang_urls="),
+    (["engine.name=native", "engine.sglang_urls=http://a:1"], r"engine\.sglang_urls="),  # set but never read
+    (["engine.sglang_mem_fraction=1.5"], r"engine\.sglang_mem_fraction="),
+    (["max_staleness=1"], r"max_staleness=1: engine\.name='sglang' runs synchronous steps"),
 ])
-def test_a_config_sglang_cannot_run_is_a_value_error_naming_the_field(tiny_cfg, change, field):
+def test_a_config_sglang_cannot_run_is_a_value_error_naming_the_field(run_folder, change, field):
     with pytest.raises(ValueError, match=field):
-        check_sglang_config(dataclasses.replace(sglang_cfg(tiny_cfg), **change))
+        check_engine(sglang_args(run_folder) + change)
 
 
-def test_a_config_sglang_can_run_passes_and_native_needs_nothing(tiny_cfg):
-    check_sglang_config(sglang_cfg(tiny_cfg, sglang_urls=" http://10.0.0.2:30000, https://h:1 "))
-    check_sglang_config(sglang_cfg(tiny_cfg))  # colocated
-    check_sglang_config(TrainConfig(model=tiny_cfg))  # the defaults: engine='native'
+def test_a_config_sglang_can_run_passes_and_native_needs_nothing(run_folder):
+    cfg = check_engine(sglang_args(run_folder) + ["engine.sglang_urls= http://10.0.0.2:30000, https://h:1 "])
+    assert cfg.engine.urls == ["http://10.0.0.2:30000", "https://h:1"]
+    assert check_engine(sglang_args(run_folder)).engine.urls == []  # colocated
+    assert check_engine([]).engine.name == "native"  # the defaults
+    assert engine_builder("sglang") is build_sglang_engine and set(ENGINES) == {"native", "sglang"}
+
+
+def test_the_engine_section_checks_its_own_fields_when_built():
+    with pytest.raises(ValueError, match="sglang_urls="):
+        EngineConfig(name="sglang", sglang_urls="http://a:1,http://a:1")
+    with pytest.raises(ValueError, match="sglang_urls="):
+        EngineConfig(sglang_urls="http://a:1")  # name='native' never reads it
+    with pytest.raises(ValueError, match="sglang_mem_fraction="):
+        EngineConfig(name="sglang", sglang_mem_fraction=0.0)
+    assert parse_sglang_urls("http://a:1/, https://b:2") == ["http://a:1", "https://b:2"] and parse_sglang_urls(" ") == []
+
+
+def test_fp8_rollouts_need_sglang_or_one_process(run_folder, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it
+    with pytest.raises(ValueError, match=r"engine\.fp8=True: the sharded native engine"):
+        check_engine(["engine.fp8=true"])
+    check_engine(sglang_args(run_folder) + ["engine.fp8=true"])  # SGLang serves FP8 on any number of ranks
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert check_engine(["engine.fp8=true"]).engine.fp8  # the native engine's own FP8 copy, in one process
 
 
 # ----------------------------------------------------------------------------- external servers
@@ -128,7 +175,7 @@ def test_a_config_sglang_can_run_passes_and_native_needs_nothing(tiny_cfg):
 
 def test_external_servers_get_the_documented_generate_payload_round_robin_by_group(tiny_cfg, log):
     a, b = FakeSGLang(tiny_cfg, log), FakeSGLang(tiny_cfg, log)
-    engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=f"{a.url},{b.url}"), TOK, "/ckpt")
+    engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=f"{a.url},{b.url}"), TOK, Transformer(tiny_cfg))
     out = engine.generate([[5, 6], [7], [9, 10, 11]], PARAMS, n=2, seed=3, group_ids=[4, 5, 6])
     sent = {u: body for u, r, body in log if r == "/generate"}
     assert sent[a.url]["input_ids"] == [[5, 6], [5, 6], [9, 10, 11], [9, 10, 11]]  # groups 4 and 6: 4 % 2 == 0
@@ -154,9 +201,9 @@ def test_external_sync_forms_the_nccl_group_once_and_broadcasts_every_bucket_in_
     joined, sent = [], []
     monkeypatch.setattr(sglang_engine, "join_update_group",
                         lambda *group: joined.append(group) or (lambda t: sent.append((t.dtype, tuple(t.shape)))))
-    engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=f"{a.url},{b.url}"), TOK, "/ckpt")
-    engine.bucket_bytes = 16 << 10
     model = Transformer(tiny_cfg)
+    engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=f"{a.url},{b.url}"), TOK, model)
+    engine.bucket_bytes = 16 << 10
     for version in (1, 2):
         engine.update_weights(policy_tensors(model), version=version)
     assert engine.weight_version == 2 and len(joined) == 1
@@ -183,13 +230,27 @@ def test_external_sync_forms_the_nccl_group_once_and_broadcasts_every_bucket_in_
 def test_fp8_sync_sends_e4m3_weights_with_inverse_scales_and_a_high_precision_router(tiny_cfg, log, monkeypatch):
     server = FakeSGLang(tiny_cfg, log)
     monkeypatch.setattr(sglang_engine, "join_update_group", lambda *group: lambda t: None)
-    engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=server.url, rollout_fp8=True), TOK, "/ckpt")
-    engine.update_weights(policy_tensors(Transformer(tiny_cfg)), version=1)
+    model = Transformer(tiny_cfg)
+    engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=server.url, fp8=True), TOK, model)
+    engine.update_weights(policy_tensors(model), version=1)
     buckets = [g for _, r, g in log if r == "/update_weights_from_distributed"]
     dtypes = {n: d for g in buckets for n, d in zip(g["names"], g["dtypes"])}
     assert dtypes["model.layers.0.self_attn.q_proj.weight"] == str(FP8).removeprefix("torch.") == "float8_e4m3fn"
     assert dtypes["model.layers.0.self_attn.q_proj.weight_scale_inv"] == "float32"
     assert dtypes["model.layers.0.mlp.gate.weight"] == "bfloat16"  # the router is never FP8: bf16, as SGLang serves it
+
+
+@pytest.mark.parametrize("bad, span", [(259, r"\[0, 259\]"), (8, r"\[0, 8\]"), (-2, r"\[-2, 7\]")])
+def test_routed_experts_with_an_id_out_of_range_are_refused_before_the_cast(tiny_cfg, bad, span):
+    # 8 experts travel as uint8: unchecked, 259 would wrap around to expert 3, a valid-looking id
+    routes = torch.arange(3 * tiny_cfg.n_layers * tiny_cfg.top_k, dtype=torch.int32) % tiny_cfg.num_experts
+    payload = base64.b64encode(routes.numpy().tobytes()).decode("ascii")
+    assert torch.equal(sglang_engine.decode_routed_experts(payload, 3, tiny_cfg).long(),
+                       routes.view(3, tiny_cfg.n_layers, tiny_cfg.top_k).long())
+    routes[:2] = torch.tensor([7, bad])  # the first token's first layer: only `bad` is wrong (distinct, no -1)
+    payload = base64.b64encode(routes.numpy().tobytes()).decode("ascii")
+    with pytest.raises(ValueError, match=f"routed_experts ids span {span}; valid ids are -1"):
+        sglang_engine.decode_routed_experts(payload, 3, tiny_cfg)
 
 
 def test_an_error_answer_names_the_server_the_route_and_sglangs_message(tiny_cfg, log):
@@ -231,6 +292,41 @@ def test_colocated_memory_is_released_before_training_and_resumed_before_rollout
     # one serialized copy of the bucket per TP rank, the cache flushed once at the end
     assert bodies[0] == {"serialized_named_tensors": ["ipc-1", "ipc-2"], "load_format": None, "flush_cache": False}
     assert len(packed) == 2 * n and packed[0][0][0] == "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["checkpoint", "fp8-copy"])
+def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_written_first(tiny_cfg, log, tmp_path,
+                                                                                           monkeypatch, fp8):
+    launched = []
+
+    class Launched:  # stands in for SGLangEngine(path, ...), the server a node's local rank 0 launches
+        def __init__(self, path, **kw):
+            launched.append((path, kw, routes(log), sorted(os.listdir(path)) if os.path.isdir(path) else None))
+            self.servers = [SimpleNamespace(url="http://127.0.0.1:1")]
+
+    monkeypatch.setattr(sglang_engine, "SGLangEngine", Launched)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two GPUs on this node: TP 2, and EP 2 (it divides 8 experts)
+    cfg = dataclasses.replace(sglang_cfg(tiny_cfg, fp8=fp8, sglang_mem_fraction=0.5), out_dir=str(tmp_path / "out"))
+    policy = Transformer(tiny_cfg)
+    engine = build_sglang_engine(cfg, TOK, policy)
+    assert isinstance(engine, Launched) and len(launched) == 1
+    path, kw, before, files = launched[0]
+    assert kw == dict(eos_id=TOK.stop_ids, fp8=fp8, tp_size=2, ep_size=2, mem_fraction_static=0.5, seed=cfg.seed)
+    assert before == ["barrier"]  # what rank 0 wrote is complete before any server loads it
+    if not fp8:
+        assert path == "/ckpt"  # init_hf as it is: nothing written
+        assert not (tmp_path / "out").exists()
+        return
+    assert path == os.path.join(cfg.out_dir, "sglang_fp8") and "config.json" in files  # written by the build
+    config = json.loads((tmp_path / "out" / "sglang_fp8" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    from safetensors.torch import load_file
+    saved = load_file(tmp_path / "out" / "sglang_fp8" / "model.safetensors")
+    assert saved["model.layers.0.self_attn.q_proj.weight"].dtype == FP8  # attention and experts blockwise FP8
+    assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in saved
+    ours = dict(sglang_engine.hf_tensors(policy_tensors(policy), tiny_cfg))  # and the rest is this policy's
+    assert torch.equal(saved["model.embed_tokens.weight"], ours["model.embed_tokens.weight"].to(torch.bfloat16))
 
 
 def test_a_non_leader_rank_takes_part_in_the_gathers_and_generates_but_sends_nothing(tiny_cfg, log):
@@ -284,20 +380,20 @@ def test_sglang_from_the_config_generates_sleeps_syncs_and_matches_the_trainer(t
     from logprobs import token_logprobs
     from tokenizer import load_hf_tokenizer
     path = build_checkpoint(str(tmp_path), num_ranks=1000)
-    cfg = load_config(None, [f"init_hf={path}", "engine=sglang", "device=cuda", "sglang_mem_fraction=0.3",
-                             "max_new_tokens=8"])
+    cfg = load_config(None, [f"init_hf={path}", "engine.name=sglang", "device=cuda", "engine.sglang_mem_fraction=0.3",
+                             "sampling.max_new_tokens=8", "max_prompt_tokens=0"])
     tok = load_hf_tokenizer(path)
-    engine = build_sglang_engine(cfg, tok, path)
+    model = load_hf(path).cuda()  # the policy: colocated without engine.fp8, the server loads init_hf itself
+    engine = build_sglang_engine(cfg, tok, model)
     prompts = [tok.encode("1 + 2 ="), tok.encode("Hello")]
-    assert len(engine.generate(prompts, cfg.sampling_params(), n=2, seed=0)) == 4
-    model = load_hf(path).cuda()
+    assert len(engine.generate(prompts, cfg.sampling, n=2, seed=0)) == 4
     with torch.no_grad():
         model.lm_head.weight.mul_(2.0)  # weights the server has never loaded: only a sync makes them match
     engine.sleep()
     engine.wake()
     engine.update_weights(policy_tensors(model), version=1)
     infer, trainer = [], []
-    for r in engine.generate(prompts, cfg.sampling_params(), n=2, seed=0):
+    for r in engine.generate(prompts, cfg.sampling, n=2, seed=0):
         assert r.weight_version == 1
         seq = torch.tensor(r.prompt_ids + r.completion_ids, device="cuda")
         assert r.routes.shape == (len(seq) - 1, cfg.model.num_moe_layers, cfg.model.top_k)

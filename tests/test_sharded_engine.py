@@ -15,9 +15,10 @@ from rollout import NativeEngine, weight_bytes
 from sampler import SamplingParams
 from weights import policy_tensors
 
-MODEL = ["model.vocab_size=64", "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+# vocab_size: the byte-level demo tokenizer's 259 ids fit (bpe_merges=0), a relation load_config checks
+MODEL = ["model.vocab_size=320", "bpe_merges=0", "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
          "model.head_dim=8", "model.num_experts=4", "model.top_k=2", "model.moe_inter_dim=16", "model.max_seq_len=64",
-         "model.init_std=0.3", "gen_batch_rows=8", "max_new_tokens=10", "max_prompt_tokens=7"]
+         "model.init_std=0.3", "gen_batch_rows=8", "sampling.max_new_tokens=10", "max_prompt_tokens=7"]
 # five prompts of different lengths: with 4 ranks one rank has no prompt of its own and decodes a placeholder
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16, 17], [18, 19]]
 PARAMS = SamplingParams(max_new_tokens=10, temperature=1.5)

@@ -23,8 +23,8 @@ def write_config(tmp_path, text):
 
 def test_config_file_holds_deltas_and_overrides_are_typed(tmp_path):
     path = write_config(tmp_path, "rl_steps = 7\nmodel = dict(dim=64, n_layers=2)\n")
-    cfg = load_config(path, ["lr=3e-4", "model.top_k=3", "router_replay=false", "loss_type=grpo"])
-    assert cfg.rl_steps == 7 and cfg.lr == 3e-4 and cfg.router_replay is False and cfg.loss_type == "grpo"
+    cfg = load_config(path, ["lr=3e-4", "model.top_k=3", "router_replay=false", "loss.type=grpo"])
+    assert cfg.rl_steps == 7 and cfg.lr == 3e-4 and cfg.router_replay is False and cfg.loss.type == "grpo"
     assert cfg.model.dim == 64 and cfg.model.n_layers == 2 and cfg.model.top_k == 3
     assert cfg.group_size == TrainConfig().group_size  # untouched fields keep their defaults
 
@@ -43,10 +43,10 @@ def test_bad_overrides_are_value_errors_that_say_what_is_valid(override, match):
 
 
 @pytest.mark.parametrize("override, match", [
-    ("probe_size=1", "probe_size"),
-    ("enlarged_group_size=12", "needs probe_size"),
-    ("zero_variance=keep", "zero_variance"),
-    ("shaping_margin=0.5", "shaping_margin"),
+    ("filter.probe_size=1", "probe_size"),
+    ("filter.enlarged_group_size=12", "needs probe_size"),
+    ("filter.zero_variance=keep", "zero_variance"),
+    ("reward.shaping_margin=0.5", "shaping_margin"),
     ("ckpt_keep=0", "ckpt_keep=0:"),
     ("logger=mlflow", "logger='mlflow'"),
     ("resume=/nonexistent", "not a complete checkpoint"),
@@ -101,7 +101,7 @@ def test_tiny_run_end_to_end_writes_metrics_checkpoint_and_plot(tmp_path):
 
 
 def test_rl_step_replays_engine_routes_updates_the_policy_and_syncs_the_engine(tmp_path):
-    run = make_run(micro_config(tmp_path, ["temperature=1.5"]))
+    run = make_run(micro_config(tmp_path, ["sampling.temperature=1.5"]))
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     m = train.rl_step(run, step=0)
     assert "skipped_update" not in m and m["trained_sequences"] > 0
@@ -116,11 +116,11 @@ def test_rl_step_replays_engine_routes_updates_the_policy_and_syncs_the_engine(t
 def test_the_first_minibatch_takes_pi_old_from_its_own_forward(tmp_path, num_minibatches):
     """Before the first optimizer step pi_old is the current policy: the trainer runs no separate
     no-grad forward for the first mini-batch (none at all with one mini-batch), and its PPO ratio is 1."""
-    run = make_run(micro_config(tmp_path, ["temperature=1.5", f"num_minibatches={num_minibatches}"]))
+    run = make_run(micro_config(tmp_path, ["sampling.temperature=1.5", f"num_minibatches={num_minibatches}"]))
     m, batch = train.collect_rollouts(run, 0)
     forwards = []
     run.model.register_forward_hook(lambda mod, args, out: forwards.append(torch.is_grad_enabled()))
-    m = train_on_rollouts(run.model, run.opt, batch, 0, run.cfg, run.loss)
+    m = train_on_rollouts(run.model, run.opt, batch, 0, run.cfg)
     no_grad = forwards.count(False)
     assert (no_grad == 0) if num_minibatches == 1 else (0 < no_grad < forwards.count(True))
     assert m["mismatch/max_abs_logp"] <= 1e-5
@@ -130,8 +130,9 @@ def test_the_first_minibatch_takes_pi_old_from_its_own_forward(tmp_path, num_min
 
 def test_rl_step_with_every_stage_on_trains_and_counts_what_each_stage_saved(tmp_path):
     run = make_run(micro_config(tmp_path, [
-        "temperature=1.5", "skip_prob=1.0", "probe_size=2", "enlarged_group_size=6", "oversample_rounds=2",
-        "zero_variance=rl-zvp", "reward_workers=2", "overlong_buffer=4", "repetition_weight=0.5", "reward_model=stub"]))
+        "sampling.temperature=1.5", "filter.skip_prob=1.0", "filter.probe_size=2", "filter.enlarged_group_size=6",
+        "filter.oversample_rounds=2", "filter.zero_variance=rl-zvp", "reward.workers=2", "reward.overlong_buffer=4",
+        "reward.repetition_weight=0.5", "reward.model=stub"]))
     with run.pool:
         m0 = train.rl_step(run, 0)
         nxt = run.prompts.task[run.prompts.order[run.prompts.used]]
@@ -165,9 +166,9 @@ def test_policy_loss_with_constant_token_advantages_equals_sequence_advantages(l
     old, ent, adv = logp.detach() + 0.1 * torch.randn(B, T), torch.rand(B, T), torch.randn(B)
     mask = torch.ones(B, T)
     mask[0, 3:] = 0
-    cfg = LossConfig(loss_type=loss_type, vocab_size=V)
-    seq, _ = policy_loss(logp, old, adv, mask, cfg, old_entropy_BT=ent)
-    tok, _ = policy_loss(logp, old, adv[:, None].expand(B, T), mask, cfg, old_entropy_BT=ent)
+    cfg = LossConfig(type=loss_type)
+    seq, _ = policy_loss(logp, old, adv, mask, cfg, vocab_size=V, old_entropy_BT=ent)
+    tok, _ = policy_loss(logp, old, adv[:, None].expand(B, T), mask, cfg, vocab_size=V, old_entropy_BT=ent)
     assert torch.allclose(seq, tok, atol=0, rtol=1e-6)
 
 
@@ -182,8 +183,9 @@ def test_engine_logprobs_line_up_with_the_loss_mask():
 def test_rl_step_passes_loss_options_through_with_a_frozen_reference(tmp_path):
     import copy
 
-    run = make_run(micro_config(tmp_path, ["temperature=1.5", "loss_type=gspo", "kl_coef=0.1", "kl_estimator=k1",
-                                           "tis_cap=2.0", "aggregation=token-mean"]))
+    run = make_run(micro_config(tmp_path, ["sampling.temperature=1.5", "loss.type=gspo", "loss.kl_coef=0.1",
+                                           "loss.kl_estimator=k1", "loss.tis_cap=2.0",
+                                           "loss.aggregation=token-mean"]))
     run.ref_model = copy.deepcopy(run.model).requires_grad_(False)
     m = train.rl_step(run, step=0)
     assert "skipped_update" not in m and "loss/kl_ref" in m
@@ -195,8 +197,11 @@ def test_every_config_field_has_a_docstring():
     import ast
     import inspect
 
-    from model import ModelConfig
-    for cls in (TrainConfig, ModelConfig):
+    from config import SECTIONS
+    # the run-wide fields and every section's (model, sampling, loss, filter, reward, engine); RULES, a class
+    # attribute without annotation, is no field
+    assert {"model", "sampling", "loss", "filter", "reward", "engine"} <= set(SECTIONS)
+    for cls in (TrainConfig, *SECTIONS.values()):
         body = ast.parse(inspect.getsource(cls)).body[0].body
         for node, nxt in zip(body, body[1:] + [None]):
             if isinstance(node, ast.AnnAssign):
@@ -205,9 +210,8 @@ def test_every_config_field_has_a_docstring():
 
 
 def test_logger_choice_is_checked_and_a_missing_package_is_a_clear_error(tmp_path, monkeypatch):
-    cfg = load_config(None, [f"out_dir={tmp_path}", "logger=mlflow"])
-    with pytest.raises(ValueError, match="valid: 'none', 'tensorboard', 'wandb'"):
-        MetricsLog(cfg)
+    with pytest.raises(ValueError, match="logger='mlflow': need one of 'none', 'tensorboard', 'wandb'"):
+        load_config(None, [f"out_dir={tmp_path}", "logger=mlflow"])
     monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # as if not installed
     cfg = load_config(None, [f"out_dir={tmp_path}", "logger=wandb"])
     with pytest.raises(ValueError, match="pip install wandb"):
@@ -228,7 +232,7 @@ def test_logged_mismatch_is_espo_mismatch_metrics_of_the_engine_against_pi_old(t
     trainer's own logprobs (routes replayed); an engine on other weights shows the gap."""
     from espo import mismatch_metrics
     from logprobs import token_logprobs
-    run = make_run(micro_config(tmp_path, ["temperature=1.5", "num_minibatches=1"]))
+    run = make_run(micro_config(tmp_path, ["sampling.temperature=1.5", "num_minibatches=1"]))
     with torch.no_grad():
         for p in run.engine.model.parameters():
             p.add_(0.01 * torch.randn_like(p))  # the engine's weights drift from the trainer's
@@ -237,10 +241,10 @@ def test_logged_mismatch_is_espo_mismatch_metrics_of_the_engine_against_pi_old(t
     with torch.no_grad():
         for i in range(len(batch.seqs)):
             inputs, targets, _, routes = batch.micro([i], run.cfg)
-            logp = token_logprobs(run.model(inputs, routed_experts=routes)[0], targets, run.cfg.temperature)
+            logp = token_logprobs(run.model(inputs, routed_experts=routes)[0], targets, run.cfg.sampling.temperature)
             old.append(logp[0, batch.starts[i] - 1:])
     want = mismatch_metrics(batch.infer_logp, old)
-    got = train_on_rollouts(run.model, run.opt, batch, 0, run.cfg, run.loss)
+    got = train_on_rollouts(run.model, run.opt, batch, 0, run.cfg)
     assert want["mismatch/kl"] > 1e-6
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-9), k
@@ -295,7 +299,7 @@ def test_a_bf16_run_trains_end_to_end_with_a_bf16_engine(tmp_path):
     path = write_config(tmp_path, MICRO + f"out_dir = {str(out)!r}\n")
     # RL-ZVP: the micro model's all-wrong groups train too, so every step has a loss
     train.main(train.parse_args([path, "sft_lr=1e-3", "dtype=bfloat16", "ckpt_every=2", "ckpt_keep=1",
-                                 "zero_variance=rl-zvp"]))
+                                 "filter.zero_variance=rl-zvp"]))
     rl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rl if r["stage"] == "rl" and "loss" in r]
     assert rl and all(torch.isfinite(torch.tensor(r["loss"])) for r in rl)
@@ -320,21 +324,23 @@ def test_prompts_longer_than_max_prompt_tokens_leave_the_order_counted(tmp_path)
         train.Prompts(task, [0, 1, 2, 3], tok, 1)
 
 
-@pytest.mark.parametrize("value", [-1, 10**6])
-def test_a_max_prompt_tokens_that_leaves_no_room_is_refused(tmp_path, value):
-    cfg = micro_config(tmp_path, [f"max_prompt_tokens={value}"])
-    with pytest.raises(ValueError, match=f"max_prompt_tokens={value}: need 0 .all that fits. or 1.."):
-        train.check_config(cfg)
+@pytest.mark.parametrize("value, valid", [
+    (-1, r"an int >= 0 \(0 = all that fits, else 1\.\.model\.max_seq_len - sampling\.max_new_tokens\)"),  # its rule
+    (10**6, r"0 \(all that fits\) or 1\.\.56 \(model\.max_seq_len=64 - sampling\.max_new_tokens=8\)"),  # a relation
+])
+def test_a_max_prompt_tokens_that_leaves_no_room_is_refused(tmp_path, value, valid):
+    with pytest.raises(ValueError, match=f"max_prompt_tokens={value}: need {valid}"):
+        micro_config(tmp_path, [f"max_prompt_tokens={value}"])
 
 
 def test_too_few_held_out_prompts_that_fit_is_a_config_error_before_any_work(tmp_path):
-    """Found only once the demo tokenizer exists (in start_run), yet still before SFT: a ConfigError,
-    which train.py prints as one `config error:` line."""
-    from checks import ConfigError
+    """Found only once the demo tokenizer exists (train.prepare reads the data), yet still before SFT: a
+    ConfigError, which train.py prints as one `config error:` line."""
+    from config import ConfigError
     cfg = load_config(None, ["model.vocab_size=320", "model.dim=32", "model.n_layers=1", "model.n_heads=2",
                              "model.n_kv_heads=1", "model.head_dim=16", "model.num_experts=2", "model.top_k=2",
                              "model.moe_inter_dim=16", "model.max_seq_len=64", "bpe_merges=40", "train_size=100",
                              "eval_size=8", "max_prompt_tokens=3", "sft_steps=2", "rl_steps=1", f"out_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match="need eval_size=8"):
+    with pytest.raises(ConfigError, match="eval_size=8: only .* fit max_prompt_tokens=3"):
         train.main(cfg)
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # no SFT step ran

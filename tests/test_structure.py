@@ -1,0 +1,112 @@
+"""The shape of the whole: imports point down, each setting is declared once, the async producer's state is
+the run's (issue 23)."""
+
+import ast
+import dataclasses
+import json
+import os
+
+import torch
+
+import config
+import train
+from runs import MICRO
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Who may import whom: a file imports only files on lower layers (DESIGN.md's layers, in the order a reader
+# meets them bottom up). A new top-level file gets a layer here.
+LAYERS = {
+    # 1: leaves, importing nothing of the project's
+    "rules": 1, "logprobs": 1, "sandbox": 1, "scoring": 1, "scheduler": 1, "tokenizer": 1, "metrics": 1,
+    # 2: the leaves' own configs sit beside them (each imports rules; model imports logprobs)
+    "model": 2, "sampler": 2, "espo": 2, "filter": 2, "reward": 2,
+    # 3: what reads the model's shape and moves its weights
+    "hf_config": 3, "weights": 3,
+    # 4: the run's configuration, composed of the sections above
+    "config": 4,
+    # 5: files in and out, several ranks
+    "hf": 5, "data": 5, "distributed": 6,
+    # 7: engines, trainer, checkpoints, the dry-run plan
+    "sglang_engine": 7, "trainer": 7, "checkpoint": 7, "plan": 7, "rollout": 8,
+    # 9: the entry point and the RL step
+    "train": 9,
+}
+MAX_ARROWS = 60
+
+
+def import_graph() -> dict[str, set[str]]:
+    """file -> the top-level files it imports at run time (module level or inside a function; imports under
+    `if TYPE_CHECKING:` are annotations only and are left out)."""
+    files = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+    graph = {}
+    for name in files:
+        tree = ast.parse(open(os.path.join(ROOT, name + ".py")).read())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        graph[name] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                graph[name] |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                graph[name].add(node.module.split(".")[0])
+        graph[name] = (graph[name] & files) - {name}
+    return graph
+
+
+def test_imports_point_down_with_no_cycle_and_fewer_than_60_arrows():
+    graph = import_graph()
+    assert set(graph) == set(LAYERS), f"give every top-level file a layer: {set(graph) ^ set(LAYERS)}"
+    upward = [f"{a} (layer {LAYERS[a]}) -> {b} (layer {LAYERS[b]})" for a in graph for b in graph[a]
+              if LAYERS[b] >= LAYERS[a]]
+    assert not upward, upward  # strictly downward arrows cannot form a cycle either
+    arrows = sum(len(v) for v in graph.values())
+    assert arrows < MAX_ARROWS, arrows
+
+
+def test_every_setting_is_declared_in_exactly_one_config_class():
+    classes = [config.TrainConfig, *config.SECTIONS.values()]
+    declared = {}
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if not (cls is config.TrainConfig and f.name in config.SECTIONS):  # a section is no setting
+                declared.setdefault(f.name, []).append(cls.__name__)
+    # one name, two settings: experts per token (HF's num_experts_per_tok) and the sampler's top-k (SGLang's)
+    homonyms = {"top_k": ["ModelConfig", "SamplingParams"]}
+    twice = {name: owners for name, owners in declared.items() if len(owners) > 1 and homonyms.get(name) != owners}
+    assert not twice, twice
+    # every class checks each of its fields with exactly one rule, and a moved key is no field any more
+    for cls in classes:
+        assert set(cls.RULES) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
+    assert not set(config.MOVED) & {f.name for f in dataclasses.fields(config.TrainConfig)}
+
+
+def test_an_async_checkpoint_holds_the_predictor_the_producer_used_and_resume_restores_it(tmp_path):
+    """The producer's length predictor and stage-1 RNG are the run's own objects: a checkpoint of the async
+    loop saves what the producer learned (every rollout generated so far), and a resumed run's producer
+    goes on from it."""
+    def run(*over):
+        path = tmp_path / "cfg.py"
+        path.write_text(MICRO + f"out_dir = {str(tmp_path / 'run')!r}\n")
+        train.main(train.parse_args([str(path), "sft_lr=1e-3", "max_staleness=1", "ckpt_every=1", "ckpt_keep=20",
+                                     *over]))
+
+    def checkpoints():
+        return {d.name: torch.load(d / "trainer_state.pt", weights_only=False)
+                for d in sorted((tmp_path / "run" / "ckpt").iterdir())}
+
+    def generated_by_step():  # rollouts generated up to and including each RL step, from metrics.jsonl
+        rl = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        rl = [r for r in rl if r["stage"] == "rl"]
+        return {r["step"]: sum(x["filter/rollouts_generated"] for x in rl if x["step"] <= r["step"]) for r in rl}
+
+    run("rl_steps=2")
+    first = {s["step"]: s["predictor"] for s in checkpoints().values() if s["phase"] == "rl"}
+    assert first and all(p["count"] == generated_by_step()[step] > 0 for step, p in first.items())
+    run("resume=auto")  # from the checkpoint after RL step 1, to the end (3 RL steps)
+    last = max((s for s in checkpoints().values() if s["phase"] == "rl"), key=lambda s: s["step"])
+    assert last["step"] == 2
+    # the resumed producer started from the checkpointed predictor: its count spans the steps before the resume
+    assert last["predictor"]["count"] == generated_by_step()[2] > first[1]["count"]
