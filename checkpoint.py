@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from distributed import all_gather_list, rank_world
+from distributed import all_gather_list, barrier, rank_world
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -48,13 +48,6 @@ if TYPE_CHECKING:
 CKPT_SUBDIR = "ckpt"  # under out_dir: one folder per checkpoint, step_<position>
 COMPLETE_MARKER = "COMPLETE"  # written last inside the temporary folder: its presence means every file is there
 DCP_SINGLE_PROCESS_WARNING = "torch.distributed is disabled"  # DCP's note that one process saves alone: expected here
-
-
-def _barrier():
-    # A no-op on one process, where there is no process group to wait on.
-    if rank_world()[1] > 1:
-        import torch.distributed as dist
-        dist.barrier()
 
 
 def _fsync_dir(path: str):
@@ -113,7 +106,7 @@ def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dic
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         os.makedirs(tmp)
-    _barrier()  # no rank may write into tmp before it exists
+    barrier()  # no rank may write into tmp before it exists
     # 2. Every rank writes its own shards; DCP fsyncs each file it writes. get_state_dict names
     # parameters and optimizer state by their unwrapped names, not by rank-local ids, which is
     # what lets another world size or wrapping load them.
@@ -126,7 +119,7 @@ def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dic
         _write_trainer_state(os.path.join(tmp, "trainer_state.pt"), trainer_state)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             f.write(json.dumps(dataclasses.asdict(cfg), default=str, indent=1))
-    _barrier()  # every rank's shards are written before the marker below may claim so
+    barrier()  # every rank's shards are written before the marker below may claim so
     if rank == 0:
         # 4. The marker, last, so its presence implies every other file was written; flushed and
         # fsynced before the rename, so a folder renamed into place never holds an empty marker.
@@ -156,7 +149,7 @@ def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dic
                       and n <= os.path.basename(final))
         for name in done[:-cfg.ckpt_keep] if cfg.ckpt_keep > 0 else []:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    _barrier()  # no rank goes on (or exits) before rank 0 has put the checkpoint in place
+    barrier()  # no rank goes on (or exits) before rank 0 has put the checkpoint in place
     return final
 
 
@@ -270,10 +263,10 @@ def resume_checkpoint(cfg: TrainConfig) -> tuple[str | None, dict | None]:
 def _choose_checkpoint(cfg: TrainConfig) -> tuple[str | None, dict | None]:
     # resume_checkpoint's choice on one process: (folder, trainer state), or (None, None) for none yet.
     if cfg.resume != "auto":
-        if not os.path.exists(os.path.join(cfg.resume, COMPLETE_MARKER)):
-            raise ValueError(f"resume={cfg.resume!r}: not a complete checkpoint folder (valid: '', 'auto', or a folder "
-                             f"under {os.path.join(cfg.out_dir, CKPT_SUBDIR)} holding {COMPLETE_MARKER})")
-        return cfg.resume, load_trainer_state(cfg.resume)
+        try:  # valid: '', 'auto', or a complete checkpoint folder that loads
+            return cfg.resume, load_trainer_state(cfg.resume)
+        except ValueError as e:
+            raise ValueError(f"resume={cfg.resume!r}: {e} (valid: '', 'auto', or a checkpoint folder)") from None
     candidates, errors = complete_checkpoints(cfg.out_dir), []
     for path in candidates:
         try:

@@ -1,42 +1,33 @@
 """Configuration: TrainConfig, composed of one section per concern, and how a run's is built.
 
-A run's settings: the top-level fields below (run-wide, and the loop's own: steps, learning rate,
-evals, checkpoints, which train.py alone reads), and one section per concern that a file below
-train.py owns, each a dataclass declared beside the code that reads it:
-
-    model     model.ModelConfig       the network's shape
-    sampling  sampler.SamplingParams  how rollouts are sampled (max_new_tokens, temperature, top_p, top_k)
-    loss      espo.LossConfig         the policy loss, its corrections and the advantages
-    filter    filter.FilterConfig     zero-variance elimination, stages 1-3
-    reward    reward.RewardConfig     reward shaping and scoring
-    engine    EngineConfig (here)     the rollout engine (rollout.ENGINES)
-
-Where a value comes from: the defaults, then a config file (configs/*.py: plain assignments,
-deltas from the defaults only, a section as a dict of its fields: `loss = dict(type="grpo")`),
-then `key=value` on the command line, which overrides either (`lr=1e-4`, `loss.tis_cap=2`).
-`load_config` builds it and checks it once: every field against the rule declared beside it
-(rules.py: each class's RULES, checked when the class is built), then RELATIONS, the checks that
-span sections. A setting or file found wrong later, while the run is built, is a ConfigError.
+TrainConfig holds the run-wide settings and the loop's own (steps, learning rate, evals,
+checkpoints: train.py alone reads them) and one section per concern a lower file owns, each a
+dataclass declared beside the code that reads it: `model` (model.ModelConfig), `sampling`
+(sampler.SamplingParams), `loss` (espo.LossConfig), `filter` (filter.FilterConfig), `reward`
+(reward.RewardConfig) and `engine` (EngineConfig, here: rollout.ENGINES holds the engines).
+A value comes from the defaults, then a config file (configs/*.py: deltas only, a section as a
+dict: `loss = dict(type="grpo")`), then `key=value` or `section.field=value` on the command line.
+`load_config` checks it once: every field against the rule declared beside it (each class's
+RULES, rules.py), then RELATIONS, the checks across sections. What only building the run can
+find (a checkpoint's tensors, the held-out prompts that fit) is a ConfigError, still before work.
 
 Notable choices:
-1. A config file is Python run by runpy, not exec'd into this module's globals: only its
-   plain assignments are kept, so it can compute values and import what it needs.
+1. A config file is Python run by runpy: only its plain assignments are kept, so it can compute
+   values and import what it needs.
 2. A command-line value is parsed by its field's rule (the type is declared there once); lists
    and dicts are set in a config file only.
-3. An unknown key, in a file or on the command line, is a ValueError that names the close
-   matches; a key that moved into a section names its new home (`tis_cap` -> `loss.tis_cap`).
-4. "Off" is None where 0 would be a valid value (`loss.tis_cap`, `loss.clip_eps_low`), spelled
-   `none` on the command line; no field holds a sentinel that a builder translates.
-5. With init_hf the model's shape is the checkpoint's (its config.json, read once, here) and the
-   unset fields take CHECKPOINT_DEFAULTS; with init_from the configured model must match the
-   checkpoint's.
+3. An unknown key is a ValueError naming the close matches; a key that moved into a section
+   names its new home (`tis_cap` -> `loss.tis_cap`, MOVED).
+4. "Off" is None where 0 would be a valid value (`loss.tis_cap`, `loss.clip_eps_low`), `none` on
+   the command line; no field holds a sentinel that a builder translates.
+5. With init_hf the model's shape is the checkpoint's config.json, read here, and unset fields
+   take CHECKPOINT_DEFAULTS; with init_from the configured model must match the checkpoint's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 import re
 import runpy
@@ -49,18 +40,15 @@ import torch
 
 from espo import LossConfig
 from filter import FilterConfig
-from hf_config import config_from_hf
+from hf_config import read_config, shape_differences
 from model import ModelConfig
 from reward import RewardConfig
-from rules import (FLAG, NON_NEGATIVE, PATH, POSITIVE, Rule, check_fields, in_a_config_file, integer, number, one_of,
-                   section, text)
+from rules import FLAG, NON_NEGATIVE, PATH, POSITIVE, Rule, check_fields, integer, number, one_of, section, text
 from sampler import SamplingParams
-from tokenizer import NUM_BYTES, SPECIALS
 
 
 class ConfigError(ValueError):
-    """A setting or file found wrong while the run is built (a checkpoint's tensors, the held-out
-    prompts that fit): still before any work, so train.py prints it as a `config error:` line."""
+    """A setting or file found wrong while the run is built, still before any work: a `config error:` line."""
 
 
 # Small-number arithmetic in two surface forms, with item spaces large enough (tens of
@@ -81,7 +69,6 @@ CHECKPOINT_DEFAULTS = dict(
     eval_size=500, eval_batch_rows=2048, ckpt_every=50, sampling=dict(max_new_tokens=4096))
 LOGGERS = ("none", "tensorboard", "wandb")  # metrics.MetricsLog's sinks
 SEED_MAX = 2**32 - 1  # derived seeds ((seed + step) * 1000 + stream * 1e9, train.py) stay far inside int64
-DEMO_IDS = NUM_BYTES + len(SPECIALS)  # ids the demo BPE holds before any merge: the bytes and its specials
 
 
 # ----------------------------------------------------------------------------- the engine section
@@ -111,7 +98,7 @@ def parse_sglang_urls(text: str) -> list[str]:
 @dataclass(frozen=True)
 class EngineConfig:
     """The rollout engine: the run's `engine` section. Its name is checked against rollout.ENGINES (the
-    registry) while the run is built; what engine='sglang' needs of the rest of the run is RELATIONS'."""
+    registry) while the run is built; what name='sglang' needs of the rest of the run is RELATIONS'."""
     name: str = "native"
     """'native' (rollout.NativeEngine, PyTorch; under torchrun it decodes on the policy's own shards, no replica)
     or 'sglang' (sglang_engine.py: CUDA and the sglang package only): a name in rollout.ENGINES."""
@@ -138,7 +125,7 @@ class EngineConfig:
 
     @property
     def urls(self) -> list[str]:
-        """The external SGLang servers' base URLs ([] = colocated). Raises ValueError on a malformed list."""
+        """The external SGLang servers' base URLs ([] = colocated)."""
         return parse_sglang_urls(self.sglang_urls)
 
 
@@ -288,59 +275,33 @@ class TrainConfig:
 
     # Ranges that depend on another field (max_prompt_tokens <= max_seq_len - ...) are RELATIONS.
     RULES = {  # each field's type and range (rules.py); not a field: no annotation
+        **{k: integer(1) for k in ("gpus_per_node", "ep", "ckpt_keep", "train_size", "eval_size", "sft_batch_size",
+                                   "prompts_per_step", "gen_batch_rows", "num_minibatches", "microbatch_tokens",
+                                   "eval_samples", "eval_batch_rows")},
+        **{k: integer(0) for k in ("train_seed", "eval_seed", "bpe_merges", "sft_steps", "rl_steps", "lr_warmup_steps",
+                                   "max_staleness", "rollout_threads", "trainer_threads")},
+        **{k: FLAG for k in ("dry_run", "activation_checkpoint", "compile", "router_replay")},
+        **{k: PATH for k in ("init_from", "init_hf", "train_data", "eval_data")},
+        **{k: POSITIVE for k in ("sft_lr", "lr")},
         "out_dir": text("a folder path (a non-empty str)", lambda v: bool(v.strip())),
         "seed": integer(0, SEED_MAX),
         "device": text("'cpu', 'cuda' or 'cuda:<index>'", _device_ok),
-        "init_from": PATH,
-        "init_hf": PATH,
-        "dry_run": FLAG,
-        "gpus_per_node": integer(1),
-        "ep": integer(1),
         "dtype": one_of("auto", "bfloat16", "float32"),
-        "activation_checkpoint": FLAG,
-        "compile": FLAG,
         "dist_timeout_s": number(0, low_open=True, why="seconds; a dead rank must not hang the job"),
         "ckpt_every": integer(0, why="0 = no checkpoints"),
-        "ckpt_keep": integer(1),
         "resume": text("'', 'auto' or a checkpoint folder"),
         "logger": one_of(*LOGGERS),
-        "train_data": PATH,
-        "eval_data": PATH,
         "system_prompt": text(),
         "tasks": Rule((list, tuple), "a non-empty list of (reasoning-gym dataset name, kwargs dict) pairs",
-                      _task_specs_ok, in_a_config_file),
-        "train_seed": integer(0),
-        "train_size": integer(1),
-        "eval_seed": integer(0),
-        "eval_size": integer(1),
-        "bpe_merges": integer(0),
-        "sft_steps": integer(0),
-        "sft_batch_size": integer(1),
-        "sft_lr": POSITIVE,
-        "rl_steps": integer(0),
-        "prompts_per_step": integer(1),
+                      _task_specs_ok, parse=None),
         "group_size": integer(2, why="a group-relative advantage needs two rollouts"),
         "max_prompt_tokens": integer(0, why="0 = all that fits, else 1..model.max_seq_len - sampling.max_new_tokens"),
-        "gen_batch_rows": integer(1),
-        "lr": POSITIVE,
-        "lr_warmup_steps": integer(0),
         "weight_decay": NON_NEGATIVE,
         "grad_clip": number(0, low_open=True, why="a max norm; a negative one would flip the gradient"),
-        "num_minibatches": integer(1),
-        "microbatch_tokens": integer(1),
-        "router_replay": FLAG,
-        "max_staleness": integer(0),
-        "rollout_threads": integer(0),
-        "trainer_threads": integer(0),
         "eval_every": integer(1, why="RL steps between evals"),
-        "eval_samples": integer(1),
-        "eval_batch_rows": integer(1),
-        "model": section(ModelConfig),
-        "sampling": section(SamplingParams),
-        "loss": section(LossConfig),
-        "filter": section(FilterConfig),
-        "reward": section(RewardConfig),
-        "engine": section(EngineConfig),
+        **{name: section(cls) for name, cls in (("model", ModelConfig), ("sampling", SamplingParams),
+                                                ("loss", LossConfig), ("filter", FilterConfig),
+                                                ("reward", RewardConfig), ("engine", EngineConfig))},
     }
 
     def __post_init__(self):
@@ -369,22 +330,11 @@ class TrainConfig:
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)
                              if dataclasses.is_dataclass(f.default_factory)}
 """TrainConfig's sections, by field name: what `<section>.<field>=value` reaches."""
-MOVED = {
-    **{k: f"sampling.{k}" for k in ("max_new_tokens", "temperature", "top_p", "top_k")},
-    **{k: f"loss.{k}" for k in ("aggregation", "clip_eps_low", "clip_eps_high", "espo_alpha", "espo_top_frac",
-                                "espo_num_bins", "kl_coef", "kl_estimator", "tis_cap", "adv_scale_by_std",
-                                "adv_std_over")},
-    "loss_type": "loss.type", "icepop_low": "loss.icepop", "icepop_high": "loss.icepop",
-    **{k: f"filter.{k}" for k in ("skip_prob", "skip_half_life", "pass_rate_file", "probe_size",
-                                  "probe_stop_threshold", "enlarged_group_size", "zero_variance", "zvp_alpha",
-                                  "oversample_rounds")},
-    **{k: f"reward.{k}" for k in ("overlong_buffer", "repetition_weight", "rm_weight", "judge_dead_band",
-                                  "shaping_margin")},
-    "reward_model": "reward.model", "reward_workers": "reward.workers", "reward_timeout_s": "reward.timeout_s",
-    "sglang_urls": "engine.sglang_urls", "sglang_mem_fraction": "engine.sglang_mem_fraction",
-    "rollout_fp8": "engine.fp8",
-}
-"""Flat keys of earlier versions -> their home in a section (an error names it, so old commands fail clearly)."""
+MOVED = {"loss_type": "loss.type", "icepop_low": "loss.icepop", "icepop_high": "loss.icepop", "reward_model": "reward.model",
+         "reward_workers": "reward.workers", "reward_timeout_s": "reward.timeout_s", "rollout_fp8": "engine.fp8",
+         **{f.name: f"{s}.{f.name}" for s in ("sampling", "loss", "filter", "reward", "engine")
+            for f in dataclasses.fields(SECTIONS[s]) if f.name not in SECTIONS}}
+"""Flat keys of earlier versions -> their home in a section (the error for an old command names it)."""
 
 
 # ----------------------------------------------------------------------------- checks across sections
@@ -398,10 +348,9 @@ def _cuda_ok(device: str) -> bool:
     return d.type != "cuda" or torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count()
 
 
-Relation = tuple[Callable[[TrainConfig], Any], Callable[[TrainConfig], str]]
-# Checks that span fields of different sections (a section checks its own fields' relations when built), each
-# (holds(cfg), message(cfg)), run in order by check_relations once every field passed its rule.
-RELATIONS: list[Relation] = [
+# Checks across sections (a section checks its own fields' relations when built): (holds(cfg), message(cfg)),
+# run in order by check_relations once every field passed its rule.
+RELATIONS: list[tuple[Callable[[TrainConfig], Any], Callable[[TrainConfig], str]]] = [
     (lambda c: bool(c.train_data) == bool(c.eval_data),
      lambda c: f"train_data={c.train_data!r}, eval_data={c.eval_data!r}: give both (a dataset file to train on and "
                f"one held out for the evals), or neither (reasoning-gym's tasks)"),
@@ -426,10 +375,6 @@ RELATIONS: list[Relation] = [
                f"and RL-ZVP divide by it; greedy evals use their own 0)"),
     (lambda c: c.sampling.top_k <= c.model.vocab_size,
      lambda c: f"sampling.top_k={c.sampling.top_k}: need 0 (off) or at most model.vocab_size={c.model.vocab_size}"),
-    (lambda c: c.init_hf or c.init_from or c.bpe_merges <= c.model.vocab_size - DEMO_IDS,
-     lambda c: f"bpe_merges={c.bpe_merges}: the demo tokenizer needs bpe_merges <= model.vocab_size - {DEMO_IDS} = "
-               f"{c.model.vocab_size - DEMO_IDS} (model.vocab_size={c.model.vocab_size}; {NUM_BYTES} bytes and "
-               f"{len(SPECIALS)} specials)"),
     (lambda c: not c.system_prompt or c.init_hf or c.init_from,
      lambda c: f"system_prompt={c.system_prompt[:40]!r}: goes in a chat template, which only a checkpoint's "
                f"tokenizer has (init_hf or init_from); the demo tokenizer has none"),
@@ -461,8 +406,7 @@ RELATIONS: list[Relation] = [
 
 
 def check_relations(cfg: TrainConfig):
-    """The checks across sections (RELATIONS, then the prompt limit), on a config whose fields passed
-    their rules. Raises ValueError naming the fields, their values and what would be valid."""
+    """RELATIONS, then the prompt limit. Raises ValueError naming the fields, their values and what is valid."""
     for holds, problem in RELATIONS:
         if not holds(cfg):
             raise ValueError(problem(cfg))
@@ -515,15 +459,10 @@ def _section(name: str, kw: dict):
 
 
 def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
-    """TrainConfig from the defaults, then the config file's assignments, then key=value overrides
-    (`key=value` for a top-level field, `<section>.<field>=value` for a section's), checked once:
-    every field against its rule, then RELATIONS.
-
-    Raises ValueError on an unknown key (naming close matches, or the new home of a key that moved),
-    a value of the wrong type or out of range, a relation that does not hold, a checkpoint folder
-    (init_hf, init_from) whose config.json does not describe the model, or a config file that fails
-    to run.
-    """
+    """TrainConfig from the defaults, the config file's assignments, then `key=value` / `section.field=value`
+    overrides, checked once: every field against its rule, then RELATIONS. Raises ValueError on an unknown
+    key (naming close matches, or a moved key's new home), a value its rule refuses, a relation that does
+    not hold, a checkpoint folder whose config.json does not fit, or a config file that fails to run."""
     values = {}
     if path:
         # The file's namespace after running it, less what is not a setting: private and dunder names
@@ -590,28 +529,14 @@ def _hint(key: str, value: str) -> str:
 
 
 def read_checkpoint_model(key: str, path: str) -> ModelConfig:
-    """The ModelConfig of HF checkpoint folder `path` (config.json, hf_config.config_from_hf), for the field
-    `key` (init_hf or init_from). Raises ValueError naming the field and what is wrong: no such folder, no
-    or a broken config.json, another family, quantised weights."""
-    name = f"{key}={path!r}"
+    """The ModelConfig of HF checkpoint folder `path` (hf_config.read_config), for the field `key` (init_hf or
+    init_from). Raises ValueError naming the field and what is wrong."""
     if not os.path.isdir(path):
-        raise ValueError(f"{name}: no such folder")
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        raise ValueError(f"{name}: holds no config.json; need a hub-layout checkpoint folder (config.json, "
-                         f"*.safetensors, tokenizer.json)")
+        raise ValueError(f"{key}={path!r}: no such folder")
     try:
-        with open(file, encoding="utf-8") as f:
-            hf_config = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise ValueError(f"{name}: config.json is not JSON ({e})") from None
-    if isinstance(hf_config, dict) and hf_config.get("quantization_config"):
-        raise ValueError(f"{name}: config.json is quantised ({hf_config['quantization_config']}); only unquantised "
-                         f"weights load")
-    try:
-        return config_from_hf(hf_config)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{name}: config.json: {e}") from None
+        return read_config(path)
+    except ValueError as e:
+        raise ValueError(f"{key}={path!r}: {e}") from None
 
 
 def checkpoint_model(path: str, model_kw: dict) -> ModelConfig:
@@ -632,12 +557,9 @@ def checkpoint_model(path: str, model_kw: dict) -> ModelConfig:
 
 
 def check_checkpoint_model(cfg: TrainConfig):
-    """init_from's checkpoint holds the configured model: every field of cfg.model equals its config.json's,
-    but max_seq_len (it only bounds the positions), init_std (no function) and dense_inter_dim without
-    dense blocks (never read). Raises ValueError naming the first that differs."""
-    want = read_checkpoint_model("init_from", cfg.init_from)
-    ignore = {"max_seq_len", "init_std"} | ({"dense_inter_dim"} if not want.first_k_dense_replace else set())
-    differ = {k: (v, getattr(want, k)) for k, v in vars(cfg.model).items() if k not in ignore and getattr(want, k) != v}
+    """init_from's checkpoint holds the configured model (hf_config.shape_differences finds none). Raises
+    ValueError naming the first field that differs."""
+    differ = shape_differences(cfg.model, read_checkpoint_model("init_from", cfg.init_from))
     if differ:
         first = next(iter(differ))
         raise ValueError(f"model.{first}={differ[first][0]!r}: {cfg.init_from}/config.json has {differ[first][1]!r} "

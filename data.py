@@ -45,8 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reward import MATH_TIMEOUT_S, code_reward, last_boxed, math_reward, reasoning_gym_reward
-from scoring import ScoreTimeout, time_limited
+from reward import code_reward, last_boxed, math_gold_readable, math_reward, reasoning_gym_reward
 
 from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer
 
@@ -56,7 +55,6 @@ if TYPE_CHECKING:
 # the math instruction of Qwen2.5-Math's README (CoT) and DeepSeek-R1's usage recommendations (arXiv 2501.12948)
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 CODE_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a ```python code block."
-PLAIN_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")  # a gold math-verify surely reads: no need to parse it
 CHECK_RE = re.compile(r"^def check\s*\(", re.MULTILINE)  # HumanEval's test defines check(candidate)
 
 
@@ -217,7 +215,7 @@ def load_task(path: str, *, size: int | None = None) -> MathTask | HumanEvalTask
     for line, (question, gold) in parsed:
         if size is not None and len(items) == size:
             break
-        if _readable(gold):
+        if math_gold_readable(gold):
             items.append(Item(question, gold, 0, len(items)))
         else:
             skipped.append(line)
@@ -323,21 +321,6 @@ def _humaneval_row(row: dict, name: str) -> CodeTask:
     return CodeTask(task_id, prompt, test, entry_point, _text(row, "canonical_solution", required=False) or "")
 
 
-def _readable(gold: str) -> bool:
-    """Whether math-verify reads gold as an expression, delimited as math_equal reads it; bounded by MATH_TIMEOUT_S.
-
-    Not readable: nothing parses, so only an answer of the very same text could match it.
-    """
-    if PLAIN_NUMBER_RE.fullmatch(gold):
-        return True
-    from math_verify import parse
-    try:  # no_fallback: without it parse returns the text itself when it reads no expression
-        return bool(time_limited(lambda: parse(f"${gold}$", parsing_timeout=None, fallback_mode="no_fallback"),
-                                 seconds=MATH_TIMEOUT_S))
-    except ScoreTimeout:
-        return False
-
-
 # ----------------------------------------------------------------------------- a run's prompts
 
 def load_tasks(cfg: TrainConfig) -> tuple[ItemList, ItemList]:
@@ -401,8 +384,7 @@ class Prompts:
 
 @dataclass
 class RunData:
-    """A run's prompts and tokenizer, each read (or learned) once before any work and the same objects the
-    run then uses (`load_run_data`)."""
+    """A run's prompts and tokenizer, read (or learned) once before any work: the objects the run uses."""
     task: ItemList  # the training prompts' task (their verifier)
     held_out: ItemList  # the eval prompts' task
     tok: Tokenizer
@@ -411,10 +393,9 @@ class RunData:
 
 
 def load_run_data(cfg: TrainConfig) -> RunData:
-    """Tasks (`load_tasks`), the run's tokenizer (`run_tokenizer`), the held-out prompts the evals use
-    (`held_out_items`) and the training prompts tokenized in a fixed order seeded by cfg.seed. Raises
-    ValueError naming the field (and file) of what is wrong: a data file, a tokenizer that does not
-    fit the model, too few held-out prompts, a prompt the chat template cannot render."""
+    """Tasks (`load_tasks`), tokenizer (`run_tokenizer`), the evals' prompts (`held_out_items`) and the
+    training prompts tokenized in a fixed order seeded by cfg.seed. Raises ValueError naming the field
+    (and file) of what is wrong."""
     task, held_out = load_tasks(cfg)
     tok = run_tokenizer(cfg, task)
     items = held_out_items(cfg, task, held_out, tok)
@@ -431,10 +412,9 @@ def load_run_data(cfg: TrainConfig) -> RunData:
 
 
 def run_tokenizer(cfg: TrainConfig, task: ItemList) -> Tokenizer:
-    """The checkpoint's tokenizer (init_hf, or init_from: an earlier run's), loaded once, else the tiny
-    demo's own BPE learned from the task's prompts and answers (tokenizer.py). Raises ValueError naming
-    the folder when it does not load, and when its ids do not fit model.vocab_size or system_prompt has
-    no chat template to go in."""
+    """The checkpoint's tokenizer (init_hf, or init_from: an earlier run's), else the tiny demo's own BPE
+    learned from the task's prompts and answers. Raises ValueError naming the field: a tokenizer that does
+    not load, ids past model.vocab_size, bpe_merges too many, system_prompt without a chat template."""
     source = cfg.init_hf or cfg.init_from
     if source:
         key = "init_hf" if cfg.init_hf else "init_from"
@@ -445,8 +425,12 @@ def run_tokenizer(cfg: TrainConfig, task: ItemList) -> Tokenizer:
             raise ValueError(f"{name}: its tokenizer: {e}") from None
     else:
         name = "the demo BPE"
-        tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
-                                             vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges))
+        try:  # it refuses more merges than the vocabulary holds beside the bytes and its specials, before training
+            tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
+                                                 vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges))
+        except ValueError as e:
+            raise ValueError(f"bpe_merges={cfg.bpe_merges}: the demo tokenizer's merges must fit model.vocab_size="
+                             f"{cfg.model.vocab_size} ({e})") from None
     if tok.enc.n_vocab > cfg.model.vocab_size:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: the tokenizer of {name} has {tok.enc.n_vocab} ids; "
                          f"need at least as many embedding rows")

@@ -116,7 +116,7 @@ def setup_distributed(cfg: TrainConfig) -> Meshes | None:
     size and ep = cfg.ep (torchtitan's meshes), cfg.device set to this rank's GPU. One process
     in bf16: a one-rank group and mesh, so FSDP2's mixed precision runs the same arithmetic as
     on many ranks (bf16 compute, fp32 master weights and gradients). One process in fp32: None.
-    Raises ValueError if world size is not a multiple of ep.
+    (config.RELATIONS has refused an ep that does not divide the world size.)
     """
     import datetime
 
@@ -136,8 +136,6 @@ def setup_distributed(cfg: TrainConfig) -> Meshes | None:
         # a store of its own: one rank needs no rendezvous (and no MASTER_ADDR / MASTER_PORT)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return Meshes(fsdp=init_device_mesh(torch.device(cfg.device).type, (1,), mesh_dim_names=("fsdp",)))
-    if world % cfg.ep:
-        raise ValueError(f"ep={cfg.ep} must divide the world size {world}")
     if torch.cuda.is_available():
         # One GPU per rank, chosen by the rank's index on its node; made current before the
         # process group starts, so that nccl's communicators (and "cuda" tensors) use it, not
@@ -294,6 +292,13 @@ def all_reduce_float(x: float, op: str = "sum") -> float:
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     dist.all_reduce(t, op=ops[op], group=getattr(_thread, "group", None))
     return t.item()
+
+
+def barrier():
+    """Wait for every rank (a no-op in one process, where there is no process group to wait on)."""
+    if rank_world()[1] > 1:
+        import torch.distributed as dist
+        dist.barrier()
 
 
 def all_ranks(flag: bool) -> bool:

@@ -5,7 +5,8 @@ per-token objective obj_t (to maximise) of one of seven losses (ESPO and the GRP
 builds on, below), optionally weighted against the train-inference mismatch (TIS, IcePop)
 and penalised by a KL to a reference, then aggregated to a scalar (one of five
 aggregations); it returns minus that scalar and float metrics. `LossConfig` is built and
-checked once per run. Also here: group-relative advantages (`ragged_group_advantages`) and
+checked once per run. Also here: group-relative advantages (`ragged_group_advantages`; RL-ZVP's
+token advantages for the zero-variance groups stage 3 keeps, `zvp_token_advantages`) and
 the mismatch metrics of engine against trainer (`mismatch_metrics`). Every formula is
 checked against a float64 per-sequence loop written from the papers (tests/reference_losses.py).
 Shapes: B, T, G, P, Q (letters of the README's legend).
@@ -94,13 +95,13 @@ import torch
 
 from rules import FLAG, NON_NEGATIVE, POSITIVE, check_fields, integer, number, one_of, optional, pair
 
-LOSS_TYPES = ("grpo", "drgrpo", "gspo", "gspo-token", "gmpo", "cispo", "espo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
                 "seq-mean-bin-mean-token-mean")
 # Each loss's aggregation in its paper, used when `aggregation` is None.
 PAPER_AGGREGATION = {"grpo": "token-mean", "drgrpo": "seq-mean-token-sum-norm", "gspo": "seq-mean-token-mean",
                      "gspo-token": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean", "cispo": "token-mean",
                      "espo": "seq-mean-bin-mean-token-mean"}
+LOSS_TYPES = tuple(PAPER_AGGREGATION)  # a loss is known by its entry above: one place to name a new one
 # (eps_low, eps_high) from each paper, used when a clip eps is None: DAPO sec. 3.1; Dr.GRPO's
 # PPO clip; GSPO sec. 5.1 (sequence ratios sit orders of magnitude closer to 1); GMPO's
 # (e^-0.4, e^0.4), in log space; CISPO: no lower bound, upper bound undisclosed (reading 9).
@@ -156,6 +157,21 @@ def ragged_group_advantages(rewards_P: list[torch.Tensor], *, scale_by_std: bool
     return adv
 
 
+def zvp_token_advantages(entropy_T: torch.Tensor, *, correct: bool, alpha: float) -> torch.Tensor:
+    """RL-ZVP advantages [T] fp32 of one response of a zero-variance group (arXiv 2509.21880).
+
+    entropy_T: pi_old's entropy (nats) at the response's completion tokens. All correct:
+    A_t = alpha * H_t (>= 0); all wrong: A_t = -alpha * (max_t H - H_t) (<= 0), so confident
+    tokens of a wrong answer are pushed down hardest. alpha >= 0 (filter.FilterConfig's rule for zvp_alpha):
+    the zero-variance groups stage 3 keeps get these instead of their all-zero group advantages.
+    """
+    h = entropy_T.detach().float()
+    if h.numel() == 0:
+        return h
+    # correct: reward uncertain tokens most (they were luckiest); wrong: push confident tokens down most
+    return alpha * h if correct else -alpha * (h.max() - h)
+
+
 # ----------------------------------------------------------------------------- entropy bins
 
 def entropy_bins(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, *, top_frac: float, num_bins: int) -> torch.Tensor:
@@ -163,10 +179,8 @@ def entropy_bins(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, *, top_frac: f
 
     Bin 0 holds the ceil(top_frac * n_valid) highest-entropy valid tokens of each
     sequence; the rest of the ranks are split evenly into num_bins - 1 bins (ESPO,
-    arXiv 2512.00499; readings 3). Raises ValueError unless num_bins >= 1 and 0 < top_frac <= 1.
+    arXiv 2512.00499; readings 3). num_bins >= 1 and 0 < top_frac <= 1: LossConfig's rules.
     """
-    if num_bins < 1 or not 0.0 < top_frac <= 1.0:
-        raise ValueError(f"need num_bins >= 1 and top_frac in (0, 1]; got {num_bins}, {top_frac}")
     valid = mask_BT.bool()
     n_valid_B1 = valid.sum(-1, keepdim=True)  # (B, 1) completion tokens per sequence
     if num_bins == 1:
@@ -331,24 +345,19 @@ def mismatch_weights(old_logp_BT: torch.Tensor, infer_logp_BT: torch.Tensor, mas
     """Constant per-token weight [B, T] correcting for the engine's sampling policy, and metrics.
 
     k = pi_old / pi_infer per token. TIS: min(k, tis_cap) (Yao et al. 2025); IcePop:
-    k inside [a, b], 0 outside (arXiv 2510.18855 sec. 4). Exactly one must be given.
-    Raises ValueError on both or neither, tis_cap <= 0, or bounds not 0 <= a < b.
+    k inside [a, b], 0 outside (arXiv 2510.18855 sec. 4). Exactly one is given: tis_cap > 0 and
+    0 <= a < b, LossConfig's rules.
     """
-    if (tis_cap is None) == (icepop_bounds is None):
-        raise ValueError("give exactly one of tis_cap and icepop_bounds")
+    assert (tis_cap is None) != (icepop_bounds is None), "exactly one of tis_cap and icepop_bounds"
     # k = pi_old / pi_infer: how much more likely the trainer finds the engine's sample than the engine did
     log_k_BT = (old_logp_BT.detach() - infer_logp_BT.detach().to(old_logp_BT.dtype)) * mask_BT
     k_BT = log_k_BT.exp()
     n_tok = mask_BT.sum().clamp(min=1)
     if tis_cap is not None:
-        if tis_cap <= 0:
-            raise ValueError(f"tis_cap={tis_cap}; must be > 0")
         weight_BT = k_BT.clamp(max=tis_cap)
         metrics = {"mismatch/tis_truncated_frac": float(((k_BT > tis_cap) * mask_BT).sum() / n_tok)}
     else:
         lo, hi = icepop_bounds
-        if not 0 <= lo < hi:
-            raise ValueError(f"icepop_bounds={icepop_bounds}; need 0 <= a < b")
         inside_BT = (k_BT >= lo) & (k_BT <= hi)
         weight_BT = k_BT * inside_BT
         metrics = {"mismatch/icepop_masked_frac": float((~inside_BT * mask_BT).sum() / n_tok)}
@@ -391,13 +400,9 @@ def mismatch_metrics(infer_logp: list[torch.Tensor], trainer_logp: list[torch.Te
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The policy loss and its advantages: the run's `loss` section, checked once when built.
-
-    aggregation, clip_eps_low and clip_eps_high None take the loss's paper value
-    (`aggregation_name`, `clip_eps`); tis_cap None and icepop None leave those corrections off.
-    Raises ValueError on a field its rule refuses (`RULES`), ESPO's bin mean for another loss, or
-    TIS and IcePop at once.
-    """
+    """The policy loss and its advantages: the run's `loss` section, checked when built. aggregation and
+    the clip eps None take the loss's paper value (`aggregation_name`, `clip_eps`). Raises ValueError on a
+    field its rule refuses (`RULES`), ESPO's bin mean for another loss, or TIS and IcePop at once."""
     type: str = "espo"
     """'espo', 'grpo' (DAPO token clip), 'drgrpo', 'gspo', 'gspo-token', 'gmpo' or 'cispo' (the module docstring)."""
     aggregation: str | None = None

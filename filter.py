@@ -15,7 +15,7 @@ rollouts carry no policy gradient (DAPO, arXiv 2503.14476 sec. 3.2). The seed pa
   rest likely to differ: reading 3), its other G - k rollouts are never generated; the
   rest get G - k more (or G' - k, G' > G, to spend the savings on prompts that are
   informative).
-- Stage 3, after rollout (`post_rollout_filter`, `zvp_token_advantages`): drop the groups
+- Stage 3, after rollout (`post_rollout_filter`, espo.zvp_token_advantages): drop the groups
   that are still zero-variance, or keep them with RL-ZVP's entropy-shaped token
   advantages (arXiv 2509.21880): all correct A_t = a H_t, all wrong A_t = -a (max_t H - H_t).
 - Over-sampling (`oversample_size`, DAPO's dynamic sampling): more prompts, in rounds,
@@ -213,10 +213,9 @@ def is_informative(group: list[Scored]) -> bool:
 
 @dataclass(frozen=True)
 class FilterConfig:
-    """The zero-variance stages' settings: the run's `filter` section. The defaults run none of stages 1-2
-    and drop zero-variance groups (stage 3). Raises ValueError on a field its rule refuses (`RULES`),
-    enlarged_group_size without probes, or a pass-rate file no stage reads; how probe_size and
-    enlarged_group_size stand to the group size is config.RELATIONS'."""
+    """The zero-variance stages: the run's `filter` section (by default no stage 1-2, stage 3 drops). Raises
+    ValueError on a field its rule refuses (`RULES`), enlargement without probes, or a pass-rate file no
+    stage reads; probe_size and enlarged_group_size against the group size are config.RELATIONS'."""
     skip_prob: float = 0.0
     """Stage 1: probability of skipping a prompt last seen all-correct or all-wrong, at once (0 = off)."""
     skip_half_life: float = 200.0
@@ -319,17 +318,3 @@ def post_rollout_filter(rewards_PG, lengths_PG, correct_PG=None) -> tuple[torch.
         "zero_variance_frac": sum(zero_var) / P if P else 0.0,
     }
     return torch.tensor([not z for z in zero_var], dtype=torch.bool), stats
-
-
-def zvp_token_advantages(entropy_T: torch.Tensor, *, correct: bool, alpha: float) -> torch.Tensor:
-    """RL-ZVP advantages [T] fp32 of one response of a zero-variance group (arXiv 2509.21880).
-
-    entropy_T: pi_old's entropy (nats) at the response's completion tokens. All correct:
-    A_t = alpha * H_t (>= 0); all wrong: A_t = -alpha * (max_t H - H_t) (<= 0), so confident
-    tokens of a wrong answer are pushed down hardest. alpha >= 0 (FilterConfig's rule for zvp_alpha).
-    """
-    h = entropy_T.detach().float()
-    if h.numel() == 0:
-        return h
-    # correct: reward uncertain tokens most (they were luckiest); wrong: push confident tokens down most
-    return alpha * h if correct else -alpha * (h.max() - h)

@@ -35,10 +35,9 @@ import re
 
 import torch
 
-from fp8 import FP8, WEIGHT_BLOCK, quantize_fp8
-from hf_config import config_from_hf, config_to_hf
+from hf_config import config_to_hf, read_config, shape_differences
 from model import ModelConfig, Transformer
-from weights import full_tensor, policy_tensors, weight_buckets
+from weights import FP8, WEIGHT_BLOCK, full_tensor, policy_tensors, quantize_fp8, weight_buckets
 
 
 # re.fullmatch against our whole name: no pattern matches a name another one does, so the order is free
@@ -107,11 +106,10 @@ def hf_tensors(named_tensors, cfg: ModelConfig):
 def _model_for(path: str, model: Transformer | None) -> Transformer:
     """The model load_hf fills: `model` checked against path's config.json, or one built from it on
     the CPU, uninitialised. Raises ValueError as load_hf documents."""
-    with open(os.path.join(path, "config.json")) as f:
-        hf_config = json.load(f)
-    if hf_config.get("quantization_config"):  # e4m3 values copied without their scales would be silently wrong
-        raise ValueError(f"load_hf: {path} is quantised ({hf_config['quantization_config']}); only unquantised loads")
-    want = config_from_hf(hf_config)
+    try:
+        want = read_config(path)
+    except ValueError as e:
+        raise ValueError(f"load_hf: {path}: {e}") from None
     if model is None:
         # built on meta, then given uninitialised CPU storage: no random init of weights that are read next
         with torch.device("meta"):
@@ -119,19 +117,14 @@ def _model_for(path: str, model: Transformer | None) -> Transformer:
         model.to_empty(device="cpu")
         if want.tie_embeddings:  # to_empty gave lm_head a tensor of its own: one Parameter again
             model.lm_head.weight = model.embed.weight
-    # max_seq_len only bounds the positions (the function on each is the same); init_std is no function;
-    # dense_inter_dim is read only by dense blocks
-    ignore = {"max_seq_len", "init_std"} | ({"dense_inter_dim"} if not want.first_k_dense_replace else set())
-    differ = {k: (v, getattr(want, k)) for k, v in vars(model.cfg).items() if k not in ignore and getattr(want, k) != v}
-    if differ:
+    if differ := shape_differences(model.cfg, want):
         raise ValueError(f"load_hf: the model's config and {path}/config.json differ in (model's, file's) {differ}")
     return model
 
 
 def check_weights(name: str, path: str):
-    """The safetensors files of checkpoint folder `path` exist (every one its index names) and their
-    headers read: a cheap look before any work, whose tensors load_hf reads later. Raises ValueError
-    starting with `name` (the field that names the folder) and naming the file."""
+    """Checkpoint folder `path`'s safetensors files exist (each one its index names) and their headers read:
+    a cheap look before any work. Raises ValueError starting with `name` (the field) and naming the file."""
     from safetensors import safe_open
     index_file = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_file):

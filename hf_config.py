@@ -3,14 +3,15 @@
 Each key of a Qwen3-MoE (arXiv 2505.09388) or GLM-4.5 (arXiv 2508.06471) config.json is implemented
 with transformers 5.24's meaning and default (`HF_DEFAULTS`), harmless (`HF_HARMLESS`) or
 implemented at one value (`HF_ONLY`); anything else is refused, so a checkpoint runs as
-transformers runs it or not at all. `config_from_hf` reads one (what config.py's init_hf takes the
-model's shape from, and hf.load_hf checks a model against), `config_to_hf` writes one (hf.save_hf).
+transformers runs it or not at all. `read_config` reads a folder's (init_hf's shape; what hf.load_hf
+checks a model against, `shape_differences`), `config_to_hf` writes one (hf.save_hf).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 
 from model import HF_MODEL_TYPES, ModelConfig
 
@@ -194,3 +195,31 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                  first_k_dense_replace=cfg.first_k_dense_replace, routed_scaling_factor=cfg.routed_scaling_factor,
                  n_group=cfg.n_group, topk_group=cfg.topk_group, use_qk_norm=cfg.qk_norm, num_nextn_predict_layers=0)
     return c
+
+
+def read_config(path: str) -> ModelConfig:
+    """The ModelConfig of checkpoint folder `path`'s config.json (`config_from_hf`). Raises ValueError: no
+    config.json, not JSON, quantised (e4m3 values loaded without their scales would be silently wrong)."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise ValueError("holds no config.json; need a hub-layout checkpoint folder (config.json, *.safetensors, "
+                         "tokenizer.json)")
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"config.json is not JSON ({e})") from None
+    if isinstance(config, dict) and config.get("quantization_config"):
+        raise ValueError(f"config.json is quantised ({config['quantization_config']}); only unquantised weights load")
+    try:
+        return config_from_hf(config)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"config.json: {e}") from None
+
+
+def shape_differences(model: ModelConfig, checkpoint: ModelConfig) -> dict:
+    """{field: (model's, checkpoint's)} where a model computes another function than a checkpoint's: all but
+    max_seq_len (it only bounds positions), init_std (no function), dense_inter_dim without dense blocks."""
+    ignore = {"max_seq_len", "init_std"} | ({"dense_inter_dim"} if not checkpoint.first_k_dense_replace else set())
+    return {k: (v, getattr(checkpoint, k)) for k, v in vars(model).items()
+            if k not in ignore and getattr(checkpoint, k) != v}

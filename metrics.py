@@ -2,7 +2,7 @@
 
 This file owns what a run reports. MetricsLog writes one JSON object per line to
 out_dir/metrics.jsonl for every SFT step, RL step and eval, each with its "stage" ('sft',
-'rl' or 'eval') and "step", mirrors the numeric values to the sink cfg.logger names, and
+'rl' or 'eval') and "step", mirrors the numeric values to the sink `logger` names, and
 keeps every record in memory; plot draws the training reward, the held-out accuracy and
 the zero-variance group fraction against the RL step at the end of a run.
 Terms (step, zero-variance group) as the README's Legend defines them.
@@ -17,32 +17,30 @@ Notable choices:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import os
 
-from config import TrainConfig
-from distributed import rank_world
-
 
 class MetricsLog:
-    """metrics.jsonl, plus TensorBoard or Weights & Biases when cfg.logger asks; only rank 0 writes.
-    Without a cfg the records are only kept in memory (`records`).
+    """out_dir/metrics.jsonl, plus TensorBoard or Weights & Biases when `logger` asks ('none',
+    'tensorboard', 'wandb'; its name is config.TrainConfig's rule). Without an out_dir the records are
+    only kept in memory (`records`).
 
-    keep: on resume, how many records of the existing metrics.jsonl to keep (those the
-    checkpoint had seen); later ones are dropped and written again by the resumed run.
-    Raises ValueError when the logger's package is not installed (its name is TrainConfig's rule).
+    write: whether this process writes (rank 0 only: the logged metrics are reduced over ranks, so rank
+    0's records stand for all, and several writers would interleave their lines in one file).
+    config: the run's resolved settings, for wandb's run page. keep: on resume, how many records of the
+    existing metrics.jsonl to keep (those the checkpoint had seen); later ones are dropped and written
+    again by the resumed run. Raises ValueError when the logger's package is not installed.
     """
 
-    def __init__(self, cfg: TrainConfig | None = None, keep: int | None = None):
+    def __init__(self, out_dir: str | None = None, *, logger: str = "none", config: dict | None = None,
+                 keep: int | None = None, write: bool = True):
         self.records, self.backend = [], None
-        # One writer: the logged metrics are reduced over ranks, so rank 0's records stand for all, and
-        # several writers would interleave their lines in one file.
-        self.enabled = cfg is not None and rank_world()[0] == 0
-        if cfg is None:
+        self.enabled = out_dir is not None and write
+        if out_dir is None:
             return
-        path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        path = os.path.join(out_dir, "metrics.jsonl")
         # Records past `keep` were logged after the checkpoint was written; the resumed run logs them
         # again, so they are left out here rather than written twice.
         if keep is not None and os.path.exists(path):
@@ -55,15 +53,15 @@ class MetricsLog:
         for rec in self.records:
             self.file.write(json.dumps(rec) + "\n")
         try:
-            if cfg.logger == "tensorboard":
+            if logger == "tensorboard":
                 from torch.utils.tensorboard import SummaryWriter
-                self.backend = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
-            elif cfg.logger == "wandb":
+                self.backend = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+            elif logger == "wandb":
                 import wandb
-                self.backend = wandb.init(project="everyprompt", name=os.path.basename(os.path.abspath(cfg.out_dir)),
-                                          dir=cfg.out_dir, config=dataclasses.asdict(cfg))
+                self.backend = wandb.init(project="everyprompt", name=os.path.basename(os.path.abspath(out_dir)),
+                                          dir=out_dir, config=config)
         except ImportError as e:  # a missing optional package is a config problem: say how to fix it
-            raise ValueError(f"logger={cfg.logger!r} needs its package ({e}); pip install {cfg.logger}, "
+            raise ValueError(f"logger={logger!r} needs its package ({e}); pip install {logger}, "
                              f"or set logger=none") from None
 
     def __call__(self, rec: dict):

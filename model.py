@@ -656,8 +656,8 @@ class Transformer(nn.Module):
         written at cache columns [cache_start, cache_start+T); mask_B1TS (bool, True = attend, or
         additive float, 0 = attend) covers all S = cache_start+T columns. Without a mask attention is causal, which is
         right only when cache_start = 0 (SDPA aligns its causal mask to the top left).
-        Raises ValueError on a wrong replay shape, an expert id outside [-1, E), a row that
-        mixes -1 with ids, or a row that repeats an expert.
+        Raises ValueError on a replay of another shape or a float dtype (the ids' values are checked
+        once, where they enter from outside: sglang_engine.check_routes).
         """
         h, routes = self.hidden(tokens_BT, **kwargs)
         if targets_BT is None:
@@ -668,6 +668,16 @@ class Transformer(nn.Module):
         return (logp_BT, entropy_BT), routes
 
 
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype that holds expert ids 0..num_experts - 1: what a Rollout's routes are
+    kept and moved in (uint8 up to 256 experts: a quarter of SGLang's int32). The trainer pads with -1
+    only once they are in its own int32 batch."""
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        if num_experts - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    raise ValueError(f"num_experts={num_experts} exceeds int32 expert ids")
+
+
 def check_route_layout(routed_experts: torch.Tensor, want: tuple):
     """The dtype and shape of replayed expert ids: no host sync, so every replayed forward may afford it.
     Raises ValueError naming what is wrong."""
@@ -676,24 +686,3 @@ def check_route_layout(routed_experts: torch.Tensor, want: tuple):
         raise ValueError(f"routed_experts has dtype {routed_experts.dtype}; expert ids must be integers")
     if tuple(routed_experts.shape) != want:
         raise ValueError(f"routed_experts has shape {tuple(routed_experts.shape)}, expected {want} (B, T, L, K)")
-
-
-def check_routes(routed_experts: torch.Tensor, num_experts: int):
-    """The values of expert ids [..., K] that enter from outside this project (SGLang's routed_experts),
-    checked once where they enter, not in every forward (it syncs with the host): each id in [0, E) or a
-    whole row of -1 (padding), the K ids of a row distinct. Raises ValueError naming what is wrong."""
-    if routed_experts.is_floating_point() or routed_experts.is_complex() or routed_experts.dtype == torch.bool:
-        raise ValueError(f"routed_experts has dtype {routed_experts.dtype}; expert ids must be integers")
-    if routed_experts.numel() == 0:
-        return
-    lo, hi = int(routed_experts.min()), int(routed_experts.max())
-    if lo < -1 or hi >= num_experts:
-        raise ValueError(f"routed_experts ids span [{lo}, {hi}]; valid ids are -1 (padding) and [0, {num_experts})")
-    # a padding row is all -1: a partly padded row would mix replayed ids with the router's own
-    pad = routed_experts < 0
-    if bool((pad.any(-1) & ~pad.all(-1)).any()):
-        raise ValueError("routed_experts has a row mixing -1 and expert ids; a padding row must be all -1")
-    # sorted along K, a repeated expert shows as two equal neighbours (-1 pairs of padding rows aside)
-    ids = routed_experts.sort(dim=-1).values
-    if bool(((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any()):
-        raise ValueError("routed_experts repeats an expert within a token's top-k; ids in a row must be distinct")

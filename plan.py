@@ -44,8 +44,7 @@ import warnings
 import torch
 
 from logprobs import LOGITS_CHUNK_TOKENS
-from sampler import route_dtype
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, route_dtype
 
 GB = 1024 ** 3
 # what PyTorch can allocate on each (torch.cuda.get_device_properties(0).total_memory, as its out-of-memory
@@ -53,7 +52,6 @@ GB = 1024 ** 3
 # and include memory the driver keeps. The plan leaves nothing for the CUDA context, NCCL or fragmentation.
 GPU_MEMORY_GIB = {"H100 80GB": 79.11, "H200 141GB": 139.81}
 NODES = (1, 2, 4, 8)
-PARTS = ("params", "grads", "optimizer", "gathered", "activations")
 
 
 def param_counts(cfg: ModelConfig) -> dict:
@@ -240,7 +238,7 @@ def engine_memory(cfg, world: int = 1) -> dict[str, int]:
     LK, kv_token = m.num_moe_layers * m.top_k, 2 * m.n_kv_heads * m.head_dim * dt  # k and v of a token, one layer
     prefill_cache = m.n_layers * U * P * kv_token
     kv = engine_bytes(cfg, world)["kv_cache"]
-    routes = B * S * LK * torch.tensor([], dtype=route_dtype(m.num_experts)).element_size()  # sampler.route_dtype
+    routes = B * S * LK * torch.tensor([], dtype=route_dtype(m.num_experts)).element_size()  # model.route_dtype
     # under EP a forward sends each token's K routed rows to their experts' ranks and receives as many back
     # (balanced routing): send and receive buffers of N * K rows of D, as the trainer's (choice 1)
     a2a = 2 * m.top_k * m.dim * dt if ep > 1 else 0  # per token

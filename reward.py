@@ -64,13 +64,14 @@ import torch
 
 import sandbox
 from rules import NON_NEGATIVE, POSITIVE, check_fields, integer, number, one_of
-from scoring import grade_elsewhere, time_limited
+from scoring import ScoreTimeout, grade_elsewhere, time_limited
 
 # non-greedy and across lines; callers take the last match, so a model that drafts an answer and then corrects
 # itself is graded on its final one
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)  # a fence tagged python, py or untagged
 CORRECT_SCORE = 1.0  # reasoning-gym's score for an exact answer; anything less is partial credit
+PLAIN_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")  # a plain number: math-verify surely reads it
 MATH_TIMEOUT_S = 5.0  # a math_equal call's limit when its caller sets none (scoring.RewardPool and score_inline do)
 JUDGE_OUTCOMES = {"better": 1.0, "tie": 0.5, "worse": 0.0}  # P(completion beats the reference)
 
@@ -125,6 +126,19 @@ NUMBER_RE = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\w)"
 # What may surround that number: words (units, "the answer is"), currency and percent signs, punctuation;
 # no operator, bracket, backslash or lone letter (a variable: "2x", "4\pi" are not 2 and 4)
 PROSE_RE = re.compile(r"(?:[A-Za-z]{2,}|[aAI]|[\s$%€£.,:;!?'\"-])*")
+
+
+def math_gold_readable(gold: str) -> bool:
+    """Whether math-verify reads a gold answer as an expression, delimited as math_equal reads it; bounded
+    by MATH_TIMEOUT_S. Not readable: nothing parses, so only an answer of the very same text could match."""
+    if PLAIN_NUMBER_RE.fullmatch(gold):  # surely readable: no need to parse it
+        return True
+    from math_verify import parse
+    try:  # no_fallback: without it parse returns the text itself when it reads no expression
+        return bool(time_limited(lambda: parse(f"${gold}$", parsing_timeout=None, fallback_mode="no_fallback"),
+                                 seconds=MATH_TIMEOUT_S))
+    except ScoreTimeout:
+        return False
 
 
 def math_equal(answer: str, gold: str) -> bool:
@@ -343,10 +357,8 @@ RM_SCORE_SCALE = 1.0  # reward-model score units per tanh unit in the shaping sc
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """How a group's rewards are shaped beyond correctness, and how they are scored: the run's `reward`
-    section. Shaping enters inside the correctness class (adjust_rewards), so no advantage inversion.
-    Raises ValueError on a field its rule refuses (`RULES`); overlong_buffer against the generation
-    limit is config.RELATIONS'."""
+    """How rewards are shaped inside the correctness class (adjust_rewards: no advantage inversion) and
+    scored: the run's `reward` section. Raises ValueError on a field its rule refuses (`RULES`)."""
     overlong_buffer: int = 0
     """DAPO soft overlong penalty: tokens before sampling.max_new_tokens where it ramps from 0 to -1 (0 = off)."""
     repetition_weight: float = 0.0

@@ -6,7 +6,7 @@ builder, what engine.name picks) with `build_engine` and the async producer's `p
 and `NativeEngine` (prefill and decode over a static KV cache in plain PyTorch, CPU or GPU, on its
 own copy of the weights or on the sharded policy itself), with its bucketed weight sync.
 `SGLangEngine` (sglang_engine.py) is the other engine. Both return sampler.Rollout records,
-sampled by sampler.sample from per-row random streams; FP8 weights come from fp8.py.
+sampled by sampler.sample from per-row random streams; FP8 weights come from weights.py.
 
 Sources: router replay (R3, arXiv 2510.11370), for which every rollout records its routed
 experts; blockwise FP8 after DeepSeek-V3 (arXiv 2412.19437, section 3.3); gpt-fast's pure
@@ -42,7 +42,7 @@ Notable choices:
    went through the model, in SGLang's layout [T + C - 1, L, K] (the last sampled token is
    never fed back), for router replay; and the weight version that produced it.
 5. FP8 weights (`NativeEngine(fp8=True)`): blockwise e4m3 modules and the trainer-side
-   quantiser, DeepSeek-V3's recipe, live in fp8.py; a high-precision tensor sent for an
+   quantiser, DeepSeek-V3's recipe, live in weights.py; a high-precision tensor sent for an
    FP8 weight is quantised on arrival.
 6. Weight sync in buckets of at most DEFAULT_BUCKET_BYTES (`weight_buckets`), each staged as one
    flat copy per dtype (`_stage`): staging memory stays bounded and a sync is a few large
@@ -60,11 +60,11 @@ import torch
 import torch.nn as nn
 
 from distributed import all_ranks, collective_group, gathered, load_shards, own_meshes, rank_world, reference_copy
-from fp8 import FP8, FP8GroupedExperts, FP8Linear, quantize_fp8_blockwise, to_fp8_modules
-from model import KVCache, ModelConfig, Transformer
-from sampler import Rollout, SamplingParams, route_dtype, row_keys, row_uniforms, sample
+from model import KVCache, ModelConfig, Transformer, route_dtype
+from sampler import Rollout, SamplingParams, row_keys, row_uniforms, sample
 from sglang_engine import build_sglang_engine
-from weights import DEFAULT_BUCKET_BYTES, Named, full_tensor, local, weight_buckets
+from weights import (DEFAULT_BUCKET_BYTES, FP8, FP8GroupedExperts, FP8Linear, Named, full_tensor, local,
+                     quantize_fp8_blockwise, to_fp8_modules, weight_buckets)
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -141,10 +141,7 @@ class NativeEngine:
         self.weight_version, self.sharded, self._phase = 0, policy is not None, None
         self.kv_bytes = 0  # the largest KV cache a generate call of this phase allocated (the run logs it)
         self._decode_step = torch.compile(decode_step, dynamic=True) if compile else decode_step
-        if policy is not None:
-            if fp8:
-                raise ValueError("engine.fp8 with the sharded native engine (several ranks) is not built: FP8 rollouts "
-                                 "run with engine.name='sglang', or the native engine in one process")
+        if policy is not None:  # no FP8 on the sharded policy (config.RELATIONS refuses engine.fp8 on several ranks)
             self.model = policy  # the trainer's own module: nothing to copy, nothing to sync
             return
         # no gradients, ever; the initial values are placeholders until the first update_weights
@@ -405,17 +402,14 @@ class Engine(Protocol):
     """What an RL step asks of a rollout engine, and all it asks: NativeEngine (above) and
     sglang_engine.SGLangEngine implement it; `ENGINES` names the builders, `build_engine` calls one.
 
-    generate(prompts, params, *, n, seed, group_ids) -> list[Rollout]: n rollouts of each prompt
-        (token ids), prompt-major, each sample's random stream keyed by (seed, group id, sample
-        index) so that batching does not change what is sampled; every Rollout records its tokens,
-        logprobs (pi_infer), routed experts and the weight version that produced it.
-    update_weights(named_tensors, version): take the trainer's weights (weights.policy_tensors
-        names) and stamp `version` (RL steps trained) on what it generates from then on.
-    phase(): a context manager around a step's (or an eval's) generate calls: an engine that
-        gathers weights or switches process groups does it once per phase.
-    sleep() / wake(): release and take back the engine's memory around the trainer's update.
-    memory() -> {name: bytes}: what this rank holds for it (logged each step).
-    weight_version: the version of the weights it holds.
+    generate(prompts, params, *, n, seed, group_ids): n Rollouts of each prompt (token ids),
+        prompt-major, each sample's random stream keyed by (seed, group id, sample index): batching
+        does not change what is sampled. A Rollout records tokens, logprobs, routes, weight version.
+    update_weights(named_tensors, version): take the trainer's weights (weights.policy_tensors names)
+        and stamp `version` (RL steps trained, the weight_version) on what it generates from then on.
+    phase(): around a step's (or an eval's) generate calls: gathering weights or switching process
+        groups happens once per phase. sleep() / wake(): release and take back the engine's memory
+        around the trainer's update. memory(): {name: bytes} this rank holds for it (logged).
     """
     weight_version: int
 
@@ -434,9 +428,8 @@ class Engine(Protocol):
 
 
 def build_native_engine(cfg: TrainConfig, tok: Tokenizer, policy: nn.Module) -> NativeEngine:
-    """The native engine of a run: under torchrun on the sharded policy itself (no replica; NativeEngine's
-    docstring), in one process a copy of the policy's weights (FP8 with engine.fp8), filled by the first
-    update_weights."""
+    """The native engine of a run: under torchrun on the sharded policy itself (no replica), in one process
+    a copy of the policy's weights (FP8 with engine.fp8), filled by the first update_weights."""
     on_policy = policy if rank_world()[1] > 1 else None
     return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device, dtype=cfg.compute_dtype(),
                         compile=cfg.compile, num_tokens=tok.enc.n_vocab, fp8=cfg.engine.fp8, policy=on_policy)
@@ -463,11 +456,9 @@ def build_engine(cfg: TrainConfig, tok: Tokenizer, policy: nn.Module) -> Engine:
 
 
 def producer_engine(engine: Engine, cfg: TrainConfig, policy: nn.Module) -> Engine:
-    """The async producer's engine, beside the trainer's `engine`: a copy of a one-process native engine,
-    or under torchrun the native engine on a sharded copy of the policy parallelized over meshes and
-    process groups of its own, so the producer's collectives never share a communicator with the
-    trainer's (its update_weights copies the published weights shard by shard). Raises ValueError for
-    another engine (config.RELATIONS refuses async rollouts with SGLang)."""
+    """The async producer's engine beside the trainer's: a copy of a one-process native engine, or under
+    torchrun one on a sharded copy of the policy over process groups of its own (its collectives never
+    share a communicator with the trainer's). Raises ValueError for another engine than the native one."""
     if not isinstance(engine, NativeEngine):
         raise ValueError(f"max_staleness={cfg.max_staleness}: async rollouts run on the native engine only")
     if not engine.sharded:

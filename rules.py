@@ -1,21 +1,15 @@
 """What a setting accepts, declared beside it: one Rule per field of every config dataclass.
 
-Each config class of a run (config.TrainConfig and the sections it composes: model.ModelConfig,
-sampler.SamplingParams, espo.LossConfig, filter.FilterConfig, reward.RewardConfig,
-config.EngineConfig) lists a Rule for each of its fields in `RULES` and calls `check_fields(self)`
-when it is built, so a value of the wrong type or out of range is refused where the field is
-declared, by one ValueError `<field>=<value!r>: need <what is valid>`. A Rule also reads the
-field's command-line string (`Rule.parse`), so a field's type is stated once, in its rule.
-Checks that span fields stay with the class that owns them (its __post_init__), and checks that
-span sections are config.RELATIONS.
+Each config class (config.TrainConfig and its sections) lists a Rule per field in `RULES` and
+calls `check_fields(self)` when built, so a value of the wrong type or out of range is refused
+where the field is declared: one ValueError, `<field>=<value!r>: need <what is valid>`. A Rule
+also reads the field's command-line string (`Rule.read`), so a field's type is stated once.
 
 Notable choices:
 1. A bool is no int or float here (`group_size = True` would otherwise be a group of 1).
 2. A number must be finite: NaN fails every comparison and inf is no setting anywhere.
-3. An int field takes an integer spelling only ("8", not "8.0" or "1e3"): never a silently
-   truncated float.
-4. `optional(rule)` is a field whose off value is None (`loss.tis_cap`), spelled `none` on the
-   command line: no field encodes "off" as 0, -1 or "" when 0 is a valid value too.
+3. An int field takes an integer spelling only ("8", not "8.0" or "1e3").
+4. `optional(rule)`: a field whose off value is None (`loss.tis_cap`), `none` on the command line.
 """
 
 from __future__ import annotations
@@ -25,43 +19,18 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-_WORDS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-
-
-def _as_bool(text: str) -> bool:
-    if text.lower() not in _WORDS:
-        raise ValueError("expected a bool (true/false)")
-    return _WORDS[text.lower()]
-
-
-def _as_number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError("expected float") from None
-
-
-def _as_int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError("expected int") from None
-
-
-def in_a_config_file(text: str):
-    """The parse of a field a command line cannot spell (a list, a dict, a section): always refused."""
-    raise ValueError("set it in a config file, not on the command line")
+_WORDS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}  # a bool's spellings
 
 
 @dataclass(frozen=True)
 class Rule:
     """What one field accepts: a value of one of `types` for which `test` holds; `valid` says which,
-    in words, for the error; `parse` reads the field's command-line string (raising ValueError with
-    what it expected)."""
+    in words, for the error; `parse` reads the field's command-line string (None: a list, a dict or a
+    section, which only a config file can spell)."""
     types: tuple
     valid: str
     test: Callable[[Any], bool] = lambda v: True
-    parse: Callable[[str], Any] = str
+    parse: Callable[[str], Any] | None = str
 
     def type_ok(self, value) -> bool:
         # bool is an int subclass (choice 1)
@@ -78,10 +47,12 @@ class Rule:
 
     def read(self, name: str, text: str):
         """The value of command-line string `text` for field `name`. Raises ValueError naming both."""
+        if self.parse is None:
+            raise ValueError(f"{name}={text!r}: set {name} in a config file, not on the command line")
         try:
             return self.parse(text)
-        except ValueError as e:
-            raise ValueError(f"{name}={text!r}: {e}") from None
+        except (ValueError, KeyError):  # int("8.0"), float("fast"), a bool's unknown word, a pair of three
+            raise ValueError(f"{name}={text!r}: need {self.valid}") from None
 
 
 def _because(why: str) -> str:
@@ -92,7 +63,7 @@ def integer(low: int | None = None, high: int | None = None, why: str = "") -> R
     """An int in [low, high] (None: unbounded)."""
     span = f" in [{low}, {high}]" if high is not None else f" >= {low}" if low is not None else ""
     return Rule((int,), f"an int{span}{_because(why)}", lambda v: (low is None or v >= low) and (high is None or v <= high),
-                _as_int)
+                int)
 
 
 def number(low: float | None = None, high: float | None = None, *, low_open: bool = False, high_open: bool = False,
@@ -105,7 +76,7 @@ def number(low: float | None = None, high: float | None = None, *, low_open: boo
     def test(v) -> bool:  # choice 2
         return (math.isfinite(v) and (low is None or (v > low if low_open else v >= low))
                 and (high is None or (v < high if high_open else v <= high)))
-    return Rule((int, float), f"a {'number' if span else 'finite number'}{span}{_because(why)}", test, _as_number)
+    return Rule((int, float), f"a {'number' if span else 'finite number'}{span}{_because(why)}", test, float)
 
 
 def one_of(*names: str, why: str = "") -> Rule:
@@ -130,17 +101,17 @@ def pair(rule: Rule, valid: str, test: Callable[[tuple], bool] = lambda v: True)
     def parse(s: str) -> tuple:
         parts = s.split(",")
         if len(parts) != 2:
-            raise ValueError("expected two values, a,b")
+            raise ValueError(s)
         return tuple(rule.parse(p.strip()) for p in parts)
     return Rule((tuple, list), valid, ok, parse)
 
 
 def section(cls: type) -> Rule:
     """A field holding another config dataclass (a section of TrainConfig)."""
-    return Rule((cls,), f"a {cls.__name__} (a config file sets it as a dict of its fields)", parse=in_a_config_file)
+    return Rule((cls,), f"a {cls.__name__} (a config file sets it as a dict of its fields)", parse=None)
 
 
-FLAG = Rule((bool,), "True or False", parse=_as_bool)
+FLAG = Rule((bool,), "True or False", parse=lambda s: _WORDS[s.lower()])
 PATH = text("a path (a str; '' = none)")
 POSITIVE = number(0, low_open=True)
 NON_NEGATIVE = number(0)

@@ -1,13 +1,11 @@
 """The sampler and what it records: how every engine samples a completion, and the Rollout it returns.
 
-`SamplingParams` (the run's `sampling` settings, as SGLang and vLLM name them), `sample`
-(temperature, top-k and top-p by inverse CDF, one uniform per row per step), the per-row random
-streams it draws from (`row_keys`, `row_uniforms`: counter-based, keyed by (seed, group id,
-sample index), so a rollout never depends on its batch-mates or the rank that generated it), and
-the `Rollout` record both engines return (rollout.NativeEngine, sglang_engine.SGLangEngine), with
-the `RolloutSummary` the other ranks learn of it. Sources: nucleus sampling (arXiv 1904.09751);
-splitmix64 (Steele, Lea and Flood 2014) for the random streams; router replay (R3, arXiv
-2510.11370), for which every rollout records its routed experts.
+`SamplingParams` (the run's `sampling` section, as SGLang and vLLM name them), `sample` (temperature,
+top-k, top-p by inverse CDF, one uniform per row per step) from per-row random streams (`row_keys`,
+`row_uniforms`: keyed by (seed, group id, sample index), so a rollout never depends on its batch-mates
+or its rank), and the `Rollout` record both engines return (`RolloutSummary`: what other ranks learn).
+Sources: nucleus sampling (arXiv 1904.09751); splitmix64 (Steele, Lea and Flood 2014); router replay
+(R3, arXiv 2510.11370), for which every rollout records its routed experts.
 Shapes: B, V, C, T, L, K (letters of the README's legend).
 """
 
@@ -22,9 +20,8 @@ from rules import check_fields, integer, number
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How an engine samples (SGLang's and vLLM's sampling parameters): the run's `sampling` section,
-    the rollouts' settings (an eval's greedy pass uses temperature 0). Raises ValueError on a field
-    its rule refuses (`RULES`)."""
+    """How an engine samples (SGLang's and vLLM's sampling parameters): the run's `sampling` section (an
+    eval's greedy pass: temperature 0). Raises ValueError on a field its rule refuses (`RULES`)."""
     max_new_tokens: int = 24
     """Generation limit per rollout, in tokens."""
     temperature: float = 1.0
@@ -51,8 +48,9 @@ class Rollout:
     prompt_ids: list[int]
     completion_ids: list[int]  # includes the EOS token when finish_reason == "stop"
     logprobs: torch.Tensor  # [C] fp32, engine's log pi(completion token): pi_infer, before top-k/top-p truncation
-    # [T + C - 1, L, K] routed expert ids (route_dtype: uint8 up to 256 experts), T this prompt's tokens: every token fed to the model, i.e. all
-    # but the last completion token, whose logits are never computed (SGLang's layout; replayed by the trainer)
+    # [T + C - 1, L, K] routed expert ids (model.route_dtype: uint8 up to 256 experts), T this prompt's tokens:
+    # every token fed to the model, i.e. all but the last completion token, whose logits are never computed
+    # (SGLang's layout; replayed by the trainer)
     routes: torch.Tensor
     finish_reason: str  # "stop" (EOS sampled) or "length" (max_new_tokens reached)
     group_id: int  # index of the prompt in the generate() call (or group_ids[i]); rollouts of one prompt share it
@@ -66,16 +64,6 @@ class Rollout:
         """Its scalars, for the other ranks (with the completion's ids if with_tokens)."""
         return RolloutSummary(len(self.prompt_ids), len(self.completion_ids), self.finish_reason, self.group_id,
                               self.weight_version, rank, list(self.completion_ids) if with_tokens else None)
-
-
-def route_dtype(num_experts: int) -> torch.dtype:
-    """The smallest integer dtype that holds expert ids 0..num_experts - 1: what a Rollout's routes are
-    kept and moved in (uint8 up to 256 experts: a quarter of SGLang's int32). The trainer pads with -1
-    only once they are in its own int32 batch."""
-    for dtype in (torch.uint8, torch.int16, torch.int32):
-        if num_experts - 1 <= torch.iinfo(dtype).max:
-            return dtype
-    raise ValueError(f"num_experts={num_experts} exceeds int32 expert ids")
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,11 @@ Shapes: T, C, L, K (letters of the README's legend; T is one prompt's tokens her
 
 Notable choices:
 
-1. Two deployments. Colocated (sglang_urls ""): local rank 0 of each node launches one SGLang
+1. Two deployments. Colocated (engine.sglang_urls ""): local rank 0 of each node launches one SGLang
    server on the node's GPUs (tensor parallel over them, expert parallel where the experts
    divide evenly), with SGLang's memory saver: `sleep()` releases its weights, KV cache and
    CUDA graphs while the trainer trains, `wake()` takes the memory back. External
-   (sglang_urls set): servers someone else launched; sleep and wake do nothing.
+   (engine.sglang_urls set): servers someone else launched; sleep and wake do nothing.
 2. Every rank posts its own prompts to /generate: its node's server, or the external servers
    round-robin by group id. No rank waits on another (ranks run different numbers of batches:
    a gather to the leader could deadlock), and a server batches all ranks' requests together.
@@ -43,7 +43,7 @@ Notable choices:
    broadcasts each tensor over an NCCL group formed once with every server's GPUs. A barrier
    after the sync keeps every rank from generating on old weights.
 5. FP8 serves a blockwise-FP8 checkpoint (DeepSeek-V3's recipe, arXiv 2412.19437; see
-   fp8.py) and syncs weights quantised on the trainer's side (`quantize_fp8`, HF names).
+   weights.py) and syncs weights quantised on the trainer's side (`quantize_fp8`, HF names).
    Other tensors go in the trainer's dtype; SGLang casts them as it loads.
 6. Memory released by `sleep()` comes back without its values (no CPU backup), so after
    `wake()` the engine refuses to generate until `update_weights` has run: a wrong call order
@@ -68,13 +68,11 @@ from urllib.parse import urlsplit
 
 import torch
 
-from distributed import all_gather_list, rank_world
+from distributed import all_gather_list, barrier, rank_world
 from hf import hf_tensors, save_hf
-from hf_config import config_from_hf
-from model import ModelConfig, check_routes
-from fp8 import quantize_fp8
-from sampler import Rollout, SamplingParams, route_dtype, row_keys
-from weights import DEFAULT_BUCKET_BYTES, Named, full_tensor, weight_buckets
+from model import ModelConfig, route_dtype
+from sampler import Rollout, SamplingParams, row_keys
+from weights import DEFAULT_BUCKET_BYTES, Named, full_tensor, quantize_fp8, weight_buckets
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -154,6 +152,26 @@ def sglang_request(prompts: list[list[int]], params: SamplingParams, *, n: int, 
                 return_routed_experts=True, routed_experts_start_len=0)
 
 
+def check_routes(routed_experts: torch.Tensor, num_experts: int):
+    """The values of integer expert ids [..., K] that enter from outside this project (SGLang's routed_experts),
+    checked once where they enter, not in every forward (model.check_route_layout, the dtype and shape, is
+    that one; this syncs with the host): each id in [0, E) or a whole row of -1 (padding), the K ids of a
+    row distinct. Raises ValueError naming what is wrong."""
+    if routed_experts.numel() == 0:
+        return
+    lo, hi = int(routed_experts.min()), int(routed_experts.max())
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"routed_experts ids span [{lo}, {hi}]; valid ids are -1 (padding) and [0, {num_experts})")
+    # a padding row is all -1: a partly padded row would mix replayed ids with the router's own
+    pad = routed_experts < 0
+    if bool((pad.any(-1) & ~pad.all(-1)).any()):
+        raise ValueError("routed_experts has a row mixing -1 and expert ids; a padding row must be all -1")
+    # sorted along K, a repeated expert shows as two equal neighbours (-1 pairs of padding rows aside)
+    ids = routed_experts.sort(dim=-1).values
+    if bool(((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any()):
+        raise ValueError("routed_experts repeats an expert within a token's top-k; ids in a row must be distinct")
+
+
 def decode_routed_experts(payload, num_tokens: int, cfg: ModelConfig) -> torch.Tensor:
     """SGLang's meta_info["routed_experts"] -> [num_tokens, L, K] expert ids over the MoE layers only,
     in Rollout.routes' dtype (`route_dtype`: the smallest integer dtype that holds the expert ids).
@@ -161,7 +179,7 @@ def decode_routed_experts(payload, num_tokens: int, cfg: ModelConfig) -> torch.T
     SGLang sends base64 of int32 [num_tokens, num_hidden_layers, top_k] (logical expert
     ids); the first `first_k_dense_replace` layers are dense (GLM-4.5) and their rows are
     dropped. num_tokens is T + C - 1 when the request set routed_experts_start_len=0.
-    Raises ValueError when the size does not match or an id is not a valid one (model.check_routes: ids that
+    Raises ValueError when the size does not match or an id is not a valid one (check_routes: ids that
     enter from outside are checked here, once, not in every replayed forward).
     """
     # Format as SGLang documents it (sgl-project/sglang R3 usage notes, and sglang-jax
@@ -350,13 +368,6 @@ def _as_served(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.to(SERVED_DTYPE)
 
 
-def _barrier():
-    """Wait for every rank (nothing to wait for in one process)."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))  # the OS picks a free port
@@ -389,7 +400,7 @@ class SGLangEngine:
     # end_weight_update (Engine methods and HTTP routes) and make update_weights_from_* assert that a
     # session is open; older versions (0.5.7) have neither and take updates without them.
 
-    def __init__(self, model_path: str, *, eos_id, fp8: bool = False, tp_size: int = 1, ep_size: int = 1,
+    def __init__(self, model_path: str, cfg: ModelConfig, *, eos_id, fp8: bool = False, tp_size: int = 1, ep_size: int = 1,
                  mem_fraction_static: float = 0.8, seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  **server_kwargs):
         _import_sglang()  # first, so a CPU machine fails with what to install before reading any file
@@ -410,8 +421,8 @@ class SGLangEngine:
         atexit.register(kill_process_tree, process.pid)  # the server and its scheduler processes end with the run
         server = SGLangServer(f"http://127.0.0.1:{port}",
                               serialize=lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True))
-        # our ModelConfig from the same config.json: layer counts, top_k and dense layers for decoding routes
-        self._setup([server], config_from_hf(hf_config), eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes,
+        # cfg: the served model's shape (the run's), whose layer counts, top_k and dense layers decode the routes
+        self._setup([server], cfg, eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes,
                     colocated=True)
 
     @classmethod
@@ -497,10 +508,10 @@ class SGLangEngine:
         trains; every rank calls it. A no-op for external servers and when already asleep."""
         if not self.colocated or self.asleep:
             return
-        _barrier()  # every rank of the node has finished its rollouts
+        barrier()  # every rank of the node has finished its rollouts
         if self.leader:
             _ok(self.servers[0].release_memory_occupation(), "release_memory_occupation")
-        _barrier()  # the memory is free before any rank's trainer allocates
+        barrier()  # the memory is free before any rank's trainer allocates
         self.asleep = True
 
     def wake(self):
@@ -510,7 +521,7 @@ class SGLangEngine:
             return
         if self.leader:
             _ok(self.servers[0].resume_memory_occupation(), "resume_memory_occupation")
-        _barrier()
+        barrier()
         self.asleep, self.stale = False, True
 
     # ------------------------------------------------------------------ weights
@@ -529,7 +540,7 @@ class SGLangEngine:
                 pass
         else:
             self._send(quantize_fp8(tensors, hf=True) if self.fp8 else tensors)  # FP8 after hf_tensors: HF's blocks
-        _barrier()  # no rank generates before the weights have landed
+        barrier()  # no rank generates before the weights have landed
         self.stale = False
         self.weight_version = version  # only after every bucket landed: a failed sync keeps the old version
 
@@ -613,11 +624,11 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
         path = os.path.join(cfg.out_dir, "sglang_fp8")  # on a filesystem every node sees
         save_hf(policy, path, write=rank == 0, fp8=True)  # a collective: every rank calls it
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    _barrier()  # a checkpoint rank 0 has just written (the FP8 one) is complete before any server loads it
+    barrier()  # a checkpoint rank 0 has just written (the FP8 one) is complete before any server loads it
     engine = None
     if local_rank == 0:
         ep = local_world if cfg.model.num_experts % local_world == 0 else 1  # SGLang's EP splits experts evenly
-        engine = SGLangEngine(path, eos_id=tok.stop_ids, fp8=engine_cfg.fp8, tp_size=local_world, ep_size=ep,
+        engine = SGLangEngine(path, cfg.model, eos_id=tok.stop_ids, fp8=engine_cfg.fp8, tp_size=local_world, ep_size=ep,
                               mem_fraction_static=engine_cfg.sglang_mem_fraction, seed=cfg.seed)
     # every rank learns its node leader's URL (torchrun numbers a node's ranks consecutively); the gather also
     # waits for the leaders' servers to be up

@@ -16,7 +16,8 @@ the seed paper's figure; each stage is one call into the file that owns it:
       -> weight sync to the engine                                                rollout.py
       -> log (metrics.jsonl), eval, checkpoint
 
-Bracketed parts are off by default (TrainConfig's filter and reward fields). With
+Bracketed parts are off by default (the config's `filter` and `reward` sections). Before the
+first step `main` reads every file the run needs once (`prepare`). With
 `max_staleness` k > 0 the first half (`collect_rollouts`) runs on a producer thread up to k
 steps ahead of the second (`update_policy`): `rl_loop_async`. Under torchrun every rank runs
 this file; distributed.py holds what differs. The README's "Reading order" says where to go next.
@@ -34,6 +35,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -53,9 +55,11 @@ from rollout import Engine, build_engine, engine_builder, producer_engine
 from sampler import Rollout
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
-from tokenizer import Tokenizer
 from trainer import NonFiniteError, TrainBatch, lr_at, sft_step, train_on_rollouts
 from weights import full_tensor, policy_tensors
+
+if TYPE_CHECKING:
+    from tokenizer import Tokenizer
 
 STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds (probes, the rest, over-sampling)
 ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken as hung
@@ -79,7 +83,7 @@ class Run:
     ref_model: torch.nn.Module | None = None  # the KL penalty's frozen reference
     held_out: ItemList | None = None  # the eval prompts' task (their verifier), and the prompts:
     eval_items: list[Item] = field(default_factory=list)
-    log: MetricsLog = field(default_factory=MetricsLog)  # in memory only, unless given MetricsLog(cfg)
+    log: MetricsLog = field(default_factory=MetricsLog)  # in memory only, unless given an out_dir
     pool: RewardPool | None = None  # reward workers that score while generation goes on
     scorer: object = None  # reward model or judge (reward.reward_model_for), None without one
     evals: dict = field(default_factory=dict)  # "after_sft" / "after_rl": (sampled, greedy) accuracy per prompt
@@ -119,7 +123,9 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
             items, rounds = run.prompts.draw(more), rnd
         drawn += len(items)
         if filt.skip_prob > 0:  # stage 1, before rollout: skip prompts last seen all-correct or all-wrong
-            predicted = [predicted_length(run, it, len(run.prompts.ids[it.question])) for it in items]
+            # each prompt's predicted completion tokens: its own history, else its task's at its prompt length
+            predicted = [run.predictor.predict(it.question, task=it.task, prompt_len=len(run.prompts.ids[it.question]))
+                         for it in items]
             keep, counts = pre_rollout_filter([it.question for it in items], run.history, step, filt,
                                               group_size=cfg.group_size, rng=run.filter_rng,
                                               predicted_tokens=predicted)
@@ -165,9 +171,10 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
         keep_P = torch.ones_like(keep_P)
         filtered.update(zvp_groups=filtered["groups_dropped"], groups_dropped=0, rollouts_dropped=0, tokens_dropped=0)
     # A = (r - mean) / std within each group (GRPO, arXiv 2402.03300); groups differ in size when stage 2
-    # stopped some at their probes. Rollouts are group-major, so the concatenation lines up with them.
+    # stopped some at their probes. Rollouts are group-major, so the concatenation lines up with them; no
+    # group at all when stage 1 skipped every prompt drawn
     adv = torch.cat(ragged_group_advantages(rewards, scale_by_std=cfg.loss.adv_scale_by_std,
-                                            std_over=cfg.loss.adv_std_over) or [torch.zeros(0)])  # no group at all when stage 1 skipped every prompt drawn
+                                            std_over=cfg.loss.adv_std_over) or [torch.zeros(0)])
 
     counts = {**{f"stage1_{k}": v for k, v in stage1.items()}, **{f"stage2_{k}": v for k, v in stage2.items()},
               "oversample_rounds": rounds, "prompts_drawn": drawn,
@@ -249,11 +256,6 @@ def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int,
         scored.sort(key=lambda s: s.payload.group_id)  # stable: a group is generated on one rank, in sample order
     # sorted by group id, n per group and the sort stable: group i is the i-th slice of n, in sample order
     return [scored[i * n:(i + 1) * n] for i in range(len(items))]
-
-
-def predicted_length(run: Run, item: Item, prompt_len: int) -> float:
-    """Predicted completion tokens of a prompt: its own history, else its task's at this prompt length."""
-    return run.predictor.predict(item.question, task=item.task, prompt_len=prompt_len)
 
 
 def completion_text(tok: Tokenizer, r: Rollout) -> str:
@@ -486,8 +488,7 @@ def checkpoint(run: Run, opt, phase: str, step: int):
 
 @dataclass
 class Start:
-    """What a run starts from, read and checked once before any work (`prepare`, then `resume_checkpoint`
-    under main): the same objects the run then uses."""
+    """What a run starts from, read and checked once before any work (`prepare`, `resume_checkpoint`)."""
     data: RunData  # tasks, tokenizer, training prompts and the held-out items (data.load_run_data)
     history: PromptHistory  # stages 1-2's records: the offline pass rates, if any (a resumed run's replace them)
     offline_rates: int = 0  # rows of filter.pass_rate_file read into history
@@ -496,9 +497,9 @@ class Start:
 
 
 def prepare(cfg: TrainConfig) -> Start:
-    """Every file the run reads, read once and checked, before any work: the engine's name (rollout.ENGINES),
-    out_dir, the checkpoint folder's weights (their headers; load_hf reads them later), the data and the
-    tokenizer (data.load_run_data), the offline pass rates. Raises ValueError naming the field (and the file)."""
+    """Every file the run reads, read once and checked before any work (and the engine's name): out_dir, the
+    checkpoint's weights (headers), data and tokenizer (data.load_run_data), the offline pass rates. Raises
+    ValueError naming the field (and the file)."""
     engine_builder(cfg.engine.name)
     if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
         raise ValueError(f"out_dir={cfg.out_dir!r}: a file is there; need a folder (or nothing, to create one)")
@@ -515,8 +516,7 @@ def prepare(cfg: TrainConfig) -> Start:
 
 
 def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
-    """The policy, engine, metrics log and reward workers of a fresh (or resumed) run, around what
-    `prepare` read."""
+    """The policy, engine, metrics log and reward workers of a run, around what `prepare` read."""
     data = start.data
     if rank_world()[0] == 0:
         with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
@@ -525,7 +525,8 @@ def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
     return Run(cfg=cfg, engine=build_engine(cfg, data.tok, model), tok=data.tok, prompts=data.prompts,
                predictor=LengthPredictor(prior=cfg.sampling.max_new_tokens / 2), filter_rng=random.Random(cfg.seed),
                history=start.history, model=model, held_out=data.held_out, eval_items=data.eval_items,
-               log=MetricsLog(cfg, keep=start.resumed["num_records"] if start.resumed else None),
+               log=MetricsLog(cfg.out_dir, logger=cfg.logger, config=dataclasses.asdict(cfg), write=rank_world()[0] == 0,
+                              keep=start.resumed["num_records"] if start.resumed else None),
                pool=RewardPool(data.task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
                if cfg.reward.workers else None, scorer=reward_model_for(cfg.reward))
 

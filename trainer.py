@@ -8,7 +8,7 @@ step (`TrainBatch`: sequences, the engine's routes and logprobs, advantages):
      (R3, arXiv 2510.11370). The first mini-batch's come detached from its own loss forward
      (before the first step pi_old is pi_theta); the others from a no-grad pass up front.
   2. RL-ZVP token advantages (arXiv 2509.21880) for the kept zero-variance groups, from
-     that entropy (filter.zvp_token_advantages).
+     that entropy (espo.zvp_token_advantages).
   3. `num_minibatches` optimizer steps over a random split of the sequences, each the
      gradient of one loss (espo.policy_loss) normalised over its whole mini-batch and
      accumulated over token-budget micro-batches (`pack_microbatches`).
@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from config import TrainConfig
 from distributed import all_gather_list, all_reduce_float, idle_forward, padded_microbatches, rank_world
-from espo import mismatch_metrics, policy_loss
-from filter import zvp_token_advantages
+from espo import mismatch_metrics, policy_loss, zvp_token_advantages
 from logprobs import NO_TARGET
+
+if TYPE_CHECKING:
+    from config import TrainConfig
 
 LR_FLOOR = 0.1  # the SFT schedule's cosine ends at this fraction of the peak learning rate
 
@@ -298,23 +300,17 @@ def old_logprobs(model, batch: TrainBatch, seqs: list[int], cfg: TrainConfig):
         batch.set_old(idx, logp_BT, entropy_BT, cfg.filter.zvp_alpha)
 
 
-def minibatch_normalizer(batch: TrainBatch, members: list[int], aggregation: str, max_new_tokens: int) -> float:
-    """What one mini-batch's loss is divided by, over every rank's members, so its micro-batches add up to
-    the mini-batch's mean: its tokens (token-mean), its sequences times the generation budget (Dr.GRPO's
-    seq-mean-token-sum-norm), else its sequences."""
-    if aggregation == "token-mean":
-        return sum(batch.all_lens[g] for g in members)
-    return len(members) * (max_new_tokens if aggregation == "seq-mean-token-sum-norm" else 1)
-
-
 def minibatch_backward(model, batch: TrainBatch, members: list[int], first: bool, cfg: TrainConfig,
                        ref_model=None) -> tuple[float, list[dict]]:
     """Accumulate the gradient of one mini-batch's loss (this rank's share of `members`); returns the
     loss (summed over ranks) and each micro-batch's loss metrics. first: the step's first mini-batch,
     whose pi_old comes from this forward."""
     world = rank_world()[1]
-    loss_cfg = cfg.loss
-    normalizer = minibatch_normalizer(batch, members, loss_cfg.aggregation_name, cfg.sampling.max_new_tokens)
+    loss_cfg, agg = cfg.loss, cfg.loss.aggregation_name
+    # what the mini-batch's loss is divided by, over every rank's members: its tokens (token-mean), its sequences
+    # times the generation budget (Dr.GRPO's constant), else its sequences; its micro-batches add up to its mean
+    normalizer = (sum(batch.all_lens[g] for g in members) if agg == "token-mean"
+                  else len(members) * (cfg.sampling.max_new_tokens if agg == "seq-mean-token-sum-norm" else 1))
     needs_infer = loss_cfg.tis_cap is not None or loss_cfg.icepop is not None
     total, metrics = 0.0, []
     for idx in rank_microbatches(batch, batch.local(members), cfg):

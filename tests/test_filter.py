@@ -9,8 +9,9 @@ import torch
 import train
 from config import load_config
 from filter import (OFFLINE_WEIGHT, FilterConfig, PromptHistory, PromptRecord, Scored, post_rollout_filter,
-                    pre_rollout_filter, probe_decisions, rest_agree_probability, zvp_token_advantages)
+                    pre_rollout_filter, probe_decisions, rest_agree_probability)
 from data import Item, ItemList
+from espo import zvp_token_advantages
 from runs import make_run, micro_config
 
 
@@ -157,7 +158,7 @@ def test_history_from_one_step_makes_stage_one_skip_the_next(tmp_path):
     m, _ = train.collect_rollouts(run, 1)  # the same two prompts again: the task's order cycles
     assert calls == [(["mixed"], 4)]
     easy = run.prompts.task[0]
-    predicted = train.predicted_length(run, easy, len(run.prompts.ids[easy.question]))
+    predicted = run.predictor.predict(easy.question, task=easy.task, prompt_len=len(run.prompts.ids[easy.question]))
     assert m["filter/stage1_prompts_skipped"] == 1 and m["filter/stage1_tokens_saved_est"] == 4 * predicted
 
 

@@ -4,7 +4,8 @@ import torch.nn.functional as F
 
 import math
 
-from model import GatherRows, MoE, ModelConfig, Transformer, check_routes, grouped_mm, rope_frequencies
+from model import GatherRows, MoE, ModelConfig, Transformer, grouped_mm, rope_frequencies
+from sglang_engine import check_routes
 
 
 @pytest.mark.parametrize("num_shared_experts", [0, 1])
@@ -69,7 +70,7 @@ def test_replay_with_wrong_shape_is_a_value_error(tiny_cfg, bad, msg):
         model(torch.zeros(2, 6, dtype=torch.long), routed_experts=torch.zeros(bad, dtype=torch.long))
 
 
-# The ids' values are checked where they enter from outside (model.check_routes, called by
+# The ids' values are checked where they enter from outside (sglang_engine.check_routes, called by
 # sglang_engine.decode_routed_experts), not in every replayed forward: it syncs with the host.
 @pytest.mark.parametrize("value", [-2, 8])
 def test_replay_with_out_of_range_expert_id_is_a_value_error(tiny_cfg, value):

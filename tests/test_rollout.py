@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from logprobs import token_logprobs
-from model import Transformer
+from model import ModelConfig, Transformer, route_dtype
 from rollout import NativeEngine
-from sampler import SamplingParams, route_dtype, sample
+from sampler import SamplingParams, sample
 
 EOS, PAD = 1, 0
 
@@ -197,7 +197,7 @@ def test_update_weights_gathers_sharded_tensors(tiny_cfg):
 # ----------------------------------------------------------------------------- FP8
 
 def test_blockwise_fp8_round_trip_is_within_e4m3_precision():
-    from fp8 import FP8, dequantize_fp8_blockwise, quantize_fp8_blockwise
+    from weights import FP8, dequantize_fp8_blockwise, quantize_fp8_blockwise
     w = torch.randn(200, 300) * torch.logspace(-3, 1, 300)  # columns of very different scales
     q, s = quantize_fp8_blockwise(w)
     assert q.dtype == FP8 and q.shape == w.shape and s.shape == (2, 3)  # ceil(200/128) x ceil(300/128) blocks
@@ -210,7 +210,7 @@ def test_blockwise_fp8_round_trip_is_within_e4m3_precision():
 
 
 def test_fp8_engine_quantises_attention_and_experts_only(tiny_cfg):
-    from fp8 import FP8
+    from weights import FP8
     engine = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, fp8=True)
     engine.update_weights(Transformer(tiny_cfg).named_parameters(), version=1)
     low = {n for n, t in engine._slots.items() if t.dtype == FP8}
@@ -219,7 +219,7 @@ def test_fp8_engine_quantises_attention_and_experts_only(tiny_cfg):
 
 
 def test_trainer_side_quantisation_equals_quantisation_on_arrival(tiny_cfg):
-    from fp8 import quantize_fp8
+    from weights import quantize_fp8
     model = Transformer(tiny_cfg)
     a = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, fp8=True)
     b = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, fp8=True)
@@ -319,7 +319,7 @@ def test_sglang_weight_sync_brackets_buckets_with_sessions_when_present(tiny_cfg
 
 
 def test_sglang_fp8_sync_sends_e4m3_weights_with_inverse_scales(tiny_cfg):
-    from fp8 import FP8
+    from weights import FP8
     from sglang_engine import SGLangEngine
     sent = {}
     fake = _FakeSGLang(True)
@@ -334,7 +334,7 @@ def test_sglang_fp8_sync_sends_e4m3_weights_with_inverse_scales(tiny_cfg):
 def test_sglang_engine_without_sglang_or_cuda_says_what_is_missing():
     from sglang_engine import SGLangEngine
     with pytest.raises((ImportError, RuntimeError), match="SGLangEngine needs"):
-        SGLangEngine("/nonexistent", eos_id=EOS)
+        SGLangEngine("/nonexistent", ModelConfig(), eos_id=EOS)
 
 
 @pytest.mark.cuda
@@ -349,7 +349,7 @@ def test_sglang_engine_rollouts_match_the_trainer(tiny_cfg, tmp_path):
     cfg = dataclasses.replace(tiny_cfg, qk_norm=True, vocab_size=256, max_seq_len=128)
     model = Transformer(cfg)
     save_hf(model, str(tmp_path))
-    engine = SGLangEngine(str(tmp_path), eos_id=EOS, mem_fraction_static=0.3)
+    engine = SGLangEngine(str(tmp_path), cfg, eos_id=EOS, mem_fraction_static=0.3)
     rollouts = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8), n=2, seed=0)
     infer, trainer = [], []
     for r in rollouts:
@@ -383,7 +383,7 @@ def test_fp8_checkpoint_holds_e4m3_weights_with_inverse_scales_that_dequantise_t
 
     from hf import hf_tensors, save_hf
     from weights import policy_tensors
-    from fp8 import FP8, dequantize_fp8_blockwise
+    from weights import FP8, dequantize_fp8_blockwise
     cfg = dataclasses.replace(tiny_cfg, qk_norm=True)  # a Qwen3-MoE
     model = Transformer(cfg)
     save_hf(model, str(tmp_path), fp8=True)

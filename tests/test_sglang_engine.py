@@ -16,10 +16,10 @@ import torch
 import sglang_engine
 from config import EngineConfig, TrainConfig, load_config, parse_sglang_urls
 from hf_config import config_to_hf
-from model import ModelConfig, Transformer
-from fp8 import FP8
+from model import ModelConfig, Transformer, route_dtype
+from weights import FP8
 from rollout import ENGINES, engine_builder
-from sampler import SamplingParams, route_dtype
+from sampler import SamplingParams
 from weights import policy_tensors
 from sglang_engine import SGLangEngine, SGLangServer, build_sglang_engine
 
@@ -88,7 +88,7 @@ class _Handler(BaseHTTPRequestHandler):
 def log(monkeypatch):
     """The shared record of server calls and barriers, in the order they happened."""
     calls = []
-    monkeypatch.setattr(sglang_engine, "_barrier", lambda: calls.append((None, "barrier", None)))
+    monkeypatch.setattr(sglang_engine, "barrier", lambda: calls.append((None, "barrier", None)))
     return calls
 
 
@@ -300,7 +300,7 @@ def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_wri
     launched = []
 
     class Launched:  # stands in for SGLangEngine(path, ...), the server a node's local rank 0 launches
-        def __init__(self, path, **kw):
+        def __init__(self, path, model_cfg, **kw):
             launched.append((path, kw, routes(log), sorted(os.listdir(path)) if os.path.isdir(path) else None))
             self.servers = [SimpleNamespace(url="http://127.0.0.1:1")]
 

@@ -270,7 +270,7 @@ def test_chat_template_jinja_wins_and_a_named_template_list_gives_default(tmp_pa
 
 
 def test_missing_tokenizer_json_is_a_value_error_naming_the_path(tmp_path):
-    with pytest.raises(ValueError, match=f"{tmp_path}/tokenizer.json not found"):
+    with pytest.raises(ValueError, match=f"{tmp_path} holds no tokenizer.json"):
         load_hf_tokenizer(str(tmp_path))
 
 
