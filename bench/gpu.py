@@ -31,15 +31,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 import plan  # noqa: E402
-import rollout  # noqa: E402
+import weights  # noqa: E402
 from config import parse_args  # noqa: E402
 from distributed import build_model, setup_distributed  # noqa: E402
 from espo import mismatch_metrics  # noqa: E402
 from mismatch import trainer_logprobs  # noqa: E402  (bench/mismatch.py)
-from fp8 import quantize_fp8  # noqa: E402
 from rollout import NativeEngine, decode_step  # noqa: E402
-from sampler import SamplingParams  # noqa: E402
-from weights import policy_tensors  # noqa: E402
+from weights import policy_tensors, quantize_fp8  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak, SXM (NVIDIA's datasheets)
 
@@ -60,7 +58,7 @@ def train_throughput(cfg, model, steps: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95))  # train.rl_optimizer's
 
     def step():
-        (logp, _), _ = model(tokens, tokens, temperature=cfg.temperature)
+        (logp, _), _ = model(tokens, tokens, temperature=cfg.sampling.temperature)
         (-logp.mean()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -91,7 +89,7 @@ def engine_throughput(cfg, model) -> dict:
     engine.update_weights(policy_tensors(model), version=1)
     U, P = cfg.gen_batch_rows // cfg.group_size, cfg.prompt_limit()
     prompts = torch.randint(cfg.model.vocab_size, (U, P)).tolist()
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    params = cfg.sampling  # the run's: max_new_tokens, temperature, top_p, top_k
     engine.generate(prompts[:2], params, n=cfg.group_size, seed=0)  # warm-up
     _sync(cfg)
     if _cuda(cfg):
@@ -101,7 +99,7 @@ def engine_throughput(cfg, model) -> dict:
     engine.generate(prompts, params, n=cfg.group_size, seed=0)
     _sync(cfg)
     seconds = time.perf_counter() - t
-    out = {"tokens/s": cfg.gen_batch_rows * cfg.max_new_tokens / seconds, "rows": cfg.gen_batch_rows,
+    out = {"tokens/s": cfg.gen_batch_rows * cfg.sampling.max_new_tokens / seconds, "rows": cfg.gen_batch_rows,
            "peak_bytes": torch.cuda.max_memory_allocated() - before if _cuda(cfg) else float("nan"),
            "decode host syncs": "not checked (CPU)"}
     if _cuda(cfg):  # a decode step must not wait on the host: run one with CUDA's sync check set to raise
@@ -124,17 +122,17 @@ def mismatch(cfg, model, prompts: int) -> dict:
     engines["fp8"].update_weights(quantize_fp8(policy_tensors(model)), version=1)  # quantised on the trainer side
     engines["bf16"].update_weights(policy_tensors(model), version=1)
     ids = torch.randint(cfg.model.vocab_size, (prompts, 64)).tolist()
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    params = cfg.sampling
     rows = {}
     for name, engine in engines.items():
         rollouts = engine.generate(ids, params, n=cfg.group_size, seed=1)
         for replay in (False, True):
-            got = trainer_logprobs(model, rollouts, replay=replay, temperature=cfg.temperature)
+            got = trainer_logprobs(model, rollouts, replay=replay, temperature=cfg.sampling.temperature)
             rows[f"{name} engine, replay {'on' if replay else 'off'}"] = mismatch_metrics(
                 [r.logprobs for r in rollouts], [lp for lp, _ in got],
                 infer_routes=[r.routes for r in rollouts], trainer_routes=[own for _, own in got])
     hopper = _cuda(cfg) and torch.cuda.get_device_capability() == (9, 0)
-    rows["scaled_mm"] = "torch._scaled_mm" if hopper and not rollout._scaled_mm_broken else "fallback (dequantised)"
+    rows["scaled_mm"] = "torch._scaled_mm" if hopper and not weights._scaled_mm_broken else "fallback (dequantised)"
     return rows
 
 
@@ -146,7 +144,7 @@ def main():
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA GPU (--device cpu only checks that the script runs)")
-    quick = ["microbatch_tokens=4096", "gen_batch_rows=256", "max_new_tokens=16"] if a.quick else []
+    quick = ["microbatch_tokens=4096", "gen_batch_rows=256", "sampling.max_new_tokens=16"] if a.quick else []
     cfg = parse_args([a.config, f"device={a.device}", "dtype=bfloat16", "max_prompt_tokens=64", *quick])
     # the plan first: it runs in a fake process group of its own, which must not meet the real one
     planned = {"train": plan.trainer_memory(cfg, 1, activation_checkpoint=cfg.activation_checkpoint)["total"],
@@ -167,7 +165,7 @@ def main():
     print(f"{'train':<34} {train['tokens/s']:>12,.0f} tokens/s  MFU {train['mfu']:.1%}  micro-batch {train['micro-batch']}")
     print(f"{'train peak memory':<34} {train['peak_bytes'] / GiB:>12.2f} GiB  planned {train['planned_bytes'] / GiB:.2f} "
           f"GiB ({train['planned_bytes'] / train['peak_bytes']:.2f}x)")
-    print(f"{'engine generate':<34} {gen['tokens/s']:>12,.0f} tokens/s  {gen['rows']} rows x {cfg.max_new_tokens} new "
+    print(f"{'engine generate':<34} {gen['tokens/s']:>12,.0f} tokens/s  {gen['rows']} rows x {cfg.sampling.max_new_tokens} new "
           f"tokens, prompts of {cfg.prompt_limit()}")
     print(f"{'engine generate peak memory':<34} {gen['peak_bytes'] / GiB:>12.2f} GiB  planned "
           f"{gen['planned_bytes'] / GiB:.2f} GiB ({gen['planned_bytes'] / gen['peak_bytes']:.2f}x)")

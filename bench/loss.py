@@ -54,10 +54,14 @@ def make_batch(B: int, T: int, dtype: torch.dtype, seed: int = 0) -> dict:
 def vectorised(b: dict, loss_type: str, opts: dict):
     """One loss + backward of espo.policy_loss on the whole batch."""
     logp = b["logp"].detach().requires_grad_()
-    cfg = LossConfig(loss_type=loss_type, vocab_size=VOCAB, max_tokens=b["mask"].shape[1],
-                     kl_coef=opts.get("kl_coef", 0.0), tis_cap=opts.get("tis_cap"))
-    loss, _ = policy_loss(logp, b["old"], b["adv"], b["mask"], cfg, old_entropy_BT=b["ent"],
-                          ref_logp_BT=b["ref"] if cfg.kl_coef else None, infer_logp_BT=b["infer"] if cfg.tis_cap else None)
+    cfg = LossConfig(type=loss_type, kl_coef=opts.get("kl_coef", 0.0), tis_cap=opts.get("tis_cap"))
+    B, T = b["mask"].shape
+    # Dr.GRPO's seq-mean-token-sum-norm divides by sequences x the generation budget (T here, as the loop's
+    # max_tokens); every other aggregation takes this batch's own count
+    normalizer = B * T if cfg.aggregation_name == "seq-mean-token-sum-norm" else None
+    loss, _ = policy_loss(logp, b["old"], b["adv"], b["mask"], cfg, vocab_size=VOCAB, old_entropy_BT=b["ent"],
+                          ref_logp_BT=b["ref"] if cfg.kl_coef else None, infer_logp_BT=b["infer"] if cfg.tis_cap else None,
+                          normalizer=normalizer)
     loss.backward()
 
 

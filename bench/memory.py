@@ -7,7 +7,7 @@ in a fresh process:
    its RL AdamW, then two training steps of one full micro-batch (plan.microbatch_shape):
    forward with the chunked logprobs, backward, optimizer step. Planned: plan.trainer_memory.
 2. engine: a NativeEngine in the run's dtype, one generate call of gen_batch_rows rows whose
-   prompts are max_prompt_tokens long (EOS id -1, so every row decodes max_new_tokens), its
+   prompts are max_prompt_tokens long (EOS id -1, so every row decodes sampling.max_new_tokens), its
    rollouts kept. Planned: plan.engine_memory.
 Measured two ways, from the moment the model is built (its own construction left out):
 - tensors: the peak bytes of live tensor storages (`LiveTensors`), what
@@ -54,7 +54,7 @@ CONFIGS = {
     "dense-first+AC": ["model.n_layers=6", "model.first_k_dense_replace=1", "model.dense_inter_dim=384",
                        "model.qk_norm=True", "activation_checkpoint=True", "microbatch_tokens=4096"],
     "wide-vocab": ["model.vocab_size=16384", "model.dim=256", "model.num_experts=16", "model.top_k=4",
-                   "model.max_seq_len=512", "microbatch_tokens=4096", "gen_batch_rows=64", "max_new_tokens=64"],
+                   "model.max_seq_len=512", "microbatch_tokens=4096", "gen_batch_rows=64", "sampling.max_new_tokens=64"],
 }
 DTYPES = ("float32", "bfloat16")
 QWEN3_VOCAB = 151936
@@ -116,7 +116,7 @@ def _measure_trainer(cfg, meshes, shape: tuple[int, int] | None = None) -> dict[
         tokens = torch.randint(cfg.model.vocab_size, shape or microbatch_shape(cfg, cfg.model.num_experts))
         _reset_peaks(live)  # past build_model's full initial copy, which a sharded run frees
         for _ in range(2):
-            (logp, _), _ = model(tokens, tokens, temperature=cfg.temperature)
+            (logp, _), _ = model(tokens, tokens, temperature=cfg.sampling.temperature)
             (-logp.mean()).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -131,8 +131,8 @@ def _measure_engine(cfg) -> dict[str, int]:
         U = max(1, cfg.gen_batch_rows // cfg.group_size)  # distinct prompts, group_size rows each
         prompts = torch.randint(cfg.model.vocab_size, (U, cfg.prompt_limit())).tolist()
         _reset_peaks(live)  # past the engine's fp32 construction
-        rollouts = engine.generate(prompts, cfg.sampling_params(), n=cfg.group_size, seed=0)
-    assert all(len(r.completion_ids) == cfg.max_new_tokens for r in rollouts)
+        rollouts = engine.generate(prompts, cfg.sampling, n=cfg.group_size, seed=0)
+    assert all(len(r.completion_ids) == cfg.sampling.max_new_tokens for r in rollouts)
     return {"tensors": live.peak, "rss": _hwm() - base}
 
 
@@ -186,7 +186,8 @@ def _measure_here(part: str, args: list[str]) -> dict[str, int]:
         meshes = setup_distributed(cfg)  # bf16: a one-rank process group, as train.py runs it
         _measure_trainer(cfg, meshes, shape=(1, 16))
         return _measure_trainer(cfg, meshes)
-    _measure_engine(dataclasses.replace(cfg, gen_batch_rows=cfg.group_size, max_new_tokens=2))
+    _measure_engine(dataclasses.replace(cfg, gen_batch_rows=cfg.group_size,
+                                        sampling=dataclasses.replace(cfg.sampling, max_new_tokens=2)))
     return _measure_engine(cfg)
 
 

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
+import random
 import sys
 import time
 
@@ -42,12 +44,11 @@ from config import load_config  # noqa: E402
 from espo import mismatch_metrics  # noqa: E402
 from hf import load_hf  # noqa: E402
 from model import Transformer  # noqa: E402
-from data import TaskMix, demonstration  # noqa: E402
-from fp8 import quantize_fp8  # noqa: E402
+from data import Prompts, TaskMix, prompt_ids, run_tokenizer  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
-from sampler import SamplingParams  # noqa: E402
-from weights import policy_tensors  # noqa: E402
-from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer  # noqa: E402
+from scheduler import LengthPredictor  # noqa: E402
+from weights import policy_tensors, quantize_fp8  # noqa: E402
+from tokenizer import Tokenizer, load_hf_tokenizer  # noqa: E402
 
 
 def load_policy(args):
@@ -60,17 +61,22 @@ def load_policy(args):
         tok = load_run_output(args.init_from, model)
     else:
         print(f"no --init_from: running {args.sft_steps} SFT steps first")
-        tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
-                                             vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges))
-        cfg.sft_steps = args.sft_steps
-        order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        engine = make_engine(cfg, tok)
-        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, model=model,
-                            prompts=train.Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt))
-        train.sft(sft_run, train.sft_optimizer(model, cfg), 0)
+        tok = run_tokenizer(cfg, task)  # the demo's own BPE, learned from the task as a run learns it
+        cfg = dataclasses.replace(cfg, sft_steps=args.sft_steps)
+        sft_here(cfg, task, tok, model, make_engine(cfg, tok))
     held_out = TaskMix(cfg.tasks, seed=cfg.eval_seed, size=args.prompts)  # prompts the SFT never saw
-    prompts = [train.prompt_ids(tok, held_out, held_out[i], cfg.system_prompt) for i in range(args.prompts)]
+    prompts = [prompt_ids(tok, held_out, held_out[i], cfg.system_prompt) for i in range(args.prompts)]
     return model.eval().requires_grad_(False), tok, cfg, prompts
+
+
+def sft_here(cfg, task, tok, model, engine):
+    """cfg.sft_steps of train.sft on `model` over the task's prompts in the run's order (bench/zve.py uses it too)."""
+    order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, model=model,
+                        prompts=Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt),
+                        predictor=LengthPredictor(prior=cfg.sampling.max_new_tokens / 2),
+                        filter_rng=random.Random(cfg.seed))
+    train.sft(sft_run, train.sft_optimizer(model, cfg), 0)
 
 
 def load_run_output(path: str, model: Transformer) -> Tokenizer:
@@ -153,9 +159,9 @@ def main():
     rows = {}
     # bf16 engine / fp32 trainer: rounding 16x finer than e4m3's, so routing's share of the gap shows
     for engine_name, trainer_name in (("fp8", "bf16"), ("fp8", "fp32"), ("bf16", "fp32"), ("fp32", "fp32")):
-        rollouts = engines[engine_name].generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature), n=args.samples, seed=args.seed)
+        rollouts = engines[engine_name].generate(prompts, cfg.sampling, n=args.samples, seed=args.seed)
         for replay in (False, True):
-            got = trainer_logprobs(trainers[trainer_name], rollouts, replay=replay, temperature=cfg.temperature)
+            got = trainer_logprobs(trainers[trainer_name], rollouts, replay=replay, temperature=cfg.sampling.temperature)
             m = mismatch_metrics([r.logprobs for r in rollouts], [lp for lp, _ in got],
                                  infer_routes=[r.routes for r in rollouts], trainer_routes=[own for _, own in got])
             if not replay:  # which completion tokens were predicted at a position whose routes flipped
@@ -164,7 +170,7 @@ def main():
             rows[f"{engine_name} engine / {trainer_name} trainer / replay {'on' if replay else 'off'}"] = m
 
     print(f"tiny model after SFT ({args.init_from or f'{args.sft_steps} SFT steps here'}); {args.prompts} held-out prompts x "
-          f"{args.samples} samples, T={cfg.temperature}, up to {cfg.max_new_tokens} new tokens; "
+          f"{args.samples} samples, T={cfg.sampling.temperature}, up to {cfg.sampling.max_new_tokens} new tokens; "
           f"{sum(len(r.completion_ids) for r in rollouts)} sampled tokens in the last batch")
     print(f"{'engine / trainer / replay':<40}{'KL':>10}{'max|dlogp|':>11}{'mean|dlogp|':>12}{'routes differ':>14}"
           f"{'KL flip tok':>12}{'KL other':>10}{'flip tok':>9}")

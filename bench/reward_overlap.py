@@ -21,7 +21,7 @@ room). With fewer, scoring is the bottleneck and its excess shows however it ove
 the generation they overlap. The default 32 batches of 64 rows (2048 rollouts: 256
 prompts x 8) is one RL step of a usual size; the last batch's scoring is what stays
 exposed. Also reported against scoring inline on the caller's thread (train.py with
-reward_workers=0), whose reward time is rollouts x verifier time.
+reward.workers=0), whose reward time is rollouts x verifier time.
 
     python bench/reward_overlap.py [--verifier-ms 50 --workers 40 --batches 32 --rows 64 --threads 2 --repeats 7]
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 
@@ -40,8 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from data import Item, ItemList  # noqa: E402
+from data import Item, ItemList, Prompts  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
+from sampler import SamplingParams  # noqa: E402
+from scheduler import LengthPredictor  # noqa: E402
 from scoring import RewardPool  # noqa: E402
 from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402
 
@@ -77,7 +80,8 @@ def main():
     torch.manual_seed(0)
     mcfg = ModelConfig(vocab_size=336, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, num_experts=8,
                        top_k=2, moe_inter_dim=128, max_seq_len=args.prompt_len + args.new_tokens)
-    cfg = TrainConfig(model=mcfg, group_size=args.group_size, gen_batch_rows=args.rows, max_new_tokens=args.new_tokens)
+    cfg = TrainConfig(model=mcfg, group_size=args.group_size, gen_batch_rows=args.rows,
+                      sampling=SamplingParams(max_new_tokens=args.new_tokens))
     engine = NativeEngine(mcfg, eos_id=NO_EOS, pad_id=0)
     engine.update_weights(Transformer(mcfg).named_parameters(), version=0)
     num_prompts = args.batches * (args.rows // args.group_size)
@@ -92,7 +96,8 @@ def main():
         return float(len(completion) % 2)
 
     run = train.Run(cfg=cfg, engine=engine, tok=tok,
-                    prompts=train.Prompts(RandomPrompts(items), list(range(num_prompts)), tok, cfg.prompt_limit()))
+                    prompts=Prompts(RandomPrompts(items), list(range(num_prompts)), tok, cfg.prompt_limit()),
+                    predictor=LengthPredictor(prior=cfg.sampling.max_new_tokens / 2), filter_rng=random.Random(cfg.seed))
 
     def generate(pool=None):
         run.pool = pool  # with a pool, train.generate_rollouts hands each batch to it as soon as it is generated

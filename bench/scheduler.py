@@ -2,23 +2,30 @@
 
 Three measurements, each with its baseline in the same run:
 
-1. simulated, `--workers` rollout workers: each prompt has a mean completion length drawn
-   from a long-tailed lognormal; its G rollouts scatter around that mean. A worker runs
-   static batches of `--rows` rows, and a batch takes as many decode steps as its longest
-   rollout (a batched engine computes finished rows until the batch ends); a decode step
-   costs DECODE_STEP_MS + DECODE_ROW_MS per row. FIFO: batches of consecutive prompts, each
-   to the first free worker. Length-aware: scheduler.LengthPredictor (trained on one
-   earlier pass over the prompts, so predictions are imperfect) -> scheduler.length_buckets
-   -> scheduler.balance (LPT over the predicted batch costs). Wall time = the slowest worker.
-   Also reported: bucketing with FIFO dispatch, to separate the two effects, and an engine
-   with continuous batching (finished rows refilled at once, as SGLang does), where only
-   the balance across workers is left to gain: round-robin prompts against LPT.
-2. the real NativeEngine with the tiny config's model, one engine, `--engine-prompts`
-   prompts of G rollouts: the same long-tailed lengths, FIFO batches against length-aware
-   ones, each batch generated for real. The random weights never sample EOS, so every batch
-   is generated to the longest length drawn for its rows, which is the number of decode
-   steps it would take had its rows stopped at their drawn lengths (the engine computes
-   finished rows until all are done). Measured wall time, twice each, best kept.
+1. simulated, `--workers` rollout workers (ranks) driven as train.generate_rollouts drives them:
+   each prompt (`--prompt-len` tokens) has a mean completion length drawn from a long-tailed
+   lognormal; its G rollouts scatter around that mean. A step's `--prompts` prompts go out in
+   generation batches of `--rows` rows (rows / G prompts) per worker, every worker in every batch
+   and all of them in lockstep: a worker's share takes as many decode steps as its longest
+   rollout (a batched engine computes finished rows until the call ends; a decode step costs
+   DECODE_STEP_MS + DECODE_ROW_MS per row), and a batch takes its slowest worker's share. Wall
+   time = the sum over batches. Both schedules are the run's own scheduler.generation_batches:
+   length-aware with the scheduler.LengthPredictor trained on one earlier pass over the prompts
+   (so its predictions are imperfect): each bucket of rows / G x workers prompts of similar
+   predicted length, longest first, dealt round-robin over the workers; FIFO with an untrained
+   predictor, which predicts every prompt alike, so the batches are the prompts in draw order,
+   dealt the same way (what the run's first step does). Also reported: the same with an oracle
+   predictor (each prompt's mean length in this very pass), the most better predictions could buy.
+   An engine that refills finished rows (SGLang) refills only inside a generate call, and a call
+   ends with its last row: the run hands the engine one lockstep batch at a time, so the same
+   static-batch cost applies to it (continuous batching across a whole step is nothing the run does).
+2. the real NativeEngine with the tiny config's model, one engine (one worker), `--engine-prompts`
+   prompts of G rollouts: the same long-tailed lengths, the same two generation_batches schedules
+   (FIFO: draw order; length-aware: the trained predictor), each batch generated for real. The
+   random weights never sample EOS, so every batch is generated to the longest length drawn for
+   its rows, which is the number of decode steps it would take had its rows stopped at their
+   drawn lengths (the engine computes finished rows until all are done). Measured wall time,
+   twice each, best kept.
 3. RL step time on the tiny config (configs/tiny.py: model, task, batch sizes): one short
    SFT warm-up, then `--rl-steps` steps of train.main synchronous (max_staleness=0, torch's
    threads) against async (max_staleness=1: generation of step s+1 overlaps training of step
@@ -49,7 +56,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from scheduler import LengthPredictor, balance, length_buckets  # noqa: E402
+from scheduler import LengthPredictor, generation_batches  # noqa: E402
 
 # long-tailed completion lengths: lognormal prompt means, lognormal spread of a prompt's rollouts
 MEDIAN_TOKENS = 48  # median of a prompt's mean completion length (simulated)
@@ -59,6 +66,7 @@ ROLLOUT_SIGMA = 0.3  # log-space std of a prompt's rollouts around its mean
 DECODE_STEP_MS = 15.0
 DECODE_ROW_MS = 0.08
 TINY_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
+SCHEDULES = ("fifo", "length_aware", "length_aware_oracle")  # the simulated ones, baseline first
 
 
 def draw_lengths(num_prompts: int, group_size: int, max_len: int, rng: random.Random):
@@ -71,63 +79,45 @@ def draw_lengths(num_prompts: int, group_size: int, max_len: int, rng: random.Ra
     return means, [group(mu) for mu in means], [group(mu) for mu in means]
 
 
-def predictions(earlier: list[list[int]]) -> list[float]:
-    """Predicted length per prompt from the earlier pass, through scheduler.LengthPredictor."""
+def predictor(seen: list[list[int]] | None = None) -> LengthPredictor:
+    """A scheduler.LengthPredictor that has observed every rollout length of `seen` under its prompt's
+    index (as the run's predictor observes each step's completions); None: untrained, every prompt alike."""
     p = LengthPredictor(prior=MEDIAN_TOKENS)
-    for key, lens in enumerate(earlier):
+    for key, lens in enumerate(seen or []):
         for n in lens:
             p.observe(key, n)
-    return [p.predict(key) for key in range(len(earlier))]
+    return p
+
+
+def schedule(pred: LengthPredictor, num_prompts: int, prompt_len: int, rows_per_batch: int,
+             workers: int) -> list[list[list[int]]]:
+    """Per generation batch, each worker's share (prompt indices), as train.generate_rollouts gets them from
+    scheduler.generation_batches: prompts keyed by their index, all prompt_len tokens long."""
+    requests = [(i, None, prompt_len) for i in range(num_prompts)]
+    shares = [generation_batches(pred, requests, rows_per_batch, num_workers=workers, worker=w) for w in range(workers)]
+    return [list(batch) for batch in zip(*shares)]  # every worker gets as many shares as there are batches
 
 
 def batch_ms(lengths: list[int]) -> float:
-    """Simulated cost of one static batch: its longest rollout's decode steps."""
-    return max(lengths) * (DECODE_STEP_MS + DECODE_ROW_MS * len(lengths))
-
-
-def fifo_dispatch(costs: list[float], workers: int) -> float:
-    """Makespan when each batch, in order, goes to the first free worker."""
-    free = [0.0] * workers
-    for c in costs:
-        i = free.index(min(free))
-        free[i] += c
-    return max(free)
+    """Simulated cost of one worker's share of a batch: its longest rollout's decode steps (0 when empty)."""
+    return max(lengths) * (DECODE_STEP_MS + DECODE_ROW_MS * len(lengths)) if lengths else 0.0
 
 
 def simulate(args) -> dict:
-    """Mean makespan (ms) over trials of FIFO, bucketing + FIFO dispatch, and bucketing + LPT balance."""
-    per_batch = args.rows // args.group_size
-    totals = dict.fromkeys(["fifo", "buckets_fifo_dispatch", "length_aware", "continuous_round_robin", "continuous_lpt"], 0.0)
+    """Mean wall time (ms) over trials of the step's generation batches, workers in lockstep, per schedule."""
+    per_batch = max(1, args.rows // args.group_size)  # prompts per worker in a batch, as train.generate_rollouts
+    totals = dict.fromkeys(SCHEDULES, 0.0)
+    batches = dict.fromkeys(SCHEDULES, 0)
     for trial in range(args.trials):
         rng = random.Random(trial)
         _, earlier, now = draw_lengths(args.prompts, args.group_size, args.max_len, rng)
-        pred = predictions(earlier)
-
-        def rows(batch):
-            return [n for i in batch for n in now[i]]
-
-        fifo = [list(range(i, min(i + per_batch, args.prompts))) for i in range(0, args.prompts, per_batch)]
-        totals["fifo"] += fifo_dispatch([batch_ms(rows(b)) for b in fifo], args.workers)
-        buckets = length_buckets(pred, per_batch)
-        totals["buckets_fifo_dispatch"] += fifo_dispatch([batch_ms(rows(b)) for b in buckets], args.workers)
-        predicted_ms = [max(pred[i] for i in b) * (DECODE_STEP_MS + DECODE_ROW_MS * len(b) * args.group_size)
-                        for b in buckets]
-        assigned = balance(predicted_ms, args.workers)
-        totals["length_aware"] += max(sum(batch_ms(rows(buckets[j])) for j in w) for w in assigned)
-        # continuous batching: a finished row is refilled at once, so bucketing buys nothing and only
-        # the balance of work across workers is left: prompts round-robin against LPT on predicted tokens
-        tokens = [sum(now[i]) for i in range(args.prompts)]
-        rr = [list(range(w, args.prompts, args.workers)) for w in range(args.workers)]
-        lpt = balance([p * args.group_size for p in pred], args.workers)
-        totals["continuous_round_robin"] += max(continuous_ms(w, tokens, now, args.rows) for w in rr)
-        totals["continuous_lpt"] += max(continuous_ms(w, tokens, now, args.rows) for w in lpt)
-    return {k: v / args.trials for k, v in totals.items()}
-
-
-def continuous_ms(prompts: list[int], tokens: list[int], lengths: list[list[int]], rows: int) -> float:
-    """Simulated time of one continuous-batching worker: its tokens over `rows` slots, or its longest rollout."""
-    steps = max(sum(tokens[i] for i in prompts) / rows, max(max(lengths[i]) for i in prompts))
-    return steps * (DECODE_STEP_MS + DECODE_ROW_MS * rows)
+        predictors = {"fifo": predictor(), "length_aware": predictor(earlier), "length_aware_oracle": predictor(now)}
+        for name, pred in predictors.items():
+            plan = schedule(pred, args.prompts, args.prompt_len, per_batch, args.workers)
+            # lockstep: a batch ends when its slowest worker's share does
+            totals[name] += sum(max(batch_ms([n for i in share for n in now[i]]) for share in b) for b in plan)
+            batches[name] = len(plan)
+    return {"ms": {k: v / args.trials for k, v in totals.items()}, "batches": batches}
 
 
 def real_engine(args) -> dict:
@@ -143,13 +133,11 @@ def real_engine(args) -> dict:
     rng = random.Random(1)
     max_len = cfg.model.max_seq_len - args.prompt_len
     _, earlier, now = draw_lengths(args.engine_prompts, args.group_size, max_len, rng)
-    pred = predictions(earlier)
     prompts = torch.randint(1, cfg.model.vocab_size, (args.engine_prompts, args.prompt_len)).tolist()
-    per_batch = args.engine_rows // args.group_size
-    schedules = {
-        "fifo": [list(range(i, min(i + per_batch, len(prompts)))) for i in range(0, len(prompts), per_batch)],
-        "length_aware": length_buckets(pred, per_batch),
-    }
+    per_batch = max(1, args.engine_rows // args.group_size)
+    # one engine: one worker, whose share of each batch is the whole batch
+    schedules = {name: [shares[0] for shares in schedule(pred, args.engine_prompts, args.prompt_len, per_batch, 1)]
+                 for name, pred in (("fifo", predictor()), ("length_aware", predictor(earlier)))}
 
     def run(batches):
         t = time.perf_counter()
@@ -234,7 +222,7 @@ def overlap_ceiling(args) -> dict:
     def generate():
         torch.set_num_threads(1)
         for _ in range(n):
-            engine.generate(prompts, SamplingParams(max_new_tokens=cfg.max_new_tokens), n=8, seed=0)
+            engine.generate(prompts, SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens), n=8, seed=0)
 
     def train_steps():
         torch.set_num_threads(1)
@@ -268,12 +256,13 @@ def main():
     ap.add_argument("--workers", type=int, default=4, help="simulated rollout workers")
     ap.add_argument("--prompts", type=int, default=512, help="simulated prompts per step")
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--rows", type=int, default=64, help="rows (prompts x G) per generation batch")
+    ap.add_argument("--rows", type=int, default=64, help="rows (prompts x G) per worker in a generation batch "
+                    "(gen_batch_rows)")
     ap.add_argument("--max-len", type=int, default=1024, help="simulated generation limit (tokens)")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--engine-prompts", type=int, default=64)
     ap.add_argument("--engine-rows", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--prompt-len", type=int, default=24, help="tokens of every prompt (simulated and real)")
     ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--rl-steps", type=int, default=8)
     ap.add_argument("--eval-size", type=int, default=64)
@@ -288,17 +277,16 @@ def main():
     results = {"config": vars(args), "load_avg_1min_at_start": load, "cpu_count": os.cpu_count()}
 
     sim = simulate(args)
-    results["simulated_ms"] = sim
-    results["simulated_speedup"] = sim["fifo"] / sim["length_aware"]
-    print(f"1. simulated: {args.prompts} prompts x G={args.group_size}, {args.rows}-row batches, {args.workers} workers, "
-          f"lognormal lengths (median {MEDIAN_TOKENS}), mean of {args.trials} trials")
-    print(f"   {'schedule':<36}{'wall (s)':>10}{'vs FIFO':>9}")
-    for k in ("fifo", "buckets_fifo_dispatch", "length_aware"):
-        print(f"   {k:<36}{sim[k] / 1000:>10.2f}{sim['fifo'] / sim[k]:>8.2f}x")
-    print("   with continuous batching instead (an engine that refills finished rows), vs round-robin:")
-    for k in ("continuous_round_robin", "continuous_lpt"):
-        print(f"   {k:<36}{sim[k] / 1000:>10.2f}{sim['continuous_round_robin'] / sim[k]:>8.2f}x")
-    results["simulated_continuous_speedup"] = sim["continuous_round_robin"] / sim["continuous_lpt"]
+    results["simulated_ms"], results["simulated_batches"] = sim["ms"], sim["batches"]
+    ms = sim["ms"]
+    results["simulated_speedup"] = ms["fifo"] / ms["length_aware"]
+    results["simulated_oracle_speedup"] = ms["fifo"] / ms["length_aware_oracle"]
+    print(f"1. simulated: {args.prompts} prompts x G={args.group_size}, scheduler.generation_batches of {args.rows} rows "
+          f"per worker, {args.workers} workers in lockstep, lognormal lengths (median {MEDIAN_TOKENS}), mean of "
+          f"{args.trials} trials")
+    print(f"   {'schedule':<36}{'wall (s)':>10}{'batches':>9}{'vs FIFO':>9}")
+    for k in SCHEDULES:
+        print(f"   {k:<36}{ms[k] / 1000:>10.2f}{sim['batches'][k]:>9}{ms['fifo'] / ms[k]:>8.2f}x")
     if not args.skip_engine:
         eng = real_engine(args)
         results["engine_s"] = eng
@@ -329,7 +317,9 @@ def main():
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "scheduler.json"), "w") as f:
         json.dump(results, f, indent=1)
-    line = f"{results['simulated_speedup']:.2f}x rollout wall time, length-aware vs FIFO ({args.workers} simulated workers)"
+    line = (f"{results['simulated_speedup']:.2f}x rollout wall time, length-aware vs FIFO generation batches "
+            f"({args.workers} simulated workers in lockstep; {results['simulated_oracle_speedup']:.2f}x with an oracle "
+            f"predictor)")
     if "engine_speedup" in results:
         line += f"; {results['engine_speedup']:.2f}x with the real NativeEngine"
     if "async_speedup" in results:

@@ -10,7 +10,7 @@ the project's own (data.py's user_message in the checkpoint's template; TRL gets
 as a conversational prompt and renders the same ids, checked below), and only rows whose prompt
 fits hf_tiny's max_prompt_tokens are used, so neither side drops one.
 
-- this project: train.main on configs/hf_tiny.py with init_hf, num_minibatches=1, kl_coef=0,
+- this project: train.main on configs/hf_tiny.py with init_hf, num_minibatches=1, loss.kl_coef=0,
   ckpt_every=0 and the smallest eval (1 held-out prompt, 1 sample; it runs before the first
   and after the last RL step, outside the timed steps). Time per step: the differences of
   metrics.jsonl's `time` between RL records; tokens: `filter/tokens_generated`.
@@ -29,11 +29,11 @@ What differs, and why it is left so:
   generation aligned to the optimizer step takes pi_old as the detached logprobs of the loss
   forward; so does this project with one mini-batch (trainer.train_on_rollouts), but its
   forward replays the experts the engine routed each token to (R3, router_replay), where TRL's
-  routes afresh. Neither computes reference logprobs (kl_coef 0, beta 0).
+  routes afresh. Neither computes reference logprobs (loss.kl_coef 0, beta 0).
 - zero-variance groups: a random checkpoint answers nothing right, so every group is all
   wrong. hf_tiny's RL-ZVP keeps them and gives their tokens entropy-shaped advantages, so every
   step trains; TRL trains on every group as well, with zero advantages (a zero loss whose
-  backward and AdamW step still run). With zero_variance='drop' this project would skip every
+  backward and AdamW step still run). With filter.zero_variance='drop' this project would skip every
   update, which is no comparison.
 - the loss: hf_tiny's ESPO against TRL's default 'dapo' token loss; both compute per-token
   entropy in the loss forward (ESPO's bins and RL-ZVP here, TRL's entropy metric), and the
@@ -159,12 +159,12 @@ def run_ours(job: dict) -> dict:
     import train
     from config import load_config
     out = os.path.join(job["work"], "ours")
-    overrides = dict(init_hf=job["ckpt"], train_data=job["train"], eval_data=job["eval"], out_dir=out,
-                     rl_steps=job["num_steps"], prompts_per_step=PROMPTS_PER_STEP, group_size=GROUP_SIZE,
-                     max_new_tokens=MAX_NEW_TOKENS, max_prompt_tokens=MAX_PROMPT_TOKENS, num_minibatches=1, lr=LR,
-                     weight_decay=WEIGHT_DECAY, lr_warmup_steps=LR_WARMUP_STEPS, grad_clip=GRAD_CLIP, kl_coef=0.0,
-                     zero_variance="rl-zvp", ckpt_every=0, eval_every=10 ** 6, eval_size=1, eval_samples=1,
-                     dtype="float32", seed=job["seed"])
+    overrides = {"init_hf": job["ckpt"], "train_data": job["train"], "eval_data": job["eval"], "out_dir": out,
+                 "rl_steps": job["num_steps"], "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE,
+                 "sampling.max_new_tokens": MAX_NEW_TOKENS, "max_prompt_tokens": MAX_PROMPT_TOKENS,
+                 "num_minibatches": 1, "lr": LR, "weight_decay": WEIGHT_DECAY, "lr_warmup_steps": LR_WARMUP_STEPS,
+                 "grad_clip": GRAD_CLIP, "loss.kl_coef": 0.0, "filter.zero_variance": "rl-zvp", "ckpt_every": 0,
+                 "eval_every": 10 ** 6, "eval_size": 1, "eval_samples": 1, "dtype": "float32", "seed": job["seed"]}
     cfg = load_config(HF_TINY, [f"{k}={v}" for k, v in overrides.items()])
     train.main(cfg)
     with open(os.path.join(out, "metrics.jsonl")) as f:

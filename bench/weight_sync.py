@@ -14,7 +14,7 @@ the share of Qwen3-30B-A3B and GLM-4.5-Air), the trainer's weights fp32, the eng
    (world - 1) / world x dense bytes received per rank. Timed in the same 2 processes, interleaved
    with (1)'s, and its gathered bytes checked against plan.engine_bytes.
 3. the SGLang push (sglang_engine.py): the whole model leaves in HF names, bucket by bucket, bf16
-   or FP8 (fp8.quantize_fp8: e4m3 in 128x128 blocks with fp32 scales; the rest bf16). The push
+   or FP8 (weights.quantize_fp8: e4m3 in 128x128 blocks with fp32 scales; the rest bf16). The push
    itself needs SGLang and a GPU; timed here is building the stream (renaming, casting, quantising).
 Every timing is interleaved with the others of its group, one warm-up round, then --repeats rounds:
 medians with their min-max spread. Then the modelled figure for Qwen3-30B-A3B and GLM-4.5-Air
@@ -89,8 +89,7 @@ def _stream(model, cfg, fp8: bool):
     """What SGLangEngine.update_weights sends, as (HF name, tensor): bf16, or FP8 targets in e4m3 with fp32
     scales and the rest bf16. The trainer's tensors are fp32: the cast is part of the stream."""
     from hf import hf_tensors
-    from fp8 import FP8, quantize_fp8
-    from weights import policy_tensors
+    from weights import FP8, policy_tensors, quantize_fp8
     named = hf_tensors(policy_tensors(model), cfg.model)
     if fp8:
         named = quantize_fp8(named, hf=True)
@@ -110,8 +109,7 @@ def push_bytes(model_cfg, fp8: bool) -> int:
     targets at 1 byte per value plus one fp32 scale per 128x128 block of their last two dims."""
     from hf import hf_tensors
     from model import Transformer
-    from fp8 import HF_FP8_TARGETS, WEIGHT_BLOCK
-    from weights import policy_tensors
+    from weights import HF_FP8_TARGETS, WEIGHT_BLOCK, policy_tensors
     with torch.device("meta"):
         model = Transformer(model_cfg)
     total = 0
@@ -232,7 +230,8 @@ def modelled(path: str) -> dict:
     """Bytes per rank and seconds at the links' peak rates for one config, on 1 node (NVLink) and 4 nodes (IB)."""
     import plan
     from config import parse_args
-    cfg = parse_args([os.path.join(ROOT, "configs", path), "dtype=bfloat16"])
+    # dry_run: the configs name device='cuda', which a CPU machine refuses for a run; only the shapes are read here
+    cfg = parse_args([os.path.join(ROOT, "configs", path), "dtype=bfloat16", "dry_run=True"])
     n = plan.param_counts(cfg.model)["total"]
     rows = {}
     for nodes, link, rate in ((1, "NVLink", NVLINK_BYTES_PER_S), (4, "IB", IB_BYTES_PER_S)):

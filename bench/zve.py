@@ -38,6 +38,8 @@ than DAPO once stage 1 skips most of what is drawn, hence the default 60).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -51,8 +53,9 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]  # the project, and bench/ (mismatch.py's helpers)
 import train  # noqa: E402
 from config import load_config  # noqa: E402
-from data import Item, ItemList  # noqa: E402
+from data import Item, ItemList, Prompts, prompt_ids  # noqa: E402
 from sampler import Rollout  # noqa: E402
+from scheduler import LengthPredictor  # noqa: E402
 from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402
 
 BETA = 0.3  # Beta(BETA, BETA) pass rates: U-shaped
@@ -94,15 +97,28 @@ class SimEngine:
                 out.append(Rollout(list(p), [0] * c, torch.zeros(c), torch.zeros(0), "stop", g, 0))
         return out
 
+    def phase(self):
+        return contextlib.nullcontext()
+
+    def memory(self) -> dict[str, int]:
+        return {}
+
+
+def make_train_run(cfg, engine, tok, task, order, model=None) -> train.Run:
+    """A train.Run over `task`'s prompts in `order`, with a fresh length predictor and stage-1 RNG (as train.start_run)."""
+    return train.Run(cfg=cfg, engine=engine, tok=tok, model=model,
+                     prompts=Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt),
+                     predictor=LengthPredictor(prior=cfg.sampling.max_new_tokens / 2), filter_rng=random.Random(cfg.seed))
+
 
 def stage_overrides(args, staged: bool) -> list[str]:
     """TrainConfig overrides of a pipeline: DAPO (over-sampling only) or staged (stages 1 and 2 on too)."""
-    base = [f"group_size={args.group_size}", f"prompts_per_step={args.batch}", f"oversample_rounds={args.rounds}",
+    base = [f"group_size={args.group_size}", f"prompts_per_step={args.batch}", f"filter.oversample_rounds={args.rounds}",
             f"seed={args.seed}"]
     if not staged:
         return base
-    return base + [f"skip_prob={args.skip_prob}", f"skip_half_life={args.half_life}", f"probe_size={args.probes}",
-                   f"probe_stop_threshold={args.stop_threshold}"]
+    return base + [f"filter.skip_prob={args.skip_prob}", f"filter.skip_half_life={args.half_life}",
+                   f"filter.probe_size={args.probes}", f"filter.probe_stop_threshold={args.stop_threshold}"]
 
 
 def run_pipeline(run: train.Run, *, steps: int) -> dict:
@@ -110,7 +126,8 @@ def run_pipeline(run: train.Run, *, steps: int) -> dict:
     t = {"rollouts": 0, "tokens": 0, "informative": 0, "drawn": 0, "rolled_out": 0, "rolled_out_zv": 0, "full": 0,
          "full_zv": 0, "skipped": 0, "stopped": 0, "steps_short": 0}
     for step in range(steps):
-        m, _ = train.collect_rollouts(run, step)
+        with run.engine.phase():  # as train.rl_step runs it
+            m, _ = train.collect_rollouts(run, step)
         stopped = m["filter/stage2_prompts_stopped"]  # a stopped prompt's group is its agreeing probes
         t["rollouts"] += m["filter/rollouts_generated"]
         t["tokens"] += m["filter/tokens_generated"]
@@ -150,13 +167,12 @@ def simulated(args) -> dict:
     rng.shuffle(order)
 
     def make_run(overrides):
-        cfg = load_config(None, overrides + [f"gen_batch_rows={ONE_CALL}", f"max_new_tokens={10 * MEAN_TOKENS}",
+        cfg = load_config(None, overrides + [f"gen_batch_rows={ONE_CALL}", f"sampling.max_new_tokens={10 * MEAN_TOKENS}",
                                              f"model.max_seq_len={10 * MEAN_TOKENS + 256}"])  # room for prompts
         tok = demo_tokenizer(build_tokenizer(cfg.model.vocab_size))
         task = SimTask(pass_rate, args.seed + 1)
-        mean_length = {tuple(train.prompt_ids(tok, task, it, cfg.system_prompt)): length[it.index] for it in task.items}
-        return train.Run(cfg=cfg, engine=SimEngine(mean_length, args.seed + 2), tok=tok,
-                         prompts=train.Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt))
+        mean_length = {tuple(prompt_ids(tok, task, it, cfg.system_prompt)): length[it.index] for it in task.items}
+        return make_train_run(cfg, SimEngine(mean_length, args.seed + 2), tok, task, order)
 
     return compare(make_run, args, steps=args.steps)
 
@@ -164,9 +180,9 @@ def simulated(args) -> dict:
 def tiny(args) -> dict:
     """The tiny config's model after a short SFT (or --init-from), sampling its own task."""
     from model import Transformer
-    from data import TaskMix, demonstration
-    from tokenizer import train_tokenizer
-    from mismatch import load_run_output, make_engine  # bench/mismatch.py: an earlier run's model and tokenizer; the engine
+    from data import TaskMix, run_tokenizer
+    # bench/mismatch.py: an earlier run's model and tokenizer, the engine, a short SFT
+    from mismatch import load_run_output, make_engine, sft_here
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tiny_config = os.path.join(root, "configs", "tiny.py")
@@ -177,22 +193,15 @@ def tiny(args) -> dict:
     if args.init_from:
         tok = load_run_output(args.init_from, model)
     else:  # the tokenizer draws nothing from torch's RNG: the engine's init below sees what it saw before
-        tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
-                                             vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges))
+        tok = run_tokenizer(cfg, task)  # the demo's own BPE, learned from the task as a run learns it
     engine = make_engine(cfg, tok)
     if not args.init_from:
-        cfg.sft_steps = args.sft_steps
-        order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        sft_run = train.Run(cfg=cfg, engine=engine, tok=tok, model=model,
-                            prompts=train.Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt))
-        train.sft(sft_run, train.sft_optimizer(model, cfg), 0)
+        sft_here(dataclasses.replace(cfg, sft_steps=args.sft_steps), task, tok, model, engine)
     engine.update_weights(model.named_parameters(), version=0)
 
     def make_run(overrides):
         run_cfg = load_config(tiny_config, overrides)
-        return train.Run(cfg=run_cfg, engine=engine, tok=tok, model=model,
-                         prompts=train.Prompts(task, list(range(args.tiny_pool)), tok, run_cfg.prompt_limit(),
-                                               run_cfg.system_prompt))
+        return make_train_run(run_cfg, engine, tok, task, list(range(args.tiny_pool)), model=model)
 
     return compare(make_run, args, steps=args.tiny_steps)
 
