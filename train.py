@@ -497,10 +497,9 @@ class Start:
 
 
 def prepare(cfg: TrainConfig) -> Start:
-    """Every file the run reads, read once and checked before any work (and the engine's name): out_dir, the
-    checkpoint's weights (headers), data and tokenizer (data.load_run_data), the offline pass rates. Raises
-    ValueError naming the field (and the file)."""
-    engine_builder(cfg.engine.name)
+    """Every file the run reads, read once and checked before any work: out_dir, the checkpoint's weights
+    (headers), data and tokenizer (data.load_run_data), the offline pass rates. Raises ValueError naming
+    the field (and the file)."""
     if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
         raise ValueError(f"out_dir={cfg.out_dir!r}: a file is there; need a folder (or nothing, to create one)")
     for key in ("init_hf", "init_from"):
@@ -617,7 +616,7 @@ def summarize(run: Run) -> dict:
         summary[["sampled", "greedy"][k]] = {"sft_acc": a0, "sft_se": s0, "rl_acc": a1, "rl_se": s1,
                                              "gain": gain, "gain_paired_se": paired_se}
     if rank == 0:
-        print(f"wrote {cfg.out_dir}/: the model in the HF hub layout (config.json, safetensors, tokenizer.json), "
+        print(f"wrote {cfg.out_dir}/: the model in the HF hub layout (config.json, safetensors, tokenizer files), "
               f"run_config.json, metrics.jsonl, plot.png"
               f"{', ckpt/' if os.path.isdir(os.path.join(cfg.out_dir, 'ckpt')) else ''} "
               f"in {time.perf_counter() - run.t_start:.0f}s")
@@ -641,14 +640,15 @@ def main(cfg: TrainConfig) -> dict:
     data position, RNGs, filter history and length predictor), so a resumed run ends with the
     weights an uninterrupted one would have.
     """
+    try:
+        engine_builder(cfg.engine.name)  # the one setting only the registry knows
+        start = None if cfg.dry_run else prepare(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if cfg.dry_run:
         print(json.dumps(dataclasses.asdict(cfg), default=str))
         from plan import print_plan
         return {"plan": print_plan(cfg)}
-    try:
-        start = prepare(cfg)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
     meshes = setup_distributed(cfg)
     if torch.device(cfg.device).type == "cuda":
         # beside bf16 compute, the fp32 matmuls left (the router's) use TF32 tensor cores; a float32 run stays exact
