@@ -393,6 +393,11 @@ RELATIONS: list[tuple[Callable[[TrainConfig], Any], Callable[[TrainConfig], str]
     (lambda c: not c.engine.fp8 or c.engine.name == "sglang" or _world() == 1,
      lambda c: f"engine.fp8=True: the sharded native engine (WORLD_SIZE={_world()}) has no FP8 rollouts; use "
                f"engine.name='sglang' or one process"),
+    (lambda c: not (c.max_staleness and _world() > 1 and torch.device(c.device).type == "cuda"),
+     lambda c: f"max_staleness={c.max_staleness}: async rollouts on several GPUs are refused for now: the producer "
+               f"thread's NCCL collectives would run beside the trainer thread's, which NCCL does not promise to "
+               f"keep free of deadlock; use max_staleness=0 under torchrun on GPUs (async runs in one process, or "
+               f"on CPU ranks)"),
     (lambda c: c.engine.name != "sglang" or c.init_hf or c.init_from,
      lambda c: "engine.name='sglang' serves a hub-layout checkpoint folder: set init_hf (or init_from, an earlier "
                "run's output folder); both are empty"),

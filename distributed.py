@@ -144,7 +144,23 @@ def setup_distributed(cfg: TrainConfig) -> Meshes | None:
         torch.cuda.set_device(cfg.device)
         backend = "nccl"
     dist.init_process_group(backend, timeout=timeout)  # the timeout turns a hung or dead peer into an error
-    return build_meshes(world, cfg.ep)
+    meshes = build_meshes(world, cfg.ep)
+    set_group_timeouts(cfg.dist_timeout_s)
+    return meshes
+
+
+def set_group_timeouts(seconds: float):
+    """Every process group this process has waits at most `seconds` for the other ranks: torch gives the
+    groups created after the default one (each mesh dim's, torchtitan's, own_meshes') its own 30-minute
+    default, not init_process_group's timeout. Through torch's private _set_pg_timeout: there is no public
+    setter. A fake backend (a size-1 mesh dim's) has no timeout."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    for group in list(c10d._world.pg_map):
+        if dist.get_backend(group) in ("gloo", "nccl"):
+            c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
 def mixed_precision(cfg: TrainConfig) -> dict:

@@ -59,10 +59,11 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 import torch
 import torch.nn as nn
 
-from distributed import all_ranks, collective_group, gathered, load_shards, own_meshes, rank_world, reference_copy
+from distributed import (all_ranks, collective_group, gathered, load_shards, own_meshes, rank_world, reference_copy,
+                         set_group_timeouts)
 from model import KVCache, ModelConfig, Transformer, route_dtype
 from sampler import Rollout, SamplingParams, row_keys, row_uniforms, sample
-from sglang_engine import build_sglang_engine
+from sglang_engine import build_sglang_engine, stop_launched_servers
 from weights import (DEFAULT_BUCKET_BYTES, FP8, FP8GroupedExperts, FP8Linear, Named, full_tensor, local,
                      quantize_fp8_blockwise, to_fp8_modules, weight_buckets)
 
@@ -443,6 +444,11 @@ ENGINES: dict[str, Callable[[TrainConfig, Tokenizer, nn.Module], Engine]] = {
 file implementing `Engine` and one line here."""
 
 
+def stop_engine_servers():
+    """Stop the engine servers this process launched (a colocated SGLang's): what the abort path of a failed job calls."""
+    stop_launched_servers()
+
+
 def engine_builder(name: str) -> Callable[[TrainConfig, Tokenizer, nn.Module], Engine]:
     """The builder of engine `name`. Raises ValueError naming engine.name and the valid names."""
     if name not in ENGINES:
@@ -464,6 +470,7 @@ def producer_engine(engine: Engine, cfg: TrainConfig, policy: nn.Module) -> Engi
     if not engine.sharded:
         return copy.deepcopy(engine)
     meshes = own_meshes(rank_world()[1], cfg.ep)
+    set_group_timeouts(cfg.dist_timeout_s)  # the new groups too
     producer = NativeEngine(cfg.model, eos_id=engine.stop_ids, pad_id=engine.pad_id, device=cfg.device,
                             dtype=cfg.compute_dtype(), compile=cfg.compile, num_tokens=engine.num_tokens,
                             policy=reference_copy(policy, cfg, meshes), group=meshes.fsdp.get_group())

@@ -56,11 +56,13 @@ import atexit
 import base64
 import json
 import os
+import re
 import socket
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from contextlib import contextmanager
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -89,6 +91,15 @@ FLUSH_RETRIES = 10
 SGLANG_SEED_BITS = 31
 """Per-request sampling_seed kept a non-negative int32, a range every SGLang version takes."""
 _ABSENT = object()  # what an HTTP call answers for a route this server's SGLang version lacks (404)
+LAUNCHED: list = []
+"""How to stop each SGLang server this process launched (colocated), and its scheduler processes."""
+
+
+def stop_launched_servers():
+    """Stop the SGLang servers this process launched: at exit (atexit), and on the abort path of a failed
+    multi-rank job (train.abort), which exits without running atexit."""
+    while LAUNCHED:
+        LAUNCHED.pop()()
 
 
 # ----------------------------------------------------------------------------- requests and responses
@@ -418,7 +429,8 @@ class SGLangEngine:
         args = sglang_server_args(model_path, fp8=fp8, tp_size=tp_size, ep_size=ep_size, seed=seed,
                                   mem_fraction_static=mem_fraction_static, host="127.0.0.1", port=port, **server_kwargs)
         process = launch_server_process(ServerArgs(**args))  # returns once /health_generate answers
-        atexit.register(kill_process_tree, process.pid)  # the server and its scheduler processes end with the run
+        LAUNCHED.append(lambda: kill_process_tree(process.pid))
+        atexit.register(stop_launched_servers)  # the server and its scheduler processes end with the run
         server = SGLangServer(f"http://127.0.0.1:{port}",
                               serialize=lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True))
         # cfg: the served model's shape (the run's), whose layer counts, top_k and dense layers decode the routes
@@ -602,6 +614,25 @@ class SGLangEngine:
         return broadcast
 
 
+def check_colocated_install():
+    """A colocated server runs in the trainer's environment, so the sglang installed there must accept its torch:
+    sglang 0.5.23 pins torch==2.14.1 and this project torch 2.13.0 (tools/check_install.py), so today it cannot.
+    Raises ValueError saying so, and what runs instead (external servers in their own environment)."""
+    instead = ("run SGLang servers in an environment of their own (pip install -r requirements-sglang.txt) and "
+               "set engine.sglang_urls")
+    try:
+        sglang, torch_pins = metadata.version("sglang"), [r for r in metadata.requires("sglang") or []
+                                                          if re.match(r"torch\s*==", r)]
+    except metadata.PackageNotFoundError:
+        raise ValueError(f"engine.sglang_urls='' (colocated) needs sglang in this environment; {instead}") from None
+    have = metadata.version("torch").split("+")[0]
+    for pin in torch_pins:
+        want = pin.split("==", 1)[1].split(";")[0].strip()
+        if want != have:
+            raise ValueError(f"engine.sglang_urls='' (colocated): sglang {sglang} needs torch=={want}, and this "
+                             f"environment has torch {have}; {instead}")
+
+
 def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngine:
     """The SGLang rollout engine of a run (engine.name='sglang', rollout.ENGINES); every rank calls it.
 
@@ -619,6 +650,7 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
     if engine_cfg.urls:
         return SGLangEngine.from_engine([SGLangServer(u) for u in engine_cfg.urls], cfg.model, eos_id=tok.stop_ids,
                                         fp8=engine_cfg.fp8, leader=rank == 0, join_group=join_update_group)
+    check_colocated_install()
     path = cfg.init_hf or cfg.init_from
     if engine_cfg.fp8:  # colocated SGLang serves FP8 from a blockwise-FP8 checkpoint
         path = os.path.join(cfg.out_dir, "sglang_fp8")  # on a filesystem every node sees

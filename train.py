@@ -51,7 +51,7 @@ from filter import (STAGE1_COUNTS, STAGE2_COUNTS, PromptHistory, Scored, is_info
 from hf import check_weights, save_hf
 from metrics import MetricsLog, plot
 from reward import reward_model_for, shaped_rewards
-from rollout import Engine, build_engine, engine_builder, producer_engine
+from rollout import Engine, build_engine, engine_builder, producer_engine, stop_engine_servers
 from sampler import Rollout
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
@@ -359,6 +359,8 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
         torch.set_num_threads(trainer_threads)
 
     def produce(step):  # on the producer thread
+        if torch.device(cfg.device).type == "cuda":
+            torch.cuda.set_device(cfg.device)  # the current GPU is per thread: a new one starts on cuda:0
         if rollout_threads:
             torch.set_num_threads(rollout_threads)  # OpenMP teams are per thread
         t = time.perf_counter()
@@ -653,16 +655,32 @@ def main(cfg: TrainConfig) -> dict:
     if torch.device(cfg.device).type == "cuda":
         # beside bf16 compute, the fp32 matmuls left (the router's) use TF32 tensor cores; a float32 run stays exact
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.compute_dtype() != torch.float32
+    finished = False
     try:
         try:  # a collective under torchrun: rank 0 chooses, past any newer checkpoint that fails to load
             start.ckpt, start.resumed = resume_checkpoint(cfg)
         except ValueError as e:
             raise ConfigError(str(e)) from e
-        return run(cfg, start, meshes)
+        result = run(cfg, start, meshes)
+        finished = True
+        return result
     finally:
         import torch.distributed as dist
-        if dist.is_initialized():
+        # after a failure under torchrun the process exits at once (__main__): tearing the group down first could
+        # wait on ranks that never answer
+        if dist.is_initialized() and (finished or rank_world()[1] == 1):
             dist.destroy_process_group()
+
+
+def abort(message: str | None):
+    """End this rank of a failed multi-rank job now: the message (rank 0's, or a rank's own failure), any
+    engine server it launched stopped, exit code 1, without the interpreter's teardown (atexit, NCCL), which
+    can wait on ranks that died."""
+    if message:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    stop_engine_servers()
+    os._exit(1)
 
 
 if __name__ == "__main__":
@@ -670,25 +688,17 @@ if __name__ == "__main__":
         config = parse_args(sys.argv[1:])  # every field's rule and the relations across sections, once
     except (ValueError, FileNotFoundError) as e:  # a config mistake: say what is wrong, without a traceback
         sys.exit(f"config error: {e}")
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        try:
-            main(config)
-        except ConfigError as e:
-            sys.exit(f"config error: {e}")
-        except NonFiniteError as e:  # the numbers went bad, not the code: where, and which state is good
-            sys.exit(stopped(e, config))
-    else:
-        try:
-            main(config)
-        except ConfigError as e:  # every rank finds it: one line, from rank 0
-            sys.exit(f"config error: {e}" if os.environ.get("RANK", "0") == "0" else 1)
-        except NonFiniteError as e:  # every rank raises it at the same step (trainer.py checks values all share)
-            sys.exit(stopped(e, config) if os.environ.get("RANK", "0") == "0" else 1)
-        except Exception as e:  # noqa: BLE001  a dead or stuck rank: say so and exit rather than hang in teardown
-            import traceback
-            traceback.print_exc()
-            sys.stderr.write(f"\n[rank {os.environ.get('RANK', '?')}] aborting the job: {type(e).__name__}: {e}\n"
-                             f"(a collective fails when another rank has died, or after dist_timeout_s="
-                             f"{config.dist_timeout_s:g} s without it)\n")
-            sys.stderr.flush()
-            os._exit(1)
+    several, rank0 = int(os.environ.get("WORLD_SIZE", "1")) > 1, os.environ.get("RANK", "0") == "0"
+    try:
+        main(config)
+    except (ConfigError, NonFiniteError) as e:  # every rank finds these alike: one line, from rank 0
+        # a NaN or inf: the numbers went bad, not the code (where, and which state is good)
+        line = f"config error: {e}" if isinstance(e, ConfigError) else stopped(e, config)
+        abort(line if rank0 else None) if several else sys.exit(line)
+    except Exception as e:  # a dead or stuck rank, or a bug: say so and exit rather than hang in teardown
+        if not several:
+            raise
+        import traceback
+        traceback.print_exc()
+        abort(f"\n[rank {os.environ.get('RANK', '?')}] aborting the job: {type(e).__name__}: {e}\n(a collective "
+              f"fails when another rank has died, or after dist_timeout_s={config.dist_timeout_s:g} s without it)")

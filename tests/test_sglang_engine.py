@@ -305,6 +305,7 @@ def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_wri
             self.servers = [SimpleNamespace(url="http://127.0.0.1:1")]
 
     monkeypatch.setattr(sglang_engine, "SGLangEngine", Launched)
+    monkeypatch.setattr(sglang_engine, "check_colocated_install", lambda: None)  # as if sglang accepted this torch
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two GPUs on this node: TP 2, and EP 2 (it divides 8 experts)
     cfg = dataclasses.replace(sglang_cfg(tiny_cfg, fp8=fp8, sglang_mem_fraction=0.5), out_dir=str(tmp_path / "out"))
