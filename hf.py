@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import Sequence
 
 import torch
 
@@ -240,14 +241,16 @@ def umask_mode(path: str):
     os.chmod(path, 0o666 & ~mask)
 
 
-def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_bytes: int = 4 << 30, fp8: bool = False):
+def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_bytes: int = 4 << 30, fp8: bool = False,
+            bf16_modules: Sequence[str] = ()):
     """Write the model as an HF checkpoint: safetensors in the hub layout (one key per expert), sharded
     above max_shard_bytes (model-0000i-of-0000n.safetensors with model.safetensors.index.json, else one
     model.safetensors), then config.json.
 
     fp8: blockwise-FP8 instead (the DeepSeek-V3 / Qwen3-FP8 format SGLang serves with
     quantization="fp8"): the FP8 targets in e4m3 with their `weight_scale_inv`, the rest in bf16,
-    and the quantization_config in config.json. Parameters are gathered one at a time (`full_tensor`,
+    and the quantization_config in config.json; bf16_modules (weights.fp8_bf16_modules) stay bf16,
+    its ignored_layers. Parameters are gathered one at a time (`full_tensor`,
     a collective), so every rank must call this; only the rank with write=True (rank 0) keeps them,
     and it writes each shard as soon as it fills and frees it: its peak is one shard and one
     parameter, never the whole model. Raises ValueError (config_to_hf's) on a model its
@@ -267,7 +270,7 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
         # the e4m3 weights and their fp32 inverse scales pass; everything else (norms, embeddings, the router
         # and its expert bias included) is written in bf16
         tensors = ((n, t if t.dtype == FP8 or n.endswith("_scale_inv") else t.to(torch.bfloat16))
-                   for n, t in quantize_fp8(tensors, hf=True))
+                   for n, t in quantize_fp8(tensors, hf=True, bf16=bf16_modules))
     os.makedirs(path, exist_ok=True)
     files, weight_map, total = [], {}, 0
     for shard in weight_buckets(((n, t.contiguous()) for n, t in tensors), max_shard_bytes):
@@ -300,6 +303,6 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
     if fp8:
         # the keys transformers and SGLang read for blockwise FP8 with activations quantised at run time
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                         "weight_block_size": list(WEIGHT_BLOCK)}
+                                         "weight_block_size": list(WEIGHT_BLOCK), "ignored_layers": list(bf16_modules)}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)

@@ -74,7 +74,7 @@ from distributed import all_gather_list, barrier, rank_world
 from hf import hf_tensors, save_hf
 from model import ModelConfig, route_dtype
 from sampler import Rollout, SamplingParams, row_keys
-from weights import DEFAULT_BUCKET_BYTES, Named, full_tensor, quantize_fp8, weight_buckets
+from weights import DEFAULT_BUCKET_BYTES, Named, fp8_bf16_modules, full_tensor, quantize_fp8, weight_buckets
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -550,8 +550,9 @@ class SGLangEngine:
         if not self.leader:
             for _ in tensors:  # take part in every gather; the leader sends
                 pass
-        else:
-            self._send(quantize_fp8(tensors, hf=True) if self.fp8 else tensors)  # FP8 after hf_tensors: HF's blocks
+        else:  # FP8 after hf_tensors: HF's blocks, and the modules the server's tensor parallel keeps bf16
+            bf16 = fp8_bf16_modules(self.cfg, getattr(self.servers[0], "tp_size", 1)) if self.fp8 else ()
+            self._send(quantize_fp8(tensors, hf=True, bf16=bf16) if self.fp8 else tensors)
         barrier()  # no rank generates before the weights have landed
         self.stale = False
         self.weight_version = version  # only after every bucket landed: a failed sync keeps the old version
@@ -654,7 +655,8 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
     path = cfg.init_hf or cfg.init_from
     if engine_cfg.fp8:  # colocated SGLang serves FP8 from a blockwise-FP8 checkpoint
         path = os.path.join(cfg.out_dir, "sglang_fp8")  # on a filesystem every node sees
-        save_hf(policy, path, write=rank == 0, fp8=True)  # a collective: every rank calls it
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the server's tensor parallel, below
+        save_hf(policy, path, write=rank == 0, fp8=True, bf16_modules=fp8_bf16_modules(cfg.model, local_world))
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     barrier()  # a checkpoint rank 0 has just written (the FP8 one) is complete before any server loads it
     engine = None

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GroupedExperts, Transformer, grouped_mm, swiglu
+from model import GroupedExperts, ModelConfig, Transformer, grouped_mm, swiglu
 
 Named = Iterable[tuple[str, torch.Tensor]]
 """(name, tensor) pairs under state-dict names: what a weight sync or an export takes."""
@@ -228,15 +228,45 @@ def to_fp8_modules(model: Transformer, dtype: torch.dtype) -> Transformer:
     return model
 
 
-def quantize_fp8(named_tensors: Named, *, hf: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def fp8_bf16_modules(cfg: ModelConfig, tp: int) -> list[str]:
+    """HF names of the linear modules SGLang cannot hold in blockwise FP8 when it splits them over `tp` GPUs:
+    the share of a split dim on one GPU must be whole 128-wide blocks (SGLang's check of block-quantised
+    shapes as it builds a server; GLM-4.5-Air at tp 8: the dense MLP's 10944 / 8 = 1368, the shared
+    expert's 1408 / 8 = 176). They stay bf16: hf.save_hf lists them as the checkpoint's ignored_layers, and
+    the FP8 weight sync sends them bf16. Routed experts are split by expert (expert parallel) where tp
+    divides their number; otherwise their width is split, and a width that is not whole blocks raises
+    ValueError. Key/value heads fewer than tp are copied to every GPU, not split."""
+    def whole(width: int) -> bool:
+        return width % tp == 0 and width // tp % WEIGHT_BLOCK[0] == 0
+    if tp == 1:
+        return []
+    if cfg.num_experts % tp and not whole(cfg.moe_inter_dim):
+        raise ValueError(f"engine.fp8 at tensor parallel {tp}: the routed experts (width {cfg.moe_inter_dim}) split "
+                         f"{tp} ways are not whole {WEIGHT_BLOCK[0]}-wide blocks, and {tp} does not divide "
+                         f"num_experts={cfg.num_experts} to split them by expert")
+    names = []
+    for i in range(cfg.n_layers):
+        attn, heads_ok = f"model.layers.{i}.self_attn", whole(cfg.n_heads * cfg.head_dim)
+        if not heads_ok or cfg.n_kv_heads >= tp and not whole(cfg.n_kv_heads * cfg.head_dim):
+            names += [f"{attn}.{p}_proj" for p in "qkvo"]
+        dense = i < cfg.first_k_dense_replace
+        mlp = f"model.layers.{i}.mlp" + ("" if dense else ".shared_experts")
+        width = cfg.dense_inter_dim if dense else cfg.num_shared_experts * cfg.moe_inter_dim
+        if width and not whole(width):
+            names += [f"{mlp}.{p}_proj" for p in ("gate", "up", "down")]
+    return names
+
+
+def quantize_fp8(named_tensors: Named, *, hf: bool = False, bf16: Iterable[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Trainer side of the FP8 weight sync: each FP8 target becomes (name, e4m3) and
     (name + "_scale_inv", fp32 scales), quantised in 128x128 blocks of its last two dims;
-    other tensors pass through. hf=True matches HF hub names (expert weights [out, in]),
-    whose inverse scales SGLang reads as `<...>.weight_scale_inv`. Lazy: one tensor at a time.
+    other tensors pass through, and so do the modules `bf16` names (`fp8_bf16_modules`). hf=True
+    matches HF hub names (expert weights [out, in]), whose inverse scales SGLang reads as
+    `<...>.weight_scale_inv`. Lazy: one tensor at a time.
     """
-    targets = HF_FP8_TARGETS if hf else FP8_TARGETS
+    targets, kept = HF_FP8_TARGETS if hf else FP8_TARGETS, set(bf16)
     for name, t in named_tensors:
-        if targets.fullmatch(name) and t.dtype != FP8:  # an already-quantised tensor passes as it is
+        if targets.fullmatch(name) and t.dtype != FP8 and name.removesuffix(".weight") not in kept:
             q, s = quantize_fp8_blockwise(t.detach())
             yield name, q
             yield name + "_scale_inv", s  # the name FP8Linear, FP8GroupedExperts and SGLang read the scale under
