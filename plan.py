@@ -227,17 +227,29 @@ def engine_memory(cfg, world: int = 1) -> dict[str, int]:
     dense alone where the experts are the trainer's own shards), kv_cache (part of generate),
     generate (the call's peak, or the gathering's if larger) and total (weights + generate).
     """
-    m, dt = cfg.model, torch.tensor([], dtype=cfg.compute_dtype()).element_size()
     own = _engine_weights(cfg, world)
-    ep = cfg.ep if world > 1 else 1
-    aliased = _experts_are_trainer_shards(cfg, world)
-    weights = own["dense"] + (0 if aliased else own["experts"])
-    P, C, B = cfg.prompt_limit(), cfg.sampling.max_new_tokens, cfg.gen_batch_rows
+    weights = own["dense"] + (0 if _experts_are_trainer_shards(cfg, world) else own["experts"])
+    # the run's generate calls, (rows, samples per prompt): a step's groups and its probes, and the evals' sampled
+    # and greedy passes; a call prefills rows / samples distinct prompts, a greedy eval one per row
+    n_rows = [(cfg.gen_batch_rows, cfg.group_size), (cfg.gen_batch_rows, cfg.filter.probe_size or cfg.group_size),
+              (cfg.eval_batch_rows, cfg.eval_samples), (cfg.eval_batch_rows, 1)]
+    generate = max(generate_peak(cfg, world, rows, max(1, rows // n)) for rows, n in n_rows)
+    if world > 1:  # gathering unit by unit: one unit's all-gather buffer beside its copy, before the call
+        generate = max(generate, own["largest_unit"])
+    return {"dense": own["dense"], "experts": own["experts"], "weights": weights,
+            "kv_cache": engine_bytes(cfg, world)["kv_cache"], "generate": generate, "total": weights + generate}
+
+
+def generate_peak(cfg, world: int, B: int, U: int) -> int:
+    """The peak bytes of one generate call of B rows and U distinct prompts, max_prompt_tokens each (beyond
+    the engine's weights): its prefill, the copy into the decode cache, or decoding, whichever is largest."""
+    m, dt = cfg.model, torch.tensor([], dtype=cfg.compute_dtype()).element_size()
+    own, ep, aliased = _engine_weights(cfg, world), cfg.ep if world > 1 else 1, _experts_are_trainer_shards(cfg, world)
+    P, C = cfg.prompt_limit(), cfg.sampling.max_new_tokens
     S = P + C - 1  # cache columns: the prompt and every sampled token but the last
-    U = max(1, B // cfg.group_size)  # distinct prompts of a call: one prefill row each
     LK, kv_token = m.num_moe_layers * m.top_k, 2 * m.n_kv_heads * m.head_dim * dt  # k and v of a token, one layer
     prefill_cache = m.n_layers * U * P * kv_token
-    kv = engine_bytes(cfg, world)["kv_cache"]
+    kv = m.n_layers * B * S * kv_token  # engine_bytes' kv_cache, at B rows
     routes = B * S * LK * torch.tensor([], dtype=route_dtype(m.num_experts)).element_size()  # model.route_dtype
     # under EP a forward sends each token's K routed rows to their experts' ranks and receives as many back
     # (balanced routing): send and receive buffers of N * K rows of D, as the trainer's (choice 1)
@@ -254,11 +266,7 @@ def engine_memory(cfg, world: int = 1) -> dict[str, int]:
     # decoding: the cache and routes, the sampler's [B, V] buffers (logits, tempered logits, log-softmax and
     # probabilities fp32, their cumulative sum fp64), the row mask, and the sampled ids and logprobs
     decode = kv + routes + B * m.vocab_size * (4 * 4 + 8) + B * S * 4 + B * C * (8 + 4) + B * a2a + cast
-    generate = max(prefill, copy, decode + routes)  # the end: the rollouts' own copies of their routes
-    if world > 1:  # gathering unit by unit: one unit's all-gather buffer beside its copy, before the call
-        generate = max(generate, own["largest_unit"])
-    return {"dense": own["dense"], "experts": own["experts"], "weights": weights, "kv_cache": kv,
-            "generate": generate, "total": weights + generate}
+    return max(prefill, copy, decode + routes)  # the end: the rollouts' own copies of their routes
 
 
 def memory_plan(cfg, world: int) -> dict[str, int]:

@@ -40,6 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from torch.distributed._tools.common_utils import get_untyped_storages  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
@@ -62,27 +63,53 @@ QWEN3_VOCAB = 151936
 
 class LiveTensors(TorchDispatchMode):
     """Bytes of the tensor storages alive while it is active (`now`) and their `peak`: on CPU, what
-    torch.cuda.max_memory_allocated is on a GPU. A storage counts once, at its size when an op first
-    returns it, until it is freed; storages FSDP2 frees and regrows in place (its gathered weights
-    in bf16) are not seen, so the plan, which has them, reads that much above this."""
+    torch.cuda.max_memory_allocated is on a GPU. A storage counts from the op that first returns it
+    (a DTensor's: its local shard's) until it is freed, at its size, which follows
+    `UntypedStorage.resize_` (FSDP2 frees its gathered weights and regrows them in place that way)."""
 
     def __init__(self):
         super().__init__()
         self.sizes, self.now, self.peak = {}, 0, 0
 
+    def __enter__(self):
+        self._resize = torch.UntypedStorage.resize_
+        live = self
+
+        def resize_(storage, nbytes):
+            key, before = storage._cdata, storage.nbytes()
+            out = live._resize(storage, nbytes)
+            if key in live.sizes:
+                live._add(key, storage.nbytes() - before)
+            else:
+                live._track(storage)
+            return out
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu":
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key and key not in self.sizes:
-                self.sizes[key] = storage.nbytes()
-                self.now += storage.nbytes()
-                weakref.finalize(storage, self._free, key)
-        self.peak = max(self.peak, self.now)
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                for storage in get_untyped_storages(t):  # a DTensor's local shard, made below this mode
+                    self._track(storage)
         return out
+
+    def _track(self, storage):
+        """Counts a storage not yet seen, keyed by its StorageImpl (the same across a resize)."""
+        key = storage._cdata
+        if key not in self.sizes:
+            self.sizes[key] = 0
+            weakref.finalize(storage, self._free, key)
+            self._add(key, storage.nbytes())
+
+    def _add(self, key, nbytes):
+        self.sizes[key] += nbytes
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
 
     def _free(self, key):
         self.now -= self.sizes.pop(key, 0)
@@ -185,10 +212,7 @@ def _measure_here(part: str, args: list[str]) -> dict[str, int]:
     if part == "trainer":
         meshes = setup_distributed(cfg)  # bf16: a one-rank process group, as train.py runs it
         _measure_trainer(cfg, meshes, shape=(1, 16))
-        # a peak is a maximum: over two runs, as the live-tensor count can miss a storage that one run frees
-        # and regrows at the same address (it reads 37.3-38.2 MB for the same bf16 step on this CPU)
-        runs = [_measure_trainer(cfg, meshes) for _ in range(2)]
-        return {k: max(r[k] for r in runs) for k in runs[0]}
+        return _measure_trainer(cfg, meshes)
     _measure_engine(dataclasses.replace(cfg, gen_batch_rows=cfg.group_size,
                                         sampling=dataclasses.replace(cfg.sampling, max_new_tokens=2)))
     return _measure_engine(cfg)
@@ -201,7 +225,9 @@ def planned(part: str, args: list[str]) -> int:
     cfg = parse_args([os.path.join(ROOT, "configs", "tiny.py"), *args, "device=cpu"])
     if part == "trainer":
         return plan.trainer_memory(cfg, 1, activation_checkpoint=cfg.activation_checkpoint)["total"]
-    return plan.engine_memory(cfg)["total"]
+    # the one call measured: gen_batch_rows rows of group_size samples each (the run's peak is over all its calls)
+    return plan.engine_memory(cfg)["weights"] + plan.generate_peak(cfg, 1, cfg.gen_batch_rows,
+                                                                   max(1, cfg.gen_batch_rows // cfg.group_size))
 
 
 def main():

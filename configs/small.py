@@ -26,7 +26,7 @@ prompts_per_step = 256
 group_size = 16  # 4096 rollouts per step
 sampling = dict(max_new_tokens=64)
 gen_batch_rows = 4096  # a whole step in one engine call: decode is latency-bound at this size
-eval_batch_rows = 4096
+eval_batch_rows = 2048  # the greedy eval prefills 2048 distinct prompts per call: 37 GB at its peak, 75 at 4096
 lr = 1e-5
 num_minibatches = 4
 microbatch_tokens = 32768

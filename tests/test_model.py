@@ -22,6 +22,7 @@ def test_replaying_own_routes_gives_identical_logits(tiny_cfg, num_shared_expert
 
 
 def test_replayed_route_is_used_exactly_with_live_gate_weights(tiny_cfg):
+    torch.manual_seed(0)  # unit-normal weights, summed in another order than the reference's: fp32 rounding
     moe = MoE(tiny_cfg)
     ex = moe.experts
     torch.nn.init.normal_(ex.w13), torch.nn.init.normal_(ex.w2)
@@ -37,7 +38,7 @@ def test_replayed_route_is_used_exactly_with_live_gate_weights(tiny_cfg):
         g = scores[t, replay[0, t]].softmax(-1)  # top-k renormalised softmax over the replayed set
         want = sum(g[k] * (F.silu(x[0, t] @ ex.w13[e, :, :I]) * (x[0, t] @ ex.w13[e, :, I:])) @ ex.w2[e]
                    for k, e in enumerate(replay[0, t].tolist()))
-        torch.testing.assert_close(y[0, t], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y[0, t], want, rtol=1e-4, atol=1e-4)
 
 
 def test_router_gets_gradient_under_replay(tiny_cfg):

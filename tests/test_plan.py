@@ -30,10 +30,11 @@ def test_every_config_passes_the_dry_run_plan(path, capsys):  # beyond tiny's, 2
     assert "parameters:" in capsys.readouterr().out
 
 
-def test_the_plan_is_within_15_percent_of_measured_runs_in_both_dtypes():
+def test_the_plan_is_within_2_percent_of_measured_runs_in_both_dtypes():
     """plan.py against the peaks of real runs of the same code on this CPU (bench/memory.py): live
-    tensor memory, and in fp32 the process's resident set as well. A small shape with a dense
-    block, qk-norm and activation checkpointing."""
+    tensor memory (the trainer's to the byte: the plan reads torch's own tracker), and in fp32 the
+    process's resident set as well, within 15%. A small shape with a dense block, qk-norm and
+    activation checkpointing."""
     memory = _bench_memory()
     shape = ["model.n_layers=3", "model.first_k_dense_replace=1", "model.dense_inter_dim=384", "model.qk_norm=True",
              "activation_checkpoint=True", "microbatch_tokens=2048", "gen_batch_rows=64", "sampling.max_new_tokens=16",
@@ -41,7 +42,7 @@ def test_the_plan_is_within_15_percent_of_measured_runs_in_both_dtypes():
     runs = [(part, [*shape, f"dtype={dtype}"]) for dtype in ("float32", "bfloat16") for part in ("trainer", "engine")]
     for (part, args), measured in zip(runs, memory.measure_many(runs)):
         planned = memory.planned(part, args)
-        assert 0.85 <= planned / measured["tensors"] <= 1.15, (part, args, planned, measured)
+        assert 0.98 <= planned / measured["tensors"] <= 1.02, (part, args, planned, measured)
         if "dtype=float32" in args:  # bf16 matmuls on CPU keep buffers of oneDNN's own, outside any tensor
             assert 0.85 <= planned / measured["rss"] <= 1.15, (part, args, planned, measured)
 
