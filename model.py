@@ -48,6 +48,8 @@ Notable choices and departures:
    load-based update of b (arXiv 2408.15664); RL keeps the pre-trained bias.
 5. Init: normal(0, init_std) matrices, the residual-branch outputs scaled by 1/sqrt(2 n_layers)
    (GPT-2), so the residual stream's variance does not grow with depth.
+6. On CUDA attention runs only on SDPA's fused kernels (flash, memory-efficient, cuDNN): a call that
+   only the math kernel (O(T^2) memory) would take raises instead (`fused_attention`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch._subclasses.fake_tensor import is_fake
 
 from logprobs import chunked_logprobs
@@ -309,11 +312,51 @@ class Attention(nn.Module):
         else:
             # mask_B1TS: True (or 0) = attend; without one, causal over this call's tokens (training). SDPA's
             # is_causal mask is aligned to the top left, which is this call's causal mask only when S == T
-            # (cache_start == 0); later cached calls must pass a mask. enable_gqa: each kv head serves H / J
-            # query heads without the kv heads being repeated in memory.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS, is_causal=mask_B1TS is None,
-                                               enable_gqa=cfg.n_heads != cfg.n_kv_heads)  # (B, H, T, d)
+            # (cache_start == 0); later cached calls must pass a mask
+            y = fused_attention(q, k, v, mask_B1TS, call="trainer forward" if cache is None else "engine prefill")
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim))  # (B, T, H*d) -> (B, T, D)
+
+
+FUSED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+"""SDPA's kernels allowed on CUDA, each O(T) in memory; the math kernel (T x S scores) is left out, so a call
+that only it could run raises instead of silently slowing down."""
+
+
+def fused_attention(q_BHTd: torch.Tensor, k_BJSd: torch.Tensor, v_BJSd: torch.Tensor,
+                    mask_B1TS: torch.Tensor | None, *, call: str) -> torch.Tensor:
+    """SDPA [B, H, T, d] over J kv heads (GQA), with mask_B1TS (bool, True = attend, or additive) or causal
+    without one; on CUDA only under `FUSED_SDPA_BACKENDS`. On CPU it is the plain SDPA call.
+
+    Which CUDA kernel takes what (pytorch aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, the
+    can_use_* gates of torch 2.x): flash takes GQA (enable_gqa) but no attn_mask, fp16/bf16 only,
+    head_dim <= 256; memory-efficient takes a mask and fp32, head_dim a multiple of 8 in bf16, but not
+    GQA (`check_batch_size_and_num_heads_dense<false>`; pytorch PR 191085 adds it later); cuDNN takes
+    both in fp16/bf16 but comes after math in the default priority order (at::Context's
+    sdp_priority_order: flash, efficient, math, cudnn). So where flash cannot run (a mask, or fp32) the
+    kv heads are repeated to H for memory-efficient (or cuDNN): a copy of k and v, not T x S scores.
+    call names the caller in the error. Raises RuntimeError when no fused kernel takes the call (torch
+    warns each kernel's reason just before).
+    """
+    H, J = q_BHTd.shape[1], k_BJSd.shape[1]
+    if not q_BHTd.is_cuda:  # CPU: its own flash kernel takes masks and GQA
+        return F.scaled_dot_product_attention(q_BHTd, k_BJSd, v_BJSd, attn_mask=mask_B1TS,
+                                              is_causal=mask_B1TS is None, enable_gqa=H != J)
+    if H != J and (mask_B1TS is not None or q_BHTd.dtype not in (torch.float16, torch.bfloat16)):
+        # kv head j to query heads [j * H/J, (j+1) * H/J), enable_gqa's order: (B, J, S, d) -> (B, H, S, d)
+        k_BJSd, v_BJSd = k_BJSd.repeat_interleave(H // J, dim=1), v_BJSd.repeat_interleave(H // J, dim=1)
+    try:
+        with sdpa_kernel(FUSED_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(q_BHTd, k_BJSd, v_BJSd, attn_mask=mask_B1TS,
+                                                  is_causal=mask_B1TS is None, enable_gqa=k_BJSd.shape[1] != H)
+    except RuntimeError as e:
+        if not any(m in str(e) for m in ("No available kernel", "No viable backend")):  # torch's two wordings
+            raise
+        mask = "causal" if mask_B1TS is None else f"mask {tuple(mask_B1TS.shape)} {mask_B1TS.dtype}"
+        raise RuntimeError(
+            f"{call}: no fused SDPA kernel (flash, memory-efficient, cuDNN) takes q {tuple(q_BHTd.shape)}, "
+            f"k/v {tuple(k_BJSd.shape)}, {mask}, dtype {q_BHTd.dtype}, and the O(T^2) math kernel is not allowed. "
+            "The warnings above give each kernel's reason; what they take: dtype bfloat16 (config dtype), head_dim "
+            "a multiple of 8 (at most 256 for flash), a mask that needs no grad.") from e
 
 
 def single_query_attention(q_BH1d: torch.Tensor, k_BJSd: torch.Tensor, v_BJSd: torch.Tensor,

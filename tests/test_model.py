@@ -4,7 +4,8 @@ import torch.nn.functional as F
 
 import math
 
-from model import GatherRows, MoE, ModelConfig, Transformer, grouped_mm, rope_frequencies
+from model import (GatherRows, KVCache, MoE, ModelConfig, Transformer, fused_attention, grouped_mm,
+                   rope_frequencies)
 from sglang_engine import check_routes
 
 
@@ -218,3 +219,53 @@ def test_replayed_routes_of_a_float_dtype_are_refused():
     with pytest.raises(ValueError, match="must be integers"):
         model(tokens, routed_experts=torch.tensor([[[[0.0, 2.7]]] * 3]))  # (1, 3, 1, 2): 2.7 would replay expert 2
     model(tokens, routed_experts=torch.tensor([[[[0, 2]]] * 3], dtype=torch.uint8))  # any integer dtype replays
+
+
+def left_padded_causal_mask(pads_B: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, 1, T, T] bool, True = attend, as the engine's prefill builds it: causal, left padding never a key,
+    a pad query sees itself."""
+    col_T = torch.arange(T, device=pads_B.device)
+    key_ok_BT = col_T[None] >= pads_B[:, None]
+    eye_TT = torch.eye(T, dtype=torch.bool, device=pads_B.device)
+    return ((col_T[:, None] >= col_T[None]) & (key_ok_BT[:, None] | eye_TT))[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_attention_on_cpu_is_the_plain_sdpa_call_bitwise(dtype, masked):
+    q, k, v = (torch.randn(3, h, 9, 8, dtype=dtype) for h in (4, 2, 2))  # (B, H|J|J, T, d)
+    mask = left_padded_causal_mask(torch.tensor([0, 2, 5]), 9) if masked else None
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    assert torch.equal(fused_attention(q, k, v, mask, call="test"), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_masked_gqa_bf16_prefill_of_16_rows_at_2048_tokens_runs_on_a_fused_kernel(tiny_cfg):
+    """The engine's prefill (a bool mask, H != J, bf16) runs with the math kernel excluded, and its peak
+    memory stays under one layer's [B, H, T, T] bf16 scores, which the math kernel would materialise."""
+    B, T, dev = 16, 2048, torch.device("cuda")
+    tiny_cfg.max_seq_len, tiny_cfg.n_heads = T, 16  # 8 query heads per kv head; math's scores: 2 GiB a layer
+    model = Transformer(tiny_cfg).to(dev, torch.bfloat16)
+    pads_B = torch.arange(B, device=dev) * 37  # left padding 0 .. 555
+    tokens = torch.randint(1, tiny_cfg.vocab_size, (B, T), device=dev).masked_fill_(
+        torch.arange(T, device=dev)[None] < pads_B[:, None], 0)
+    cache = KVCache(tiny_cfg, B, T, dtype=torch.bfloat16, device=dev)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        h, _ = model.hidden(tokens, pos_BT=(torch.arange(T, device=dev)[None] - pads_B[:, None]).clamp(min=0),
+                            cache=cache, cache_start=0, mask_B1TS=left_padded_causal_mask(pads_B, T))
+    assert torch.isfinite(h).all()
+    assert torch.cuda.max_memory_allocated() - base < B * tiny_cfg.n_heads * T * T * 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_attention_no_fused_kernel_takes_is_an_error_naming_the_call_and_shapes():
+    """head_dim 12 in bf16: flash refuses the mask, memory-efficient and cuDNN a head_dim not a multiple of 8."""
+    q, k = (torch.randn(2, h, 64, 12, device="cuda", dtype=torch.bfloat16) for h in (4, 2))  # (B, H|J, T, d)
+    mask = left_padded_causal_mask(torch.tensor([0, 3], device="cuda"), 64)
+    with pytest.raises(RuntimeError, match=r"engine prefill: no fused SDPA kernel .* q \(2, 4, 64, 12\)"):
+        fused_attention(q, k, k, mask, call="engine prefill")
