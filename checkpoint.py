@@ -26,11 +26,18 @@ Notable choices:
    trainer_state.pt and config.json. resume=auto falls back past one that fails; pruning counts
    only checkpoints up to the one just written, so such a newer one, which the resumed run replaces
    when it reaches that position, never pushes a loadable one out of the ckpt_keep kept.
+5. A save's collectives (DCP's plan exchange and the gather of write results after it, the barriers here)
+   wait on the slowest rank's writes (a load's on its reads): at 100B, about 1.28 TB of fp32 weights and AdamW state, far
+   longer than a dist_timeout_s that catches a dead rank quickly. Under several ranks they run on
+   a process group of their own whose timeout is sized at each save by the bytes the busiest rank
+   writes (save_timeout_s), so a healthy save never races dist_timeout_s, and a dead rank still
+   ends the job, later. That group is a gloo one (DCP exchanges only metadata on it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import random
@@ -39,7 +46,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from distributed import all_gather_list, barrier, rank_world
+from distributed import all_gather_list, all_reduce_float, barrier, collective_group, rank_world
+from weights import local
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -48,6 +56,60 @@ if TYPE_CHECKING:
 CKPT_SUBDIR = "ckpt"  # under out_dir: one folder per checkpoint, step_<position>
 COMPLETE_MARKER = "COMPLETE"  # written last inside the temporary folder: its presence means every file is there
 DCP_SINGLE_PROCESS_WARNING = "torch.distributed is disabled"  # DCP's note that one process saves alone: expected here
+WRITE_BYTES_PER_S = 200e6
+"""Bytes per second each rank is assumed to write while every rank writes at once: an assumption, not a measurement,
+and a conservative one for a shared network filesystem (NFS, Lustre, a cloud file store) under a whole job's load."""
+SAVE_TIMEOUT_FACTOR = 3  # over the bytes' time at WRITE_BYTES_PER_S: stragglers, contention with other jobs
+SAVE_ALLOWANCE_S = 300.0  # over any size: DCP's planning, the fsyncs, the rename, deleting the oldest checkpoint
+
+_save_group = (None, None)  # (the default group, the group saves run on) once made; see _save_group_for
+_logged_timeout_s = None  # the save timeout last printed: printed again only if it changes
+
+
+def save_timeout_s(nbytes_per_rank: int, dist_timeout_s: float) -> float:
+    """Seconds a save's collectives may wait: the time the busiest rank takes to write `nbytes_per_rank` bytes
+    at WRITE_BYTES_PER_S, times SAVE_TIMEOUT_FACTOR, plus SAVE_ALLOWANCE_S; never less than dist_timeout_s."""
+    return max(dist_timeout_s, nbytes_per_rank / WRITE_BYTES_PER_S * SAVE_TIMEOUT_FACTOR + SAVE_ALLOWANCE_S)
+
+
+def local_bytes(state) -> int:
+    """Bytes of the tensors in a (nested dict / list) state dict as this rank holds them: a DTensor's local shard."""
+    if isinstance(state, torch.Tensor):
+        t = local(state)
+        return t.numel() * t.element_size()
+    if isinstance(state, dict):
+        return sum(local_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(local_bytes(v) for v in state)
+    return 0  # hyperparameters and other plain values: negligible beside the tensors
+
+
+def _save_group_for(nbytes: int, dist_timeout_s: float):
+    # The process group a save runs its collectives on, its timeout set to save_timeout_s of the most bytes any
+    # rank writes (`nbytes` is this rank's); None in one process, where nothing waits. Collective.
+    global _save_group, _logged_timeout_s
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    if rank_world()[1] == 1:
+        return None
+    world, group = _save_group
+    if world is not dist.group.WORLD:  # the first save of this process group: every rank saves, so all create it here
+        # gloo, as torchtitan's async checkpoints: DCP exchanges only metadata on it (each rank writes its own
+        # shards), and a gloo group costs no GPU memory, where an NCCL one would hold buffers outside the plan
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=dist_timeout_s))
+        _save_group = (dist.group.WORLD, group)
+    # Set at every save, not once: the bytes may grow (AdamW's state appears at its first step), and
+    # set_group_timeouts, called again when the async producer makes its groups, resets every group's.
+    with collective_group(group):
+        most = int(all_reduce_float(float(nbytes), "max"))  # exact: float64 holds integers below 2**53
+    timeout = save_timeout_s(most, dist_timeout_s)
+    c10d._set_pg_timeout(datetime.timedelta(seconds=timeout), group)
+    if rank_world()[0] == 0 and timeout != _logged_timeout_s:
+        print(f"checkpoint saves time out after {timeout:.0f} s: {most / 1e9:.2f} GB on the busiest rank at "
+              f"{WRITE_BYTES_PER_S / 1e6:g} MB/s x{SAVE_TIMEOUT_FACTOR} + {SAVE_ALLOWANCE_S:g} s "
+              f"(dist_timeout_s={dist_timeout_s:g})", flush=True)
+    _logged_timeout_s = timeout
+    return group
 
 
 def _fsync_dir(path: str):
@@ -91,13 +153,27 @@ def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dic
     to out_dir/ckpt/step_<position>, atomically: all is written to a `.tmp` folder, the
     completeness marker last, then the folder is renamed. A crash at any point leaves the
     previous checkpoints as they were. Keeps the newest cfg.ckpt_keep up to this position (choice 4).
-    Collective.
+    Collective; under several ranks its collectives wait up to save_timeout_s of the busiest rank's bytes,
+    not cfg.dist_timeout_s (choice 5).
     Returns the checkpoint folder.
     """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    # get_state_dict names parameters and optimizer state by their unwrapped names, not by rank-local ids,
+    # which is what lets another world size or wrapping load them.
+    model_sd, optim_sd = get_state_dict(model, opt)
+    rank, _ = rank_world()
+    # rank 0 alone also writes the trainer state; its tensors count with its shards
+    nbytes = local_bytes((model_sd, optim_sd)) + (local_bytes(trainer_state) if rank == 0 else 0)
+    group = _save_group_for(nbytes, cfg.dist_timeout_s)
+    with collective_group(group):  # barrier() below runs on it too
+        return _write(out_dir, position, {"model": model_sd, "optim": optim_sd}, trainer_state, cfg, group)
+
+
+def _write(out_dir: str, position: int, state: dict, trainer_state: dict, cfg: TrainConfig, group) -> str:
+    # write_checkpoint's steps, its collectives on `group` (None: the default group)
     import shutil
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     rank, _ = rank_world()
     root = os.path.join(out_dir, CKPT_SUBDIR)
     final = os.path.join(root, f"step_{position:08d}")
@@ -107,13 +183,10 @@ def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dic
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         os.makedirs(tmp)
     barrier()  # no rank may write into tmp before it exists
-    # 2. Every rank writes its own shards; DCP fsyncs each file it writes. get_state_dict names
-    # parameters and optimizer state by their unwrapped names, not by rank-local ids, which is
-    # what lets another world size or wrapping load them.
-    model_sd, optim_sd = get_state_dict(model, opt)
+    # 2. Every rank writes its own shards; DCP fsyncs each file it writes.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=DCP_SINGLE_PROCESS_WARNING)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        dcp.save(state, checkpoint_id=tmp, process_group=group)
     # 3. The replicated trainer state and the resolved config, from rank 0 only.
     if rank == 0:
         _write_trainer_state(os.path.join(tmp, "trainer_state.pt"), trainer_state)
@@ -153,9 +226,10 @@ def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dic
     return final
 
 
-def read_checkpoint(path: str, model, opt) -> dict:
+def read_checkpoint(path: str, model, opt, dist_timeout_s: float | None = None) -> dict:
     """Load model and optimizer from a write_checkpoint folder (in place; any world size's
-    shards) and return its trainer state. Raises ValueError if the folder is not complete."""
+    shards) and return its trainer state. Raises ValueError if the folder is not complete.
+    Collective; given dist_timeout_s, under several ranks its collectives wait as a save's do (choice 5)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     # An explicitly given folder need not have come from write_checkpoint's rename: check the marker.
@@ -165,9 +239,10 @@ def read_checkpoint(path: str, model, opt) -> dict:
     # rank reading only the slices its own shards cover, whatever world size wrote them.
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
+    group = None if dist_timeout_s is None else _save_group_for(local_bytes(state), dist_timeout_s)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=DCP_SINGLE_PROCESS_WARNING)
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, process_group=group)
     # The optimizer's state came keyed by parameter name; set_state_dict maps it back to this
     # optimizer's own parameters.
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

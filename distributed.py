@@ -304,17 +304,19 @@ def all_reduce_float(x: float, op: str = "sum") -> float:
     # float64 holds a Python float exactly, so only the sum itself rounds. nccl reduces only CUDA
     # tensors (gloo CPU ones), so with nccl the value goes to this rank's GPU, the current device
     # that setup_distributed set.
-    t = torch.tensor([x], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    group = getattr(_thread, "group", None)
+    t = torch.tensor([x], dtype=torch.float64, device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    dist.all_reduce(t, op=ops[op], group=getattr(_thread, "group", None))
+    dist.all_reduce(t, op=ops[op], group=group)
     return t.item()
 
 
 def barrier():
-    """Wait for every rank (a no-op in one process, where there is no process group to wait on)."""
+    """Wait for every rank, on this thread's collective_group (a no-op in one process, where there is no process
+    group to wait on)."""
     if rank_world()[1] > 1:
         import torch.distributed as dist
-        dist.barrier()
+        dist.barrier(group=getattr(_thread, "group", None))
 
 
 def all_ranks(flag: bool) -> bool:
