@@ -105,8 +105,10 @@ class EngineConfig:
     sglang_urls: str = ""
     """name='sglang': comma-separated base URLs of external SGLang servers (weights pushed over an NCCL group);
     "" = one SGLang engine per node colocated on the training GPUs, its memory released while the trainer trains."""
-    sglang_mem_fraction: float = 0.8
-    """name='sglang', colocated: the fraction of each GPU's memory SGLang's static pool (weights, KV cache) may take."""
+    sglang_mem_fraction: float = 0.0
+    """name='sglang', colocated: the fraction of each GPU's memory SGLang's static pool (weights, KV cache) may take
+    (its mem_fraction_static); 0 = the largest that leaves room for the trainer's state (plan.colocated_sglang,
+    which also refuses a larger one before any work)."""
     fp8: bool = False
     """Rollouts with blockwise-FP8 weights (DeepSeek-V3's recipe): SGLang's FP8 serving, or the native engine in
     one process; the trainer stays bf16/fp32."""
@@ -114,7 +116,7 @@ class EngineConfig:
     RULES = {  # each field's type and range (rules.py); not a field: no annotation
         "name": text("an engine's name in rollout.ENGINES ('native', 'sglang')", lambda v: bool(v.strip())),
         "sglang_urls": text("comma-separated http://host:port base URLs ('' = colocated)"),
-        "sglang_mem_fraction": number(0, 1, low_open=True, high_open=True),
+        "sglang_mem_fraction": number(0, 1, high_open=True, why="0 = from the plan, else a fraction below 1"),
         "fp8": FLAG,
     }
 

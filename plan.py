@@ -34,11 +34,26 @@ Notable choices:
    compute dtype; with ep = world the trainer's own fp32 shards). The two phases never overlap, so
    the peak is the larger of a training step's and the rollout phase's (parameters, AdamW, the
    gathered weights and a generate call's peak, with the all-to-all's buffers).
+5. Margins beside the larger phase: the CUDA context, NCCL's buffers for each communicator a
+   rank uses (the default group and the fsdp mesh's from two ranks on, ep's and efsdp's where
+   they split), and a fragmentation reserve of the peak. The constants are allowances, not
+   measurements: nothing here has run on a GPU yet.
+6. A colocated SGLang server (engine.name='sglang', engine.sglang_urls ''), one per node, tensor
+   parallel over its GPUs. SGLang sizes its static pool (weights and KV cache) when it starts so
+   that the GPU's used memory reaches mem_fraction_static of its capacity, counting what the
+   trainer holds then (its fp32 parameters: the server starts before the first optimizer step),
+   and keeps its CUDA graphs and workspace outside the pool (server_args.py, the model runner's
+   profile_max_num_token: rest = available - total * (1 - mem_fraction_static)). AdamW's state
+   arrives later and stays through the rollout phase, when the server wakes: so the largest
+   fraction that fits leaves room for it, the margins and the graphs; its KV pool is what the
+   fraction leaves after the trainer's parameters and the served weights (the checkpoint's
+   bf16, or FP8, over tensor parallel ranks). A training step runs with the server asleep.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import torch
@@ -49,8 +64,18 @@ from model import ModelConfig, Transformer, route_dtype
 GB = 1024 ** 3
 # what PyTorch can allocate on each (torch.cuda.get_device_properties(0).total_memory, as its out-of-memory
 # messages print it: "GPU 0 has a total capacity of 79.11 GiB"): below the GB sold, which are 10^9 bytes
-# and include memory the driver keeps. The plan leaves nothing for the CUDA context, NCCL or fragmentation.
+# and include memory the driver keeps. A plan fits where its total, margins included, is at most this.
 GPU_MEMORY_GIB = {"H100 80GB": 79.11, "H200 141GB": 139.81}
+# Margins (choice 5), allowances until bench/gpu.py's reading on a GPU replaces them: the CUDA context and the
+# kernels torch loads (outside the caching allocator), each NCCL communicator's buffers (channels x peers x
+# NCCL_BUFFSIZE, 4 MiB by default, and NVLink SHARP's on H100/H200), and the caching allocator's fragmentation
+# as a share of the peak (with expandable_segments, which train.main sets on CUDA).
+CUDA_CONTEXT_GIB = 1.0
+NCCL_COMMUNICATOR_GIB = 0.5
+FRAGMENTATION = 0.05
+# A colocated SGLang server's memory outside its static pool (choice 6): CUDA graphs captured for its decode batch
+# sizes and the forward's workspace (SGLang leaves 1 - mem_fraction_static of the GPU for them), an allowance
+SGLANG_OUTSIDE_POOL_GIB = 5.0
 NODES = (1, 2, 4, 8)
 
 
@@ -284,11 +309,77 @@ def memory_plan(cfg, world: int) -> dict[str, int]:
     # one process: the replica persists through training; several: the engine's weights are gathered for the
     # rollout phase and freed after it (distributed.gathered), so a training step holds none of them
     train_step = trainer["total"] + (engine["weights"] if world == 1 else 0)
+    peak = max(train_step, rollout)
+    margins = with_margins(cfg, world, peak) - peak
     return {**state, "gathered": trainer["gathered"], "activations": trainer["activations"],
             "logits chunk": LOGITS_CHUNK_TOKENS * cfg.model.vocab_size * 4, "trainer peak": trainer["total"],
             "engine weights": engine["weights"], "engine dense": engine["dense"],
             "engine experts": engine["weights"] - engine["dense"], "engine KV": engine["kv_cache"],
-            "rollout peak": rollout, "train step": train_step, "total": max(train_step, rollout)}
+            "rollout peak": rollout, "train step": train_step, "margins": margins, "total": peak + margins}
+
+
+def nccl_communicators(cfg, world: int) -> int:
+    """NCCL communicators one rank of a `world`-rank run holds: none alone; else the default group and the
+    fsdp mesh's, and the ep and efsdp meshes' where expert parallelism splits them (distributed.build_meshes;
+    checkpoint saves' group is a gloo one)."""
+    if world == 1:
+        return 0
+    ep = cfg.ep
+    return 2 + (ep > 1) + (ep > 1 and world // ep > 1)
+
+
+def with_margins(cfg, world: int, peak: int) -> int:
+    """A rank's `peak` bytes with the margins of choice 5: the CUDA context, the NCCL communicators'
+    buffers and the fragmentation reserve."""
+    fixed = (CUDA_CONTEXT_GIB + NCCL_COMMUNICATOR_GIB * nccl_communicators(cfg, world)) * GB
+    return int(peak * (1 + FRAGMENTATION) + fixed)
+
+
+def colocated_sglang(cfg, world: int, capacity: int) -> dict[str, float]:
+    """A colocated SGLang server's share of one GPU of `capacity` bytes in a `world`-rank run (choice 6):
+    fraction (its mem_fraction_static: engine.sglang_mem_fraction, or 0 = the largest that fits), weights and
+    kv_pool (bytes per GPU), rows (how many of the node's gen_batch_rows-per-GPU rows of prompt + completion
+    tokens its pool holds at once; more queue). Raises ValueError naming the numbers when the server cannot fit
+    beside the trainer or its pool holds no whole row."""
+    m = cfg.model
+    tp = min(world, cfg.gpus_per_node)  # one server per node, tensor parallel over the node's GPUs
+    counts = param_counts(m)
+    if cfg.engine.fp8:  # blockwise FP8: a byte per linear weight (1/128^2 of scales), embedding and lm_head bf16
+        served = counts["total"] + counts["embed_lm_head"]
+    else:
+        served = 2 * counts["total"]
+    weights = served / tp
+    params = 4 * counts["total"] / world  # the trainer's fp32 shard, held when the server starts
+    adam = 2 * params  # AdamW's moments: made by the first optimizer step, held through every rollout phase
+    outside = SGLANG_OUTSIDE_POOL_GIB * GB
+    rollout_margins = with_margins(cfg, world, params + adam) - (params + adam)
+    largest = (capacity - adam - outside - rollout_margins) / capacity
+    name = f"engine.sglang_mem_fraction={cfg.engine.sglang_mem_fraction}"
+    if largest <= 0:
+        raise ValueError(f"colocated SGLang cannot fit on {world} GPUs of {capacity / GB:.1f} GiB: the trainer's fp32 "
+                         f"parameters and AdamW state ({(params + adam) / GB:.1f}), margins ({rollout_margins / GB:.1f}) "
+                         f"and SGLang's CUDA graphs ({SGLANG_OUTSIDE_POOL_GIB:.1f}) fill the GPU before its pool: use "
+                         f"more nodes, or external servers (engine.sglang_urls)")
+    fraction = cfg.engine.sglang_mem_fraction or math.floor(largest * 100) / 100  # as a flag is written, rounded down
+    if fraction > largest:
+        raise ValueError(f"{name} leaves {(1 - fraction) * capacity / GB:.1f} GiB of a {capacity / GB:.1f} GiB GPU "
+                         f"beside colocated SGLang's pool, and the trainer's AdamW state ({adam / GB:.1f}), margins "
+                         f"({rollout_margins / GB:.1f}) and SGLang's CUDA graphs ({SGLANG_OUTSIDE_POOL_GIB:.1f}) need "
+                         f"{(adam + rollout_margins + outside) / GB:.1f}: set at most {largest:.2f}, or 0 to take it "
+                         f"from the plan")
+    kv_pool = fraction * capacity - params - weights
+    # k and v of a token, every layer, this GPU's share of the KV heads (replicated where tp exceeds them)
+    kv_token = m.n_layers * 2 * max(1, m.n_kv_heads // tp) * m.head_dim * 2
+    rows = int(kv_pool // (kv_token * (cfg.prompt_limit() + cfg.sampling.max_new_tokens)))
+    if rows < 1:
+        raise ValueError(f"colocated SGLang cannot fit on {world} GPUs of {capacity / GB:.1f} GiB: at "
+                         f"mem_fraction_static {fraction:.2f} its pool of {fraction * capacity / GB:.1f} GiB holds the "
+                         f"trainer's fp32 parameters ({params / GB:.1f}) and the served weights ({weights / GB:.1f}) "
+                         f"and leaves {max(kv_pool, 0) / GB:.1f} for the KV cache, less than one row of "
+                         f"{cfg.prompt_limit() + cfg.sampling.max_new_tokens} tokens: use more nodes, engine.fp8=True, "
+                         f"or external servers (engine.sglang_urls)")
+    return {"fraction": fraction, "weights": weights, "kv_pool": kv_pool,
+            "rows": min(rows, cfg.gen_batch_rows * tp), "node_rows": cfg.gen_batch_rows * tp}
 
 
 def print_plan(cfg, nodes=NODES) -> list[dict]:
@@ -309,7 +400,7 @@ def print_plan(cfg, nodes=NODES) -> list[dict]:
           f"through training, on several from the policy's own: dense weights gathered for the rollout phase, "
           f"experts E/ep per GPU")
     cols = ["params", "grads", "adam", "gathered", "activations", "logits chunk", "trainer peak", "engine dense",
-            "engine experts", "engine KV", "rollout peak", "total"]
+            "engine experts", "engine KV", "rollout peak", "margins", "total"]
     print(f"{'nodes':>5} {'GPUs':>5} {'ep':>3}  " + "  ".join(f"{c:>{max(9, len(c))}}" for c in cols) + "  fits")
     rows, plans = [], {}
     for k in nodes:
@@ -327,6 +418,8 @@ def print_plan(cfg, nodes=NODES) -> list[dict]:
     if not rows:
         raise ValueError(f"ep={cfg.ep} divides none of the GPU counts {[k * cfg.gpus_per_node for k in nodes]}")
     _print_what_fits(cfg, plans)
+    if cfg.engine.name == "sglang" and not cfg.engine.urls:
+        _print_colocated_sglang(cfg, plans)
     other = not cfg.activation_checkpoint  # activations do not depend on the world size: once, at the first
     acts = trainer_memory(dataclasses.replace(cfg, dtype=dtype), rows[0]["gpus"], activation_checkpoint=other)
     print(f"activation checkpointing {'on' if other else 'off'} would make activations "
@@ -336,7 +429,8 @@ def print_plan(cfg, nodes=NODES) -> list[dict]:
 
 def _print_what_fits(cfg, plans: dict[int, dict]):
     """Per node count: which phase sets the peak and its parts, and for each GPU type it does not fit what
-    would: a smaller gen_batch_rows where the rollout phase sets the peak (its KV cache shrinks), else more nodes."""
+    would: fewer rows per generate call (gen_batch_rows, eval_batch_rows) where the rollout phase sets the peak
+    (its KV cache and prefill shrink), else more nodes."""
     bf16 = dataclasses.replace(cfg, dtype="bfloat16") if cfg.dtype == "auto" else cfg
     for k, p in plans.items():
         world = k * cfg.gpus_per_node
@@ -351,18 +445,35 @@ def _print_what_fits(cfg, plans: dict[int, dict]):
         for name, gib in GPU_MEMORY_GIB.items():
             if p["total"] / GB <= gib:
                 continue
-            if p["train step"] / GB > gib:
+            if with_margins(cfg, world, p["train step"]) / GB > gib:
                 needs.append(f"{name}: more nodes")
                 continue
-            rows = bf16.gen_batch_rows // 2
+            rows = max(bf16.gen_batch_rows, bf16.eval_batch_rows) // 2
             while rows >= 1:  # the rollout phase sets this peak, the training step fits: fewer rows per call
-                smaller = dataclasses.replace(bf16, gen_batch_rows=rows)
+                smaller = dataclasses.replace(bf16, gen_batch_rows=min(rows, bf16.gen_batch_rows),
+                                              eval_batch_rows=min(rows, bf16.eval_batch_rows))
                 rollout = p["params"] + p["adam"] + engine_memory(smaller, world)["total"]
-                if rollout / GB <= gib:
-                    needs.append(f"{name}: gen_batch_rows={rows} ({max(rollout, p['train step']) / GB:.1f})")
+                total = with_margins(cfg, world, max(rollout, p["train step"]))
+                if total / GB <= gib:
+                    needs.append(f"{name}: gen_batch_rows={smaller.gen_batch_rows} eval_batch_rows="
+                                 f"{smaller.eval_batch_rows} ({total / GB:.1f})")
                     break
                 rows //= 2
             else:
                 needs.append(f"{name}: more nodes")
         print(f"{k:>5} node{'s' if k > 1 else ' '}: peak {p['total'] / GB:.1f} GiB, {where}"
               + (f"; to fit {', '.join(needs)}" if needs else ""))
+
+
+def _print_colocated_sglang(cfg, plans: dict[int, dict]):
+    """Per node count and GPU type, the colocated SGLang server's fraction, KV pool and rows held, or why not."""
+    for k in plans:
+        world, parts = k * cfg.gpus_per_node, []
+        for name, gib in GPU_MEMORY_GIB.items():
+            try:
+                s = colocated_sglang(cfg, world, int(gib * GB))
+                parts.append(f"{name}: mem_fraction_static {s['fraction']:.2f}, KV pool {s['kv_pool'] / GB:.1f} GiB "
+                             f"({s['rows']} of the node's {s['node_rows']} rows at once)")
+            except ValueError as e:
+                parts.append(f"{name}: {e}")
+        print(f"{k:>5} node{'s' if k > 1 else ' '}: colocated SGLang, " + "; ".join(parts))

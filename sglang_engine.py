@@ -5,7 +5,7 @@ An engine of rollout.Engine's interface (`generate`, `update_weights`, `phase`, 
 replay (R3, arXiv 2510.11370) need not know which engine ran; `sleep()` / `wake()` release and
 resume its memory while the trainer trains. `build_sglang_engine(cfg, tok, policy)` builds it
 for a run (engine.name='sglang', rollout.ENGINES). SGLang is imported lazily (GPU machines only,
-requirements-gpu.txt).
+requirements-sglang.txt).
 
 Status: contract-tested on CPU only; has not run on a real SGLang engine. Requests and
 responses are checked against SGLang's documented formats, the HTTP client against a fake
@@ -14,9 +14,11 @@ server that checks every payload and the call order, the in-process path against
 
 Sources (sgl-project/sglang, python/sglang/srt/): entrypoints/engine.py (Engine's methods),
 entrypoints/http_server.py (routes and bodies), entrypoints/http_server_engine.py
-(launch_server_process), managers/io_struct.py (request fields), server_args.py, constants.py
-(memory tags), the model runner's weight updater; PRs 12162 (routed experts), 28710 / 28001
-(weight-update sessions). Each use below names what it was checked against.
+(launch_server_process), managers/io_struct.py (request fields), server_args.py and
+arg_groups/fields/ (server arguments, flat in /server_info), sampling/sampling_batch_info.py
+(sampling_seed), constants.py (memory tags), the model runner's weight updater; PRs 12162
+(routed experts), 28710 / 28001 (weight-update sessions). Each use below names what it was checked
+against (the 0.5.23 wheel where it says so).
 
 Shapes: T, C, L, K (letters of the README's legend; T is one prompt's tokens here, as in rollout.py).
 
@@ -32,10 +34,15 @@ Notable choices:
    a gather to the leader could deadlock), and a server batches all ranks' requests together.
 3. One request per sample, each with a sampling_seed derived from (seed, group id, sample
    index) as NativeEngine keys its random streams, so a request's seed does not depend on
-   its batch; SGLang's radix cache shares the prompt's prefill between the requests. Logprobs
+   its batch; SGLang's radix cache shares the prompt's prefill between the requests. SGLang
+   honours sampling_seed only on a server with deterministic inference on (its batch-invariant
+   kernels, so a sample does not depend on its batch either): the colocated server turns it on;
+   an external server without it is warned of at connect (`SGLangEngine.seeded` False), its
+   rollouts not reproducible. Logprobs
    of the sampled tokens and the routed experts come back with each (`return_logprob`,
    `return_routed_experts`); routes arrive as base64 int32 over all of SGLang's hidden layers
-   and are mapped to this project's MoE layers (`decode_routed_experts`).
+   and are mapped to this project's MoE layers (`decode_routed_experts`). A server that does not
+   capture them is refused at connect (`check_server`).
 4. Weight sync: every rank gathers each sharded tensor (`full_tensor`, a collective); one rank
    sends them in HF names, bucket by bucket, inside begin/end_weight_update where the server
    has them, then flushes the prefix cache. Colocated, the node leader passes CUDA IPC handles
@@ -55,12 +62,14 @@ from __future__ import annotations
 import atexit
 import base64
 import json
+import multiprocessing
 import os
 import re
 import socket
 import time
 import urllib.error
 import urllib.request
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from contextlib import contextmanager
@@ -90,6 +99,16 @@ FLUSH_RETRIES = 10
 """Tries of /flush_cache, a second apart: SGLang refuses to flush while requests are still running."""
 SGLANG_SEED_BITS = 31
 """Per-request sampling_seed kept a non-negative int32, a range every SGLang version takes."""
+LAUNCH_LOAD_BYTES_PER_S = 1e9
+"""Checkpoint bytes a launching server is assumed to load per second (1 GB/s): slow on purpose, as from a shared
+filesystem every node reads at once, so the launch wait errs long rather than killing a server still loading."""
+LAUNCH_FIXED_S = 600.0
+"""Seconds a launch takes besides loading the weights: processes, NCCL, CUDA-graph capture over every batch size
+(minutes for a large MoE at TP 8), the first /health_generate."""
+HEALTH_POLL_S = 2.0
+"""Seconds between /health_generate probes of a launching server (launch_server_process's interval)."""
+HEALTH_CALL_TIMEOUT_S = 60.0
+"""Seconds one /health_generate probe may take: SGLang answers 503 after its own 20 s (SGLANG_HEALTH_CHECK_TIMEOUT)."""
 _ABSENT = object()  # what an HTTP call answers for a route this server's SGLang version lacks (404)
 LAUNCHED: list = []
 """How to stop each SGLang server this process launched (colocated), and its scheduler processes."""
@@ -111,7 +130,7 @@ def _import_sglang():
         import sglang  # lazily: a CPU machine imports this file (and its tests) without sglang installed
     except ImportError as e:
         raise ImportError("SGLangEngine needs sglang, which runs on CUDA GPUs only: on a GPU machine run "
-                          "`pip install -r requirements-gpu.txt`; on CPU use NativeEngine") from e
+                          "`pip install -r requirements-sglang.txt`; on CPU use NativeEngine") from e
     if not torch.cuda.is_available():
         raise RuntimeError("SGLangEngine needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
                            "on CPU use NativeEngine")
@@ -120,13 +139,17 @@ def _import_sglang():
 
 def sglang_server_args(model_path: str, *, fp8: bool, tp_size: int = 1, ep_size: int = 1,
                        mem_fraction_static: float = 0.8, seed: int = 0, **extra) -> dict:
-    """Keyword arguments of SGLang's ServerArgs for a colocated server (names as in server_args.py)."""
+    """Keyword arguments of SGLang's ServerArgs for a colocated server (names as in server_args.py, whose fields
+    sglang 0.5.23 declares in arg_groups/fields/)."""
     # skip_tokenizer_init: token ids in and out, the trainer's tokenizer's; enable_return_routed_experts: the
     # server-side switch a request's return_routed_experts needs; enable_memory_saver: what makes
-    # release_memory_occupation / resume_memory_occupation work
+    # release_memory_occupation / resume_memory_occupation work; enable_deterministic_inference: the switch without
+    # which SGLang drops every request's sampling_seed (sampling_batch_info.py). Its cost, as 0.5.23 resolves it:
+    # batch-invariant kernels, the pytorch sampler, attention fa3 on Hopper (flashinfer on Blackwell, where the radix
+    # cache is then off), and with TP > 1 NCCL's tree all-reduce in place of the custom one
     args = dict(model_path=model_path, tp_size=tp_size, ep_size=ep_size, mem_fraction_static=mem_fraction_static,
                 random_seed=seed, skip_tokenizer_init=True, enable_return_routed_experts=True,
-                enable_memory_saver=True)
+                enable_memory_saver=True, enable_deterministic_inference=True)
     if fp8:
         args["quantization"] = "fp8"  # block size and scales from the checkpoint (its quantization_config)
     return args | extra  # caller's keywords win
@@ -342,6 +365,47 @@ class SGLangServer:
         return self.call("/update_weights_from_distributed", bucket)
 
 
+def check_server(server: SGLangServer) -> bool:
+    """Whether the server honours a request's sampling_seed (deterministic inference on); raises RuntimeError,
+    naming its URL and the flag to start it with, when it does not capture routed experts, without which no
+    rollout can be replayed. Reads /server_info: sglang 0.5.23 answers ServerArgs.resolved_dict(), its
+    arguments flat and as resolved (rl_on_policy_target turns deterministic inference on, for one)."""
+    info = server.server_info()
+    if not info.get("enable_return_routed_experts"):  # absent before SGLang had the switch (PR 12162): no routes either
+        raise RuntimeError(f"SGLang {server.url} reports enable_return_routed_experts="
+                           f"{info.get('enable_return_routed_experts')}: it returns no routed experts, which router "
+                           f"replay needs; start it with --enable-return-routed-experts")
+    return bool(info.get("enable_deterministic_inference"))
+
+
+def launch_wait_s(model_path: str) -> float:
+    """Seconds to wait for a server launched on model_path to serve: its *.safetensors bytes at
+    LAUNCH_LOAD_BYTES_PER_S, plus LAUNCH_FIXED_S. SGLang's launch_server_process waits a fixed 300 s (a constant
+    in entrypoints/http_server_engine.py, 0.5.23: no argument, no environment variable), short of what 213 GB
+    at TP 8 and CUDA-graph capture can take."""
+    num_bytes = sum(e.stat().st_size for e in os.scandir(model_path) if e.name.endswith(".safetensors"))
+    return LAUNCH_FIXED_S + num_bytes / LAUNCH_LOAD_BYTES_PER_S
+
+
+def wait_until_serving(url: str, alive, wait_s: float):
+    """Return once the server at url answers /health_generate (a one-token generation: 200 once it serves),
+    probing every HEALTH_POLL_S as launch_server_process does. alive(): whether its process still runs.
+    Raises RuntimeError when the process has exited, TimeoutError after wait_s seconds."""
+    probe = SGLangServer(url, timeout_s=HEALTH_CALL_TIMEOUT_S)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            probe.call("/health_generate")
+            return
+        except (RuntimeError, OSError):  # not listening yet (RuntimeError), 503 while starting, a probe timed out
+            pass
+        if not alive():
+            raise RuntimeError(f"the SGLang server at {url} exited while starting (its log is above)")
+        time.sleep(HEALTH_POLL_S)
+    raise TimeoutError(f"the SGLang server at {url} did not serve within {wait_s:.0f} s (launch_wait_s: the "
+                       f"checkpoint at {LAUNCH_LOAD_BYTES_PER_S / 1e9:g} GB/s + {LAUNCH_FIXED_S:.0f} s)")
+
+
 def join_update_group(master_address: str, master_port: int, world_size: int, group_name: str, *,
                       backend: str = "nccl"):
     """Join SGLang's weight-update group as rank 0 (hosting the rendezvous); returns `broadcast(tensor)`,
@@ -403,8 +467,11 @@ class SGLangEngine:
     GPUs (memory saver on) and drives it; `from_engine` wraps running ones. fp8=True serves a
     blockwise-FP8 checkpoint (`hf.save_hf(model, path, fp8=True)` writes one). Logprobs are
     SGLang's `output_token_logprobs` (the tempered distribution unless
-    SGLANG_RETURN_ORIGINAL_LOGPROB is set, which would not match the trainer). Raises
-    ImportError / RuntimeError without sglang or CUDA.
+    SGLANG_RETURN_ORIGINAL_LOGPROB is set, which would not match the trainer). `seeded`: whether
+    every server honours the requests' sampling_seed (deterministic inference on; see `check_server`).
+    Raises ImportError / RuntimeError without sglang or CUDA, RuntimeError at connect from a server
+    that does not capture routed experts, TimeoutError when a launched server does not serve within
+    `launch_wait_s`.
     """
     sharded = False  # NativeEngine's flag for decoding on the sharded policy: a server holds its own weights
     # Weight-update sessions: sglang PRs 28710 and 28001 added begin_weight_update /
@@ -415,7 +482,7 @@ class SGLangEngine:
                  mem_fraction_static: float = 0.8, seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  **server_kwargs):
         _import_sglang()  # first, so a CPU machine fails with what to install before reading any file
-        from sglang.srt.entrypoints.http_server_engine import launch_server_process
+        from sglang.srt.entrypoints.http_server import launch_server
         from sglang.srt.server_args import ServerArgs
         from sglang.srt.utils import MultiprocessingSerializer, kill_process_tree
         with open(os.path.join(model_path, "config.json")) as f:
@@ -428,11 +495,17 @@ class SGLangEngine:
         port = _free_port()
         args = sglang_server_args(model_path, fp8=fp8, tp_size=tp_size, ep_size=ep_size, seed=seed,
                                   mem_fraction_static=mem_fraction_static, host="127.0.0.1", port=port, **server_kwargs)
-        process = launch_server_process(ServerArgs(**args))  # returns once /health_generate answers
+        # launch_server_process's steps (http_server_engine.py, 0.5.23) with a wait sized to the checkpoint in place
+        # of its fixed 300 s: resolve here, since a forked child cannot initialise CUDA once this process has
+        server_args = ServerArgs(**args)
+        server_args.resolve_once()
+        process = multiprocessing.Process(target=launch_server, args=(server_args,))
+        process.start()
         LAUNCHED.append(lambda: kill_process_tree(process.pid))
         atexit.register(stop_launched_servers)  # the server and its scheduler processes end with the run
-        server = SGLangServer(f"http://127.0.0.1:{port}",
-                              serialize=lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True))
+        url = f"http://127.0.0.1:{port}"
+        wait_until_serving(url, process.is_alive, launch_wait_s(model_path))
+        server = SGLangServer(url, serialize=lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True))
         # cfg: the served model's shape (the run's), whose layer counts, top_k and dense layers decode the routes
         self._setup([server], cfg, eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes,
                     colocated=True)
@@ -458,6 +531,13 @@ class SGLangEngine:
                colocated: bool = False, join_group=None):
         self.servers, self.cfg, self.eos_id, self.fp8, self.bucket_bytes = servers, cfg, eos_id, fp8, bucket_bytes
         self.leader, self.colocated, self.join_group = leader, colocated, join_group
+        # at connect, not at the first rollout: HTTP servers are asked; an in-process Engine or a stand-in is not
+        asked = [s for s in servers if hasattr(s, "server_info")]
+        unseeded = [s.url for s in asked if not check_server(s)]  # every server checked: check_server may raise
+        if unseeded:
+            warnings.warn(f"SGLang {', '.join(unseeded)} runs without --enable-deterministic-inference: it ignores "
+                          f"each request's sampling_seed, so these rollouts are not reproducible", stacklevel=3)
+        self.seeded = len(asked) == len(servers) and not unseeded  # every request's sampling_seed honoured
         self.weight_version = 0
         self.asleep = False  # memory released (sleep) and not yet resumed
         self.stale = False  # resumed (wake) but not yet refilled by update_weights: the weights hold no values
@@ -531,6 +611,9 @@ class SGLangEngine:
         update_weights next); every rank calls it. A no-op for external servers and when awake."""
         if not self.colocated or not self.asleep:
             return
+        if torch.cuda.is_available():  # the training step's freed blocks, cached by this process's allocator, go back
+            torch.cuda.empty_cache()  # to the GPU before the server takes its pool again (barrier below: every rank's)
+        barrier()
         if self.leader:
             _ok(self.servers[0].resume_memory_occupation(), "resume_memory_occupation")
         barrier()
@@ -660,6 +743,9 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     barrier()  # a checkpoint rank 0 has just written (the FP8 one) is complete before any server loads it
     engine = None
+    if not engine_cfg.sglang_mem_fraction:  # train.prepare sets it from the plan on a CUDA machine
+        raise ValueError("engine.sglang_mem_fraction=0 reached the colocated launch unsized: plan.colocated_sglang "
+                         "gives the fraction (train.prepare sets it)")
     if local_rank == 0:
         ep = local_world if cfg.model.num_experts % local_world == 0 else 1  # SGLang's EP splits experts evenly
         engine = SGLangEngine(path, cfg.model, eos_id=tok.stop_ids, fp8=engine_cfg.fp8, tp_size=local_world, ep_size=ep,

@@ -507,6 +507,12 @@ def prepare(cfg: TrainConfig) -> Start:
     for key in ("init_hf", "init_from"):
         if getattr(cfg, key):
             check_weights(f"{key}={getattr(cfg, key)!r}", getattr(cfg, key))
+    if cfg.engine.name == "sglang" and not cfg.engine.urls and torch.cuda.is_available():
+        # a colocated server sized before it starts: the fraction the plan allows, or the user's checked against it
+        from plan import colocated_sglang
+        world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+        share = colocated_sglang(cfg, world, torch.cuda.get_device_properties(local).total_memory)
+        cfg.engine = dataclasses.replace(cfg.engine, sglang_mem_fraction=share["fraction"])
     start = Start(data=load_run_data(cfg), history=PromptHistory())
     if cfg.filter.pass_rate_file:
         try:
@@ -566,7 +572,7 @@ def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
     if resumed is None or resumed["phase"] == "sft":  # a fresh run, or one resumed inside its SFT warm-up
         opt, start = sft_optimizer(r.model, cfg), 0
         if resumed is not None:
-            read_checkpoint(ckpt, r.model, opt)
+            read_checkpoint(ckpt, r.model, opt, cfg.dist_timeout_s)
             start, r.prompts.used = resumed["step"] + 1, resumed["used"]
             set_rng_state(resumed["rng"])  # last: nothing may draw between restoring it and the next step
         r.engine.sleep()
@@ -582,7 +588,7 @@ def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
         rl_start = 0
     else:  # resumed inside RL: optimizer, reference, data position, filter and predictor as checkpointed
         r.opt = rl_optimizer(r.model, cfg)
-        read_checkpoint(ckpt, r.model, r.opt)
+        read_checkpoint(ckpt, r.model, r.opt, cfg.dist_timeout_s)
         if resumed["ref_model"] is not None:
             r.ref_model = build_model(cfg, meshes, resumed["ref_model"]).requires_grad_(False)
         r.prompts.used, rl_start, r.evals = resumed["used"], resumed["step"] + 1, dict(resumed["evals"])
@@ -651,6 +657,11 @@ def main(cfg: TrainConfig) -> dict:
         print(json.dumps(dataclasses.asdict(cfg), default=str))
         from plan import print_plan
         return {"plan": print_plan(cfg)}
+    if torch.device(cfg.device).type == "cuda":
+        # before CUDA's first allocation, which reads it: segments that grow in place instead of new blocks, so the
+        # rollout phase's and the training step's differently shaped tensors leave little fragmentation (plan.py's
+        # reserve assumes it); a setting of the user's own wins
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     meshes = setup_distributed(cfg)
     if torch.device(cfg.device).type == "cuda":
         # beside bf16 compute, the fp32 matmuls left (the router's) use TF32 tensor cores; a float32 run stays exact

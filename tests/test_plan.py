@@ -154,7 +154,16 @@ def test_the_engine_weights_count_in_a_training_step_only_in_one_process(monkeyp
         p, engine = plan.memory_plan(cfg, world), plan.engine_memory(cfg, world)
         assert p["rollout peak"] == 30 * plan.GB + engine["total"]
         assert p["train step"] == 100 * plan.GB + (engine["weights"] if world == 1 else 0)
-        assert p["total"] == max(p["train step"], p["rollout peak"])
+        peak = max(p["train step"], p["rollout peak"])
+        assert p["total"] == peak + p["margins"] == plan.with_margins(cfg, world, peak)
+
+
+def test_the_plan_adds_the_cuda_context_nccl_per_communicator_and_a_fragmentation_reserve():
+    cfg = train.parse_args([CONFIGS[-1], "dtype=bfloat16", "ep=2"])
+    assert [plan.nccl_communicators(cfg, w) for w in (1, 2, 4)] == [0, 3, 4]  # ep=2: efsdp splits from 4 ranks
+    peak = 100 * plan.GB
+    assert plan.with_margins(cfg, 1, peak) == pytest.approx(peak + 0.05 * peak + 1.0 * plan.GB, abs=1)
+    assert plan.with_margins(cfg, 4, peak) == pytest.approx(peak + 0.05 * peak + (1.0 + 4 * 0.5) * plan.GB, abs=1)
 
 
 @pytest.mark.slow
@@ -164,6 +173,35 @@ def test_the_100b_plan_at_4_nodes_fits_an_h200_and_prints_its_total(capsys):  # 
     line = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:3] == ["4", "32", "8"])
     p = plan.memory_plan(cfg, 32)
     engine = plan.engine_memory(dataclasses.replace(cfg, dtype="bfloat16"), 32)
-    assert p["total"] == max(p["trainer peak"], p["params"] + p["adam"] + engine["total"])
+    assert p["total"] == plan.with_margins(cfg, 32, max(p["trainer peak"], p["params"] + p["adam"] + engine["total"]))
     assert line.split()[-3] == f"{p['total'] / plan.GB:.1f}" and rows[0]["total"] == p["total"] / plan.GB
     assert rows[0]["fits"] == ["H200 141GB"] and "H200 141GB" in line
+
+
+def _colocated(path, *overrides):
+    cfg = train.parse_args([path, "dry_run=True", *overrides])
+    cfg.engine = dataclasses.replace(cfg.engine, name="sglang")  # its CUDA relation is the run's, not the plan's
+    return cfg
+
+
+def test_colocated_sglang_takes_the_largest_fraction_that_leaves_room_for_adamw_margins_and_graphs():
+    cfg, h200 = _colocated(os.path.join(ROOT, "configs", "100b.py")), int(plan.GPU_MEMORY_GIB["H200 141GB"] * plan.GB)
+    share = plan.colocated_sglang(cfg, 32, h200)
+    params = 4 * param_counts(cfg.model)["total"] / 32
+    # SGLang's pool fills the GPU to the fraction, counting the trainer's parameters; AdamW comes after it started
+    beside = 2 * params + plan.SGLANG_OUTSIDE_POOL_GIB * plan.GB + plan.with_margins(cfg, 32, 3 * params) - 3 * params
+    assert share["fraction"] * h200 + beside <= h200 < (share["fraction"] + 0.01) * h200 + beside
+    assert share["kv_pool"] == share["fraction"] * h200 - params - share["weights"]
+    assert share["weights"] == 2 * param_counts(cfg.model)["total"] / 8  # bf16, tensor parallel over a node's 8 GPUs
+    assert share["rows"] == share["node_rows"] == 8 * cfg.gen_batch_rows  # the pool holds the node's whole batch
+
+
+def test_colocated_sglang_that_cannot_fit_is_refused_naming_what_to_change():
+    cfg, h200 = _colocated(os.path.join(ROOT, "configs", "100b.py")), int(plan.GPU_MEMORY_GIB["H200 141GB"] * plan.GB)
+    with pytest.raises(ValueError, match=r"engine.sglang_mem_fraction=0.9 leaves .* set at most 0\.7"):
+        plan.colocated_sglang(_colocated(os.path.join(ROOT, "configs", "100b.py"), "engine.sglang_mem_fraction=0.9"),
+                              32, h200)
+    with pytest.raises(ValueError, match="cannot fit on 8 GPUs .* less than one row .* more nodes, engine.fp8"):
+        plan.colocated_sglang(cfg, 8, h200)  # one node: the trainer's fp32 parameters alone fill the pool
+    with pytest.raises(ValueError, match="cannot fit on 8 GPUs of 79.1 GiB: the trainer's fp32 parameters and AdamW"):
+        plan.colocated_sglang(cfg, 8, int(plan.GPU_MEMORY_GIB["H100 80GB"] * plan.GB))

@@ -342,7 +342,7 @@ def test_sglang_engine_without_sglang_or_cuda_says_what_is_missing():
 def test_sglang_engine_rollouts_match_the_trainer(tiny_cfg, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (SGLang runs on CUDA only)")
-    pytest.importorskip("sglang", reason="needs sglang (GPU machines: pip install -r requirements-gpu.txt)")
+    pytest.importorskip("sglang", reason="needs sglang (GPU machines: pip install -r requirements-sglang.txt)")
     from hf import save_hf
     from espo import mismatch_metrics
     from sglang_engine import SGLangEngine

@@ -30,11 +30,13 @@ PARAMS = SamplingParams(max_new_tokens=4)
 
 class FakeSGLang(ThreadingHTTPServer):
     """An SGLang server's routes (entrypoints/http_server.py) that record (route, body) in `log` and
-    answer as SGLang does; /generate completes each row with [last prompt id + 1, EOS]."""
+    answer as SGLang does; /generate completes each row with [last prompt id + 1, EOS]. info: server
+    arguments /server_info reports over the defaults (a server started as the colocated one is)."""
 
-    def __init__(self, cfg, log: list, *, tp_size: int = 1, sessions: bool = True):
+    def __init__(self, cfg, log: list, *, tp_size: int = 1, sessions: bool = True, info: dict | None = None):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.cfg, self.log, self.tp_size, self.sessions = cfg, log, tp_size, sessions
+        self.info = dict(enable_return_routed_experts=True, enable_deterministic_inference=True) | (info or {})
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -42,7 +44,7 @@ class FakeSGLang(ThreadingHTTPServer):
         if route == "/generate":
             return [self.completion(row) for row in body["input_ids"]]
         if route == "/server_info":
-            return {"tp_size": self.tp_size, "dp_size": 1, "pp_size": 1}
+            return {"tp_size": self.tp_size, "dp_size": 1, "pp_size": 1} | self.info  # flat, as resolved_dict()
         if route in ("/begin_weight_update", "/end_weight_update") and not self.sessions:
             return 404  # SGLang before PR 28001
         if route == "/flush_cache":
@@ -157,7 +159,7 @@ def test_the_engine_section_checks_its_own_fields_when_built():
     with pytest.raises(ValueError, match="sglang_urls="):
         EngineConfig(sglang_urls="http://a:1")  # name='native' never reads it
     with pytest.raises(ValueError, match="sglang_mem_fraction="):
-        EngineConfig(name="sglang", sglang_mem_fraction=0.0)
+        EngineConfig(name="sglang", sglang_mem_fraction=1.0)  # 0 = from the plan (plan.colocated_sglang)
     assert parse_sglang_urls("http://a:1/, https://b:2") == ["http://a:1", "https://b:2"] and parse_sglang_urls(" ") == []
 
 
@@ -227,6 +229,52 @@ def test_external_sync_forms_the_nccl_group_once_and_broadcasts_every_bucket_in_
     assert "/end_weight_update" not in routes(log, b.url) and routes(log, b.url)[-2:] == ["/flush_cache", "barrier"]
 
 
+def test_a_server_without_routed_expert_capture_is_refused_at_connect_naming_it_and_the_flag(tiny_cfg, log):
+    good, bad = FakeSGLang(tiny_cfg, log), FakeSGLang(tiny_cfg, log, info=dict(enable_return_routed_experts=False))
+    with pytest.raises(RuntimeError, match=f"SGLang {bad.url} .*start it with --enable-return-routed-experts"):
+        build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=f"{good.url},{bad.url}"), TOK, Transformer(tiny_cfg))
+    assert "/generate" not in routes(log)  # refused before any rollout
+
+
+def test_a_server_without_deterministic_inference_is_warned_of_and_the_engine_is_not_seeded(tiny_cfg, log):
+    seeded = FakeSGLang(tiny_cfg, log)
+    unseeded = FakeSGLang(tiny_cfg, log, info=dict(enable_deterministic_inference=False))
+    with pytest.warns(UserWarning, match=f"SGLang {unseeded.url} runs without --enable-deterministic-inference: "
+                                         f"it ignores each request's sampling_seed"):
+        engine = SGLangEngine.from_engine([SGLangServer(seeded.url), SGLangServer(unseeded.url)], tiny_cfg, eos_id=EOS)
+    assert engine.seeded is False
+    assert SGLangEngine.from_engine(SGLangServer(seeded.url), tiny_cfg, eos_id=EOS).seeded is True
+
+
+def test_the_colocated_server_is_started_with_what_connect_checks(tiny_cfg, log):
+    args = sglang_engine.sglang_server_args("/ckpt", fp8=False)  # what the colocated launch passes to ServerArgs
+    server = FakeSGLang(tiny_cfg, log, info=dict(enable_return_routed_experts=args["enable_return_routed_experts"],
+                                                 enable_deterministic_inference=args["enable_deterministic_inference"]))
+    assert sglang_engine.check_server(SGLangServer(server.url)) is True
+
+
+def test_the_launch_wait_grows_with_the_checkpoints_bytes(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"x" * 10**6)  # not weights: not counted
+    empty = sglang_engine.launch_wait_s(str(tmp_path))
+    assert empty == sglang_engine.LAUNCH_FIXED_S
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 3 * 10**6)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 10**6)
+    assert sglang_engine.launch_wait_s(str(tmp_path)) == pytest.approx(
+        empty + 4 * 10**6 / sglang_engine.LAUNCH_LOAD_BYTES_PER_S)
+    # the issue's case: 213 GB at the stated 1 GB/s is well past SGLang's fixed 300 s
+    assert sglang_engine.LAUNCH_FIXED_S + 213e9 / sglang_engine.LAUNCH_LOAD_BYTES_PER_S > 300
+
+
+def test_the_launch_wait_returns_once_the_server_serves_and_fails_when_it_died_or_ran_out(tiny_cfg, log):
+    server = FakeSGLang(tiny_cfg, log)
+    sglang_engine.wait_until_serving(server.url, alive=lambda: True, wait_s=10)
+    assert routes(log) == ["/health_generate"]
+    with pytest.raises(RuntimeError, match="exited while starting"):
+        sglang_engine.wait_until_serving("http://127.0.0.1:9", alive=lambda: False, wait_s=10)
+    with pytest.raises(TimeoutError, match="did not serve within 0 s"):
+        sglang_engine.wait_until_serving("http://127.0.0.1:9", alive=lambda: True, wait_s=0)
+
+
 def test_fp8_sync_sends_e4m3_weights_with_inverse_scales_and_a_high_precision_router(tiny_cfg, log, monkeypatch):
     server = FakeSGLang(tiny_cfg, log)
     monkeypatch.setattr(sglang_engine, "join_update_group", lambda *group: lambda t: None)
@@ -285,7 +333,7 @@ def test_colocated_memory_is_released_before_training_and_resumed_before_rollout
     calls = [r for r in routes(log) if r != "/server_info"]
     n = calls.count("/update_weights_from_tensor")
     assert n > 1 and calls == (["/generate", "barrier", "/release_memory_occupation", "barrier",
-                                "/resume_memory_occupation", "barrier", "/begin_weight_update"]
+                                "barrier", "/resume_memory_occupation", "barrier", "/begin_weight_update"]
                                + ["/update_weights_from_tensor"] * n
                                + ["/end_weight_update", "/flush_cache", "barrier", "/generate"])
     bodies = [body for _, r, body in log if r == "/update_weights_from_tensor"]
@@ -346,7 +394,7 @@ def test_a_non_leader_rank_takes_part_in_the_gathers_and_generates_but_sends_not
         assert engine.memory() == {} and not engine.sharded
     assert len(drawn) == len(list(policy_tensors(Transformer(tiny_cfg))))  # every gather taken part in
     assert engine.generate([[5]], PARAMS)[0].weight_version == 3
-    assert routes(log) == ["barrier", "barrier", "barrier", "barrier", "/generate"]
+    assert routes(log) == ["/server_info", "barrier", "barrier", "barrier", "barrier", "barrier", "/generate"]
 
 
 def test_in_process_engine_sync_brackets_buckets_with_sessions_and_flushes_once(tiny_cfg):
@@ -377,7 +425,7 @@ def test_the_update_group_recipe_forms_a_group_and_broadcasts(tiny_cfg):
 def test_sglang_from_the_config_generates_sleeps_syncs_and_matches_the_trainer(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (SGLang runs on CUDA only)")
-    pytest.importorskip("sglang", reason="needs sglang (GPU machines: pip install -r requirements-gpu.txt)")
+    pytest.importorskip("sglang", reason="needs sglang (GPU machines: pip install -r requirements-sglang.txt)")
     from config import load_config
     from espo import mismatch_metrics
     from hf import load_hf

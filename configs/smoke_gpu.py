@@ -1,0 +1,34 @@
+# A one-node GPU smoke test of the cluster path, in minutes, no checkpoint needed: GLM-4.5-Air's
+# widths (configs/100b.py) cut to 4 layers (the dense first one and 3 MoE), ep=8 over 8 GPUs,
+# activation checkpointing, router replay, the native engine decoding on the policy's own shards,
+# a DCP checkpoint every 2 steps, and the restart recipe (README, "Runs that last days"):
+#   torchrun --nproc_per_node=8 --max-restarts=3 train.py configs/smoke_gpu.py resume=auto
+# Not run yet: no GPU has been lent to this project. Plan it: python train.py configs/smoke_gpu.py dry_run=True
+from configs.qwen3_30b_a3b import *  # noqa: F403  the cluster settings: cuda, 8 GPUs a node, ep=8, checkpointing
+from configs.tiny import bpe_merges  # noqa: F401  a tokenizer learned from the default reasoning-gym prompts
+
+out_dir = "out/smoke_gpu"
+model = dict(vocab_size=151552, dim=4096, n_layers=4, n_heads=96, n_kv_heads=8, head_dim=128,
+             num_experts=128, top_k=8, moe_inter_dim=1408, num_shared_experts=1,
+             first_k_dense_replace=1, dense_inter_dim=10944, router="sigmoid", norm_topk_prob=True,
+             routed_scaling_factor=1.0, n_group=1, topk_group=1, attention_bias=True,
+             partial_rotary_factor=0.5, rope_theta=1_000_000.0, norm_eps=1e-5, max_seq_len=4096,
+             qk_norm=False, hf_model_type="glm4_moe")
+sft_steps = 4
+sft_batch_size = 64
+rl_steps = 6
+prompts_per_step = 64
+group_size = 8  # 512 rollouts a step, 64 a GPU
+max_prompt_tokens = 256
+sampling = dict(max_new_tokens=256)
+gen_batch_rows = 64
+microbatch_tokens = 8192
+filter = dict(probe_size=0)
+reward = dict(workers=2)
+train_size = 10_000
+eval_seed = 1_000_000
+eval_size = 64
+eval_every = 3
+eval_batch_rows = 64
+ckpt_every = 2
+ckpt_keep = 2
