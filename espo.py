@@ -66,7 +66,9 @@ Readings chosen where the printed ESPO paper is ambiguous:
    entropy; low-entropy tokens form their own bin with a tighter clip.
 3. Bin sizes: the top bin takes ceil(top_frac * n_valid) tokens (at least one), the
    remaining ranks split evenly into num_bins - 1 bins; empty bins are skipped in
-   the mean over bins. Ties in entropy are broken by position (stable sort).
+   the mean over bins. Ties in entropy are broken by position (stable sort). The ceil is
+   exact, in integers, on the decimal top_frac is written as (its shortest repr: 0.6 at
+   25 tokens is 15, where fp32 gives 16), not on its binary float.
 4. |V| in eps_tau is the model's full vocabulary size (the maximum possible entropy is log|V|).
 5. ESPO's own aggregation is the bin mean; under another aggregation the entropy
    bins still set each token's ratio and clip range but no longer weight the tokens.
@@ -84,12 +86,18 @@ Other choices:
    other losses' values; only its gradient is. The paper sets no lower bound and does not
    give its upper one: the defaults are eps_low = 1 (weight >= 0) and DAPO's 0.28.
 10. KL estimators are evaluated on tokens sampled from pi_old, as GRPO does.
+11. Advantages are computed in float64 and returned in fp32; a group whose rewards are all
+   equal (max == min) is centred to exactly 0, since its float mean can miss the rewards by
+   an ulp, and that residual over std + eps would be an advantage of order 1.
+12. Subgradient of every clip (torch.clamp, ESPO's too): at a ratio exactly on a clip bound
+   the clip passes the gradient whole, so min(w A, clip(w) A) there has w's gradient.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -117,41 +125,50 @@ def group_advantages(rewards_PG: torch.Tensor, *, scale_by_std: bool = True, std
                      eps: float = ADV_EPS) -> torch.Tensor:
     """A [P, G] fp32 = (r - mean_g r) / (std + eps); without the std if scale_by_std is False.
 
-    std_over "group": the std of each prompt's G rewards (GRPO, arXiv 2402.03300 sec. 4.1.2);
-    "batch": the std of all P*G group-centred rewards (reading 7). std is the unbiased
-    sample std, as in the GRPO reference code. Each group's advantages sum to zero, and a
-    group whose rewards are all equal gets all-zero advantages.
+    rewards_PG: [P, G], any real dtype. std_over "group": the std of each prompt's G rewards
+    (GRPO, arXiv 2402.03300 sec. 4.1.2); "batch": the std of all P*G group-centred rewards
+    (reading 7). std is the unbiased sample std, as in the GRPO reference code. Computed in
+    float64, rounded to fp32 once at the end (reading 11). Each group's advantages sum to zero, and a
+    group whose rewards are all equal gets advantages of exactly zero, whatever their values and dtype.
     Raises ValueError unless rewards are 2-D with G >= 2, or on an unknown std_over.
     """
     if rewards_PG.dim() != 2 or rewards_PG.shape[1] < 2:
         raise ValueError(f"rewards must be [P, G] with G >= 2, got shape {tuple(rewards_PG.shape)}")
     if std_over not in ("group", "batch"):
         raise ValueError(f"std_over={std_over!r}; valid: 'group', 'batch'")
-    r = rewards_PG.float()
-    adv = r - r.mean(dim=1, keepdim=True)  # (P, G) centred per group: sums to zero in every group
+    adv = centred_rewards(rewards_PG)  # (P, G) float64
     if scale_by_std:
-        # eps keeps an all-equal group (std 0) at exactly zero instead of 0/0
-        std = r.std(dim=1, keepdim=True) if std_over == "group" else adv.std()
+        # an all-equal group is exactly 0 already; eps keeps its std of 0 from making 0/0
+        std = rewards_PG.double().std(dim=1, keepdim=True) if std_over == "group" else adv.std()
         adv = adv / (std + eps)
-    return adv
+    return adv.float()
+
+
+def centred_rewards(rewards_PG: torch.Tensor) -> torch.Tensor:
+    """r - mean_g r [P, G] float64, exactly 0 in every group whose rewards are all equal (reading 11)."""
+    r = rewards_PG.double()
+    # the mean of G equal rewards can miss them by an ulp (15 x 123.456 in fp32 or fp64), and dividing that
+    # residual by std + eps would turn a group with no signal into advantages of order 1
+    equal_P1 = rewards_PG.amax(dim=1, keepdim=True) == rewards_PG.amin(dim=1, keepdim=True)
+    return torch.where(equal_P1, 0.0, r - r.mean(dim=1, keepdim=True))
 
 
 def ragged_group_advantages(rewards_P: list[torch.Tensor], *, scale_by_std: bool = True,
                             std_over: str = "group") -> list[torch.Tensor]:
     """`group_advantages` of groups that may differ in size (stage 2 stops some at its k probes):
-    one [G_p] tensor per group, one batched call per size. With std_over "batch" the std is
+    one [G_p] fp32 tensor per group, one batched call per size. With std_over "batch" the std is
     taken over every group's centred rewards together, whatever their sizes."""
     adv: list = [None] * len(rewards_P)
     batch_std = None
     if scale_by_std and std_over == "batch":
-        batch_std = torch.cat([r.float() - r.float().mean() for r in rewards_P]).std()
+        batch_std = torch.cat([centred_rewards(r[None])[0] for r in rewards_P]).std()  # float64
     for size in sorted({len(r) for r in rewards_P}):  # groups of one size stack into one [P', G] call
         idx = [i for i, r in enumerate(rewards_P) if len(r) == size]
         stacked_PG = torch.stack([rewards_P[i] for i in idx])
         if batch_std is None:
             rows = group_advantages(stacked_PG, scale_by_std=scale_by_std, std_over=std_over)
         else:
-            rows = group_advantages(stacked_PG, scale_by_std=False) / (batch_std + ADV_EPS)
+            rows = (centred_rewards(stacked_PG) / (batch_std + ADV_EPS)).float()
         for i, a in zip(idx, rows):
             adv[i] = a
     return adv
@@ -174,10 +191,20 @@ def zvp_token_advantages(entropy_T: torch.Tensor, *, correct: bool, alpha: float
 
 # ----------------------------------------------------------------------------- entropy bins
 
+def top_bin_size(num_valid: int, top_frac: float) -> int:
+    """Tokens in ESPO's top entropy bin of a sequence of num_valid tokens: ceil(top_frac * num_valid), at
+    least one, computed exactly on the decimal top_frac is written as (reading 3)."""
+    # float arithmetic can land just above an integer: 0.6 * 25 is 15.000001 in fp32 and 0.28 * 25 is
+    # 7.000000000000001 in fp64, and ceil takes one token too many; str() gives the shortest decimal that
+    # reads back as this float, i.e. the value as written (0.6, not 0.59999999999999997779)
+    num, den = Fraction(str(top_frac)).as_integer_ratio()
+    return max(1, -(-num_valid * num // den))  # ceil of a ratio of integers
+
+
 def entropy_bins(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, *, top_frac: float, num_bins: int) -> torch.Tensor:
     """Entropy-bin index [B, T] int64 per token (0 = highest entropy); -1 on padding.
 
-    Bin 0 holds the ceil(top_frac * n_valid) highest-entropy valid tokens of each
+    Bin 0 holds the `top_bin_size` = ceil(top_frac * n_valid) highest-entropy valid tokens of each
     sequence; the rest of the ranks are split evenly into num_bins - 1 bins (ESPO,
     arXiv 2512.00499; readings 3). num_bins >= 1 and 0 < top_frac <= 1: LossConfig's rules.
     """
@@ -188,7 +215,9 @@ def entropy_bins(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, *, top_frac: f
     # rank 0 = highest entropy; padding sorts last
     order_BT = entropy_BT.masked_fill(~valid, -math.inf).argsort(dim=-1, descending=True, stable=True)
     rank_BT = order_BT.argsort(dim=-1)  # (B, T) inverse permutation: each token's rank
-    top_B1 = (n_valid_B1 * top_frac).ceil().clamp(min=1)  # bin 0's size: at least one token (reading 3)
+    # bin 0's size in Python integers, one per sequence (B numbers; the loss's metrics read the device anyway)
+    top_B1 = torch.tensor([[top_bin_size(n, top_frac)] for n in n_valid_B1.flatten().tolist()],
+                          dtype=torch.long, device=n_valid_B1.device).view_as(n_valid_B1)
     rest_B1 = (n_valid_B1 - top_B1).clamp(min=1)
     # ranks top, ..., n-1 split evenly into bins 1..num_bins-1: bin = 1 + floor((rank - top) * (bins - 1) / rest)
     bin_BT = 1 + ((rank_BT - top_B1) * (num_bins - 1)).div(rest_B1, rounding_mode="floor")
@@ -316,8 +345,9 @@ def espo_objective(logp_BT, log_w_BT, mask_BT, adv_B1, entropy_BT, bin_BT, *, al
     # GSPO-token form: value s_tau, gradient s_tau * grad log pi_theta(y_t)
     s_BT = (mean_logw_BQ.gather(1, idx_BT) + logp_BT - logp_BT.detach()).exp()
     eps_BT = eps_BQ.gather(1, idx_BT)  # (B, T) each token's bin's clip range
-    # clamp with tensor bounds: clip(s, 1 - eps, 1 + eps) elementwise
-    obj_BT = torch.minimum(s_BT * adv_B1, torch.maximum(torch.minimum(s_BT, 1 + eps_BT), 1 - eps_BT) * adv_B1)
+    # clip(s, 1 - eps, 1 + eps) elementwise; torch.clamp, as the other losses, so a tie passes the whole
+    # gradient (reading 12), where a maximum of a minimum would split it at each bound it touches
+    obj_BT = torch.minimum(s_BT * adv_B1, s_BT.clamp(1 - eps_BT, 1 + eps_BT) * adv_B1)
     low_BT, high_BT = (s_BT < 1 - eps_BT) & (adv_B1 < 0), (s_BT > 1 + eps_BT) & (adv_B1 > 0)
     return obj_BT, s_BT.detach(), low_BT, high_BT, count_BQ, eps_BQ
 

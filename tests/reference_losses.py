@@ -10,6 +10,7 @@ Inputs are [B, T] float64 tensors: logp (requires grad), old, mask, ent, ref, in
 """
 
 import math
+from fractions import Fraction
 
 import torch
 
@@ -92,11 +93,12 @@ def reinforce_terms(logp, old, adv, i, toks, **_):
 
 
 def espo_bins(ent, i, toks, *, top_frac, num_bins):
-    """ESPO arXiv 2512.00499 entropy split, readings 3: the ceil(top_frac * n) highest-entropy tokens
-    (ties: earlier position first), then the remaining ranks split evenly into num_bins - 1 bins."""
+    """ESPO arXiv 2512.00499 entropy split, readings 3: the ceil(top_frac * n) highest-entropy tokens, the
+    ceiling taken exactly on the fraction as written (ties: earlier position first), then the remaining ranks
+    split evenly into num_bins - 1 bins."""
     ranked = sorted(toks, key=lambda t: -float(ent[i, t]))  # stable: ties keep position order
     n = len(ranked)
-    top = max(1, math.ceil(top_frac * n))
+    top = max(1, math.ceil(Fraction(str(top_frac)) * n))
     bins = {}
     for r, t in enumerate(ranked):
         bins[t] = 0 if (r < top or num_bins == 1) else 1 + (r - top) * (num_bins - 1) // max(n - top, 1)
