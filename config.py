@@ -12,8 +12,12 @@ RULES, rules.py), then RELATIONS, the checks across sections. What only building
 find (a checkpoint's tensors, the held-out prompts that fit) is a ConfigError, still before work.
 
 Notable choices:
-1. A config file is Python run by runpy: only its plain assignments are kept, so it can compute
-   values and import what it needs.
+1. A config file is Python run by runpy, so it can compute values and import what it needs (`from
+   configs.x import *` included). A public name that is a setting (a field, a section or a MOVED key)
+   is checked by that setting's rule whatever it is bound to (`def lr(): ...` is refused, naming lr
+   and "a function"); any other public name bound to a module, function or class is the file's helper
+   and dropped; any other value is an unknown key. Whatever the file raises, SystemExit and
+   KeyboardInterrupt included, is a ValueError naming its line, and os._exit is refused.
 2. A command-line value is parsed by its field's rule (the type is declared there once); lists
    and dicts are set in a config file only.
 3. An unknown key is a ValueError naming the close matches; a key that moved into a section
@@ -32,6 +36,7 @@ import os
 import re
 import runpy
 import traceback
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -43,7 +48,7 @@ from filter import FilterConfig
 from hf_config import read_config, shape_differences
 from model import ModelConfig
 from reward import RewardConfig
-from rules import FLAG, NON_NEGATIVE, PATH, POSITIVE, Rule, check_fields, integer, number, one_of, section, text
+from rules import FLAG, NON_NEGATIVE, PATH, POSITIVE, Rule, check_fields, integer, kind, number, one_of, section, text
 from sampler import SamplingParams
 
 
@@ -438,21 +443,43 @@ def _all_keys() -> list[str]:
     return top + [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
 
+class _ExitCalled(Exception):
+    """os._exit(status) called while a config file runs (the stand-in _run_file puts in its place)."""
+
+
+def _refuse_exit(status):
+    raise _ExitCalled(f"os._exit({status!r})")
+
+
 def _run_file(path: str) -> dict:
     """The namespace of config file `path` after running it. Raises ValueError naming the file and the
-    line of what failed in it (a syntax error, a name it lacks, ...), FileNotFoundError without it."""
+    line of what failed in it (a syntax error, a name it lacks, sys.exit, a KeyboardInterrupt: any
+    BaseException), FileNotFoundError without it.
+
+    os._exit ends the process at once, past any handler, so while the file runs os._exit is replaced
+    by a stand-in that raises (and put back after): the call is refused as an error on its line. The
+    swap is process-wide for that moment, and a file that reaches the call another way (posix._exit,
+    a signal) is not stopped: this catches a slip in the user's own file, not a file set on exiting."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file {path!r}: no such file")
+    real_exit, os._exit = os._exit, _refuse_exit
     try:
         return runpy.run_path(path)
-    except Exception as e:  # noqa: BLE001  anything a Python file can raise is a mistake in that file
+    except BaseException as e:  # noqa: BLE001  anything a Python file raises (exits included) is a mistake in it
         if isinstance(e, SyntaxError):
             line = e.lineno
         else:  # the innermost frame in the config file itself
             here = os.path.abspath(path)
             frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == here]
             line = frames[-1].lineno if frames else "?"
-        raise ValueError(f"config file {path!r}, line {line}: {type(e).__name__}: {e}") from None
+        if isinstance(e, (SystemExit, _ExitCalled)):
+            what = f"SystemExit({e.code!r})" if isinstance(e, SystemExit) else str(e)
+            problem = f"{what}: a config file sets values; it may not end the run"
+        else:  # KeyboardInterrupt() says nothing but its name
+            problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise ValueError(f"config file {path!r}, line {line}: {problem}") from None
+    finally:
+        os._exit = real_exit
 
 
 def _section(name: str, kw: dict):
@@ -471,20 +498,23 @@ def load_config(path: str | None, overrides: list[str]) -> TrainConfig:
     key (naming close matches, or a moved key's new home), a value its rule refuses, a relation that does
     not hold, a checkpoint folder whose config.json does not fit, or a config file that fails to run."""
     values = {}
+    top_fields = {f.name for f in dataclasses.fields(TrainConfig)} - set(SECTIONS)
     if path:
         # The file's namespace after running it, less what is not a setting: private and dunder names
-        # (`__name__`, helpers), functions and classes, and imported modules.
-        ns = _run_file(path)
-        values = {k: v for k, v in ns.items() if not k.startswith("_") and not callable(v) and type(v).__name__ != "module"}
-    top_fields = {f.name for f in dataclasses.fields(TrainConfig)} - set(SECTIONS)
+        # (`__name__`, `_helpers`), and the modules, functions and classes it defines or imports under
+        # a name no setting has. A setting's name is kept whatever it holds, so its rule refuses
+        # `def lr(): ...` or `import filter` rather than the default standing in silently (choice 1).
+        settings = top_fields | set(SECTIONS) | set(MOVED)
+        values = {k: v for k, v in _run_file(path).items() if not k.startswith("_")
+                  and (k in settings or not (callable(v) or isinstance(v, types.ModuleType)))}
     top, parts = {}, {name: {} for name in SECTIONS}
     # Every key of the file is checked before any override, so a typo in the file is named even
     # when the command line is empty.
     for k, v in values.items():
         if k in SECTIONS:
             if not isinstance(v, dict):
-                raise ValueError(f"{k}={v!r}: need a dict of {SECTIONS[k].__name__} fields, deltas from the defaults "
-                                 f"({k} = dict(field=value, ...))" + _hint(k, v))
+                raise ValueError(f"{k}={v!r} ({kind(v)}): need a dict of {SECTIONS[k].__name__} fields, deltas from "
+                                 f"the defaults ({k} = dict(field=value, ...))" + _hint(k, v))
             for name in v:
                 _field_of(k, name)
             parts[k].update(v)

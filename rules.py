@@ -40,8 +40,7 @@ class Rule:
         """Raises ValueError `<name>=<value!r> (a <type>): need <valid>` for a value of another type, and
         `<name>=<value!r>: need <valid>` for one out of range."""
         if not self.type_ok(value):
-            kind = type(value).__name__
-            raise ValueError(f"{name}={value!r} ({'an' if kind[0] in 'aeiou' else 'a'} {kind}): need {self.valid}")
+            raise ValueError(f"{name}={value!r} ({kind(value)}): need {self.valid}")
         if not self.test(value):
             raise ValueError(f"{name}={value!r}: need {self.valid}")
 
@@ -53,6 +52,12 @@ class Rule:
             return self.parse(text)
         except (ValueError, KeyError):  # int("8.0"), float("fast"), a bool's unknown word, a pair of three
             raise ValueError(f"{name}={text!r}: need {self.valid}") from None
+
+
+def kind(value) -> str:
+    """A value's type in words, for an error: 'an int', 'a function', 'a module', 'a class'."""
+    name = "class" if isinstance(value, type) else type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def _because(why: str) -> str:
