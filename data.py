@@ -11,7 +11,7 @@ question also appears in training.
 `load_task(path, size=...)` reads a file, detects its format from the first row's fields,
 checks every row before any work (a ValueError names the file, the 1-based line, or row
 of a parquet file, and what was expected) and returns its task. A math task grades the one
-final answer `final_answer` reads out of a completion (reward.math_reward on it).
+final answer reward.final_answer reads out of a completion (reward.math_reward).
 
 Formats, tried in this order on the first row; every row must then have that format:
 1. HumanEval (arXiv 2107.03374): prompt, test (defining check(candidate)), entry_point;
@@ -19,7 +19,7 @@ Formats, tried in this order on the first row; every row must then have that for
    `HumanEvalTask.problems[item.index]` is an item's CodeTask.
 2. MATH (arXiv 2103.03874): problem and answer (MATH-500's layout), or problem and
    solution, whose last outermost \\boxed{} is the gold, boxes inside it unwrapped
-   (`outer_boxes`). Scored by reward.math_reward.
+   (reward.outer_boxes). Scored by reward.math_reward.
 3. GSM8K (arXiv 2110.14168): question and answer, whose last `####` line holds the gold
    (thousands commas removed: "1,600" -> "1600"). Scored by reward.math_reward.
 
@@ -39,12 +39,8 @@ Notable choices:
 4. `size` keeps the first `size` usable rows; every row of the file is still checked.
 5. An SFT warm-up imitates each training row's demonstration: with sft_steps > 0 a
    HumanEval row without a canonical_solution is an error at load, naming its line.
-6. One answer, one value (`final_answer`): an answer with more than one candidate (two
-   different boxes, an `=` chain, "or", a subscript on a number, a second number in prose)
-   earns nothing unless the gold has that form too (an equation, base 8's "52_8"), so a gold
-   grades itself correct; lists ("3, 4") and "1,000" are math-verify's (a set; one number).
-   It belongs in reward.extract_answer, another owner's file: until it moves there, a
-   MathTask hands reward.math_reward the one answer, boxed.
+6. One answer, one value: reward.math_reward pays nothing for an answer with more than one
+   candidate (reward.final_answer), so neither do the tasks here.
 """
 
 from __future__ import annotations
@@ -58,8 +54,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reward import (ANSWER_RE, NUMBER_RE, PLAIN_NUMBER_RE, code_reward, extract_answer, math_gold_readable, math_reward,
-                    reasoning_gym_reward)
+from reward import (PLAIN_NUMBER_RE, code_reward, math_gold_readable, math_reward, outer_boxes,
+                    reasoning_gym_reward, unbox)
 
 from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer
 
@@ -157,135 +153,8 @@ class CodeTask:
     canonical_solution: str = ""  # the reference body that continues the prompt ("" if the data has none)
 
 
-# ----------------------------------------------------------------------------- math answers, read strictly
-
-BOX = "\\boxed{"
-BRACE_RE = re.compile(r"[{}]")
-# A relation between values: "=" (not inside "<=", ">=", "!=", "==", ":="), \equiv, \approx. math-verify grades
-# "17 = 18" by its right side and "18 \approx 17" by its left: a chain holds a value it is not graded on
-RELATION_RE = re.compile(r"(?<![<>!=:])=(?!=)|\\(?:equiv|approx)(?![A-Za-z])")
-OR_RE = re.compile(r"\bor\b|\\(?:lor|vee)(?![A-Za-z])", re.IGNORECASE)  # "4 or 5", "\text{ (or 17)}", "4 \lor 5"
-DIGIT_SUBSCRIPT_RE = re.compile(r"\d\}?\s*_")  # "18_{17}", which math-verify reads as 18; a base where the gold has one
-TEXT_RE = re.compile(r"\\(?:text[a-z]*|mathrm|mbox)\s*\{")  # prose inside math, which math-verify drops unread
-SUBSCRIPT_RE = re.compile(r"_(?:\{[^{}]*\}|\w)")  # "x_{17}": an index, not a value
-CONSTANT_RE = re.compile(r"\s*(?:e|i|\\pi|\\infty)\s*")  # letters that are values, not names of one
-
-
-def _closing_brace(text: str, i: int) -> int | None:
-    """Index of the brace that closes the one at text[i], or None if it is left open."""
-    depth = 0
-    # every brace counts, "\{" too, as in reward.last_boxed: a set "\{1, 2\}" opens and closes one each
-    for m in BRACE_RE.finditer(text, i):
-        depth += 1 if m.group() == "{" else -1
-        if depth == 0:
-            return m.start()
-    return None
-
-
-def _box_spans(text: str) -> list[tuple[int, int | None]]:
-    """(start of "\\boxed{", index of its closing brace) of each outermost box; a last one left open has None."""
-    spans, i = [], 0
-    while (start := text.find(BOX, i)) >= 0:
-        end = _closing_brace(text, start + len(BOX) - 1)
-        spans.append((start, end))
-        if end is None:  # the rest of the text is inside it
-            break
-        i = end + 1
-    return spans
-
-
-def _unbox(text: str) -> str:
-    """text with each balanced \\boxed{X} replaced by X; a box left open stays as it is."""
-    out, i = [], 0
-    for start, end in _box_spans(text):
-        if end is None:
-            break
-        out += [text[i:start], _unbox(text[start + len(BOX):end])]
-        i = end + 1
-    return "".join(out) + text[i:]
-
-
-def outer_boxes(text: str) -> list[str] | None:
-    """The contents of each outermost \\boxed{...} of text, in order, with the boxes inside it unwrapped; None if
-    the last box is left open (a truncated text). A box is one answer however it nests: in
-    "\\boxed{\\frac{\\boxed{1}}{2}}" it is \\frac{1}{2}, where reward.last_boxed finds 1."""
-    spans = _box_spans(text)
-    if spans and spans[-1][1] is None:
-        return None
-    return [_unbox(text[start + len(BOX):end]) for start, end in spans]
-
-
-def _names_a_value(lhs: str) -> bool:
-    """Whether the left side of "lhs = value" names the value ("x", "x_{17}", "f(x)", "a + b") rather than being one."""
-    bare = SUBSCRIPT_RE.sub("", lhs)
-    return bool(bare.strip()) and not re.search(r"\d", bare) and not CONSTANT_RE.fullmatch(bare)
-
-
-def _prose_values(text: str) -> tuple[int, bool]:
-    """(values the text holds if its \\text{} groups are prose: each number in them, and one for the maths around
-    them if it has a digit; whether a group holds a lone bracket, "18 \\text{(}17\\text{)}")."""
-    numbers, outside, unpaired, i = 0, [], False, 0
-    while m := TEXT_RE.search(text, i):
-        end = _closing_brace(text, m.end() - 1)
-        if end is None:
-            break
-        prose = text[m.end():end]
-        numbers += len(NUMBER_RE.findall(prose))
-        unpaired |= prose.count("(") != prose.count(")")
-        outside.append(text[i:m.start()])
-        i = end + 1
-    return numbers + bool(re.search(r"\d", "".join(outside) + text[i:])), unpaired
-
-
-def several_values(answer: str, gold: str) -> str | None:
-    """Why `answer` holds more than one candidate value, or None if it holds at most one.
-
-    Each rule counts a form the gold does not have itself (an equation, "or", a base's
-    subscript, numbers in prose), so a gold passes as its own answer. A list ("3, 4") is
-    left to math-verify, which reads it as a set that a single value does not equal, and so
-    is "1,000": one number.
-    """
-    relations = len(RELATION_RE.findall(answer))
-    if relations > len(RELATION_RE.findall(gold)):
-        # "x = 5" names its value; "17 = 18", "x = 17 = 18" and (gold "y = 2x + 1") "y = 2x + 1 = 3" chain two
-        if relations > 1 or not _names_a_value(RELATION_RE.split(answer, 1)[0]):
-            return "a chain of relations"
-    if len(OR_RE.findall(answer)) > len(OR_RE.findall(gold)):
-        return "alternatives joined by 'or'"
-    if DIGIT_SUBSCRIPT_RE.search(answer) and not DIGIT_SUBSCRIPT_RE.search(gold):
-        return "a number with a subscript"
-    (numbers, unpaired), (gold_numbers, gold_unpaired) = _prose_values(answer), _prose_values(gold)
-    if numbers > max(1, gold_numbers) or (unpaired and not gold_unpaired):
-        return "a second value in prose"
-    return None
-
-
-def final_answer(completion: str, gold: str) -> str | None:
-    """The one final answer of a math completion, or None when it has none or more than one candidate (reward 0).
-
-    Its last <answer> span, else the whole completion, holds the boxes (outer_boxes); they
-    must agree, whitespace aside (two forms of one value, "\\frac12" and "0.5", are two
-    candidates: telling them equal would take a math-verify call). Without a box, the span
-    or the line after the last '####' is the answer, as reward.extract_answer reads it. An
-    answer that holds several values (several_values, against `gold`) is None too.
-    """
-    spans = ANSWER_RE.findall(completion)
-    boxes = outer_boxes(spans[-1] if spans else completion)
-    if boxes is None:  # cut off inside its last box
-        return None
-    if boxes:
-        found = {re.sub(r"\s+", "", b): b.strip() for b in boxes}  # told apart by their text
-        found.pop("", None)  # an empty box ("I will put it in \boxed{}", echoing the instruction) holds no candidate
-        if len(found) != 1:
-            return None
-        answer = found.popitem()[1]
-    else:
-        answer = extract_answer(completion)
-    return answer if answer and several_values(answer, gold) is None else None
-
-
 class MathTask(ItemList):
-    """GSM8K or MATH rows, graded by reward.math_reward on the completion's one final answer (final_answer).
+    """GSM8K or MATH rows, graded by reward.math_reward on the completion's one final answer (reward.final_answer).
     `skipped`: line numbers of rows whose gold math-verify cannot read, or a GSM8K gold that is no number
     (see the module docstring)."""
 
@@ -294,10 +163,7 @@ class MathTask(ItemList):
 
     def score(self, completion: str, item: Item) -> float:
         """1.0 if the completion's one final answer equals the gold; raises scoring.ScoreTimeout past its limit."""
-        answer = final_answer(completion, item.answer)
-        # boxed again, as the one answer it is (reward.math_reward would read a box inside it as the answer); none
-        # is "", which math_reward scores 0 too: every score stays the task's verifier's
-        return math_reward("" if answer is None else f"\\boxed{{{answer}}}", item.answer)
+        return math_reward(completion, item.answer)
 
     def user_message(self, item: Item) -> str:
         return f"{item.question}\n{MATH_INSTRUCTION}"
@@ -463,7 +329,7 @@ def _gsm8k_row(row: dict, _name: str) -> tuple[str, str]:
 def _math_row(row: dict, _name: str) -> tuple[str, str]:
     problem = _text(row, "problem")
     if row.get("answer") is not None:  # MATH-500: the final answer as its own field (a box in it is unwrapped)
-        if not (gold := _unbox(_text(row, "answer")).strip()):
+        if not (gold := unbox(_text(row, "answer")).strip()):
             raise _RowError("empty gold answer: the answer field is an empty \\boxed{}")
         return problem, gold
     boxes = outer_boxes(_text(row, "solution"))

@@ -186,12 +186,140 @@ def _math_equal_here(answer: str, gold: str) -> bool:
     return bool(parsed) and verify(gold_parsed, parsed, timeout_seconds=None)
 
 
+# one answer, one value: the strict reading of a completion's final answer (and of a MATH gold's box)
+
+BOX = "\\boxed{"
+BRACE_RE = re.compile(r"[{}]")
+# A relation between values: "=" (not inside "<=", ">=", "!=", "==", ":="), \equiv, \approx. math-verify grades
+# "17 = 18" by its right side and "18 \approx 17" by its left: a chain holds a value it is not graded on
+RELATION_RE = re.compile(r"(?<![<>!=:])=(?!=)|\\(?:equiv|approx)(?![A-Za-z])")
+OR_RE = re.compile(r"\bor\b|\\(?:lor|vee)(?![A-Za-z])", re.IGNORECASE)  # "4 or 5", "\text{ (or 17)}", "4 \lor 5"
+DIGIT_SUBSCRIPT_RE = re.compile(r"\d\}?\s*_")  # "18_{17}", which math-verify reads as 18; a base where the gold has one
+TEXT_RE = re.compile(r"\\(?:text[a-z]*|mathrm|mbox)\s*\{")  # prose inside math, which math-verify drops unread
+SUBSCRIPT_RE = re.compile(r"_(?:\{[^{}]*\}|\w)")  # "x_{17}": an index, not a value
+CONSTANT_RE = re.compile(r"\s*(?:e|i|\\pi|\\infty)\s*")  # letters that are values, not names of one
+
+
+def _closing_brace(text: str, i: int) -> int | None:
+    """Index of the brace that closes the one at text[i], or None if it is left open."""
+    depth = 0
+    # every brace counts, "\{" too, as in last_boxed: a set "\{1, 2\}" opens and closes one each
+    for m in BRACE_RE.finditer(text, i):
+        depth += 1 if m.group() == "{" else -1
+        if depth == 0:
+            return m.start()
+    return None
+
+
+def _box_spans(text: str) -> list[tuple[int, int | None]]:
+    """(start of "\\boxed{", index of its closing brace) of each outermost box; a last one left open has None."""
+    spans, i = [], 0
+    while (start := text.find(BOX, i)) >= 0:
+        end = _closing_brace(text, start + len(BOX) - 1)
+        spans.append((start, end))
+        if end is None:  # the rest of the text is inside it
+            break
+        i = end + 1
+    return spans
+
+
+def unbox(text: str) -> str:
+    """text with each balanced \\boxed{X} replaced by X; a box left open stays as it is."""
+    out, i = [], 0
+    for start, end in _box_spans(text):
+        if end is None:
+            break
+        out += [text[i:start], unbox(text[start + len(BOX):end])]
+        i = end + 1
+    return "".join(out) + text[i:]
+
+
+def outer_boxes(text: str) -> list[str] | None:
+    """The contents of each outermost \\boxed{...} of text, in order, with the boxes inside it unwrapped; None if
+    the last box is left open (a truncated text). A box is one answer however it nests: in
+    "\\boxed{\\frac{\\boxed{1}}{2}}" it is \\frac{1}{2}, where last_boxed finds 1."""
+    spans = _box_spans(text)
+    if spans and spans[-1][1] is None:
+        return None
+    return [unbox(text[start + len(BOX):end]) for start, end in spans]
+
+
+def _names_a_value(lhs: str) -> bool:
+    """Whether the left side of "lhs = value" names the value ("x", "x_{17}", "f(x)", "a + b") rather than being one."""
+    bare = SUBSCRIPT_RE.sub("", lhs)
+    return bool(bare.strip()) and not re.search(r"\d", bare) and not CONSTANT_RE.fullmatch(bare)
+
+
+def _prose_values(text: str) -> tuple[int, bool]:
+    """(values the text holds if its \\text{} groups are prose: each number in them, and one for the maths around
+    them if it has a digit; whether a group holds a lone bracket, "18 \\text{(}17\\text{)}")."""
+    numbers, outside, unpaired, i = 0, [], False, 0
+    while m := TEXT_RE.search(text, i):
+        end = _closing_brace(text, m.end() - 1)
+        if end is None:
+            break
+        prose = text[m.end():end]
+        numbers += len(NUMBER_RE.findall(prose))
+        unpaired |= prose.count("(") != prose.count(")")
+        outside.append(text[i:m.start()])
+        i = end + 1
+    return numbers + bool(re.search(r"\d", "".join(outside) + text[i:])), unpaired
+
+
+def several_values(answer: str, gold: str) -> str | None:
+    """Why `answer` holds more than one candidate value, or None if it holds at most one.
+
+    Each rule counts a form the gold does not have itself (an equation, "or", a base's
+    subscript, numbers in prose), so a gold passes as its own answer. A list ("3, 4") is
+    left to math-verify, which reads it as a set that a single value does not equal, and so
+    is "1,000": one number.
+    """
+    relations = len(RELATION_RE.findall(answer))
+    if relations > len(RELATION_RE.findall(gold)):
+        # "x = 5" names its value; "17 = 18", "x = 17 = 18" and (gold "y = 2x + 1") "y = 2x + 1 = 3" chain two
+        if relations > 1 or not _names_a_value(RELATION_RE.split(answer, 1)[0]):
+            return "a chain of relations"
+    if len(OR_RE.findall(answer)) > len(OR_RE.findall(gold)):
+        return "alternatives joined by 'or'"
+    if DIGIT_SUBSCRIPT_RE.search(answer) and not DIGIT_SUBSCRIPT_RE.search(gold):
+        return "a number with a subscript"
+    (numbers, unpaired), (gold_numbers, gold_unpaired) = _prose_values(answer), _prose_values(gold)
+    if numbers > max(1, gold_numbers) or (unpaired and not gold_unpaired):
+        return "a second value in prose"
+    return None
+
+
+def final_answer(completion: str, gold: str) -> str | None:
+    """The one final answer of a math completion, or None when it has none or more than one candidate (reward 0).
+
+    Its last <answer> span, else the whole completion, holds the boxes (outer_boxes); they
+    must agree, whitespace aside (two forms of one value, "\\frac12" and "0.5", are two
+    candidates: telling them equal would take a math-verify call). Without a box, the span
+    or the line after the last '####' is the answer, as extract_answer reads it. An
+    answer that holds several values (several_values, against `gold`) is None too.
+    """
+    spans = ANSWER_RE.findall(completion)
+    boxes = outer_boxes(spans[-1] if spans else completion)
+    if boxes is None:  # cut off inside its last box
+        return None
+    if boxes:
+        found = {re.sub(r"\s+", "", b): b.strip() for b in boxes}  # told apart by their text
+        found.pop("", None)  # an empty box ("I will put it in \boxed{}", echoing the instruction) holds no candidate
+        if len(found) != 1:
+            return None
+        answer = found.popitem()[1]
+    else:
+        answer = extract_answer(completion)
+    return answer if answer and several_values(answer, gold) is None else None
+
+
 def math_reward(completion: str, gold: str) -> float:
-    """1.0 if the completion's final answer (see extract_answer) equals gold under math-verify, else 0.0.
+    """1.0 if the completion's one final answer (final_answer: none where it offers several candidates) equals gold
+    under math-verify, else 0.0.
 
     Raises scoring.ScoreTimeout when math-verify runs out of time (see math_equal).
     """
-    answer = extract_answer(completion)
+    answer = final_answer(completion, gold)
     return 1.0 if answer and math_equal(answer, gold) else 0.0
 
 

@@ -14,6 +14,7 @@ import pytest
 from config import load_config
 import data
 from data import Item, MathTask, load_task, load_tasks
+from reward import final_answer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.environ.get("EVERYPROMPT_DATA", os.path.join(REPO, "..", "shared", "data"))
@@ -125,7 +126,7 @@ def test_one_answer_in_a_legitimate_form_still_earns_the_reward(answer, gold):
 @pytest.mark.parametrize("completion", ["\\boxed{18} and again \\boxed{ 18 }", "in \\boxed{} goes \\boxed{18}",
                                         "<answer>18 eggs</answer>", "work\n#### 18\n"])
 def test_the_same_box_twice_an_empty_box_and_unboxed_answers_are_one_answer(completion):
-    assert data.final_answer(completion, "18") in ("18", "18 eggs") and reward((completion, "18"), None) == 1.0
+    assert final_answer(completion, "18") in ("18", "18 eggs") and reward((completion, "18"), None) == 1.0
 
 
 @pytest.mark.parametrize("completion", ["\\boxed{3, 4}", "<answer>4 or 5</answer>", "\\boxed{4 \\text{ or } 5}",
@@ -135,13 +136,13 @@ def test_candidate_lists_chains_and_open_boxes_still_earn_nothing(completion, go
     assert reward((completion, gold), None) == 0.0
 
 
-def test_every_math_score_is_the_verifiers_with_no_answer_or_several_as_none(monkeypatch):
+def test_every_math_score_is_the_verifiers_on_the_completion_as_written(monkeypatch):
     graded = []  # tests/test_hf_run.py counts MathTask's calls of reward.math_reward, one a completion
     monkeypatch.setattr(data, "math_reward", lambda completion, gold: graded.append((completion, gold)) or 0.0)
-    item = Item("q", "18", 0, 0)
-    for completion in ("no answer at all", "\\boxed{17} \\boxed{18}", "<answer>\\boxed{\\boxed{18}}</answer>"):
+    item, completions = Item("q", "18", 0, 0), ("no answer at all", "\\boxed{17} \\boxed{18}", "\\boxed{18}")
+    for completion in completions:
         MathTask([item]).score(completion, item)
-    assert graded == [("", "18"), ("", "18"), ("\\boxed{18}", "18")]
+    assert graded == [(c, "18") for c in completions]  # reward.math_reward reads the one answer (final_answer)
 
 
 def test_a_math_row_whose_answer_field_is_an_empty_box_is_refused(tmp_path):

@@ -99,11 +99,12 @@ def test_an_answer_listing_candidates_earns_nothing_for_the_one_that_is_right(co
     assert math_reward(completion, gold) == 0.0
 
 
-def test_only_the_last_of_several_boxed_answers_counts():
-    assert math_reward("\\boxed{3} no, \\boxed{4}", "4") == 1.0
+def test_several_different_boxed_answers_earn_nothing():  # one answer, one value (reward.final_answer)
+    assert math_reward("\\boxed{3} no, \\boxed{4}", "4") == 0.0
     assert math_reward("\\boxed{4} no, \\boxed{3}", "4") == 0.0
     assert math_reward("<answer>\\boxed{4} or \\boxed{3}</answer>", "4") == 0.0
-    assert math_reward("<answer>\\boxed{3} or \\boxed{4}</answer>", "4") == 1.0
+    assert math_reward("<answer>\\boxed{3} or \\boxed{4}</answer>", "4") == 0.0
+    assert math_reward("draft \\boxed{3}, then <answer>\\boxed{4}</answer>", "4") == 1.0  # the last span holds one
 
 
 @pytest.mark.parametrize("answer, gold", [("(1, 2)", "(1,2)"), ("\\{1, 2\\}", "\\{1,2\\}"), ("1, 2", "1, 2"),
