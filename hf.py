@@ -7,8 +7,7 @@ reads only its local shard (`Transformer.local_offsets`), never the full tensor.
 config.json, loadable by transformers and SGLang; `hf_tensors` is the same conversion as a
 stream, which SGLang's weight sync also sends. The name map `_HF_RENAMES` covers Qwen3-MoE
 (arXiv 2505.09388) and GLM-4.5 (arXiv 2508.06471); the FP8 variant is DeepSeek-V3's
-blockwise format (arXiv 2412.19437). Raises ValueError on a missing tensor or a shape that
-does not match.
+blockwise format (arXiv 2412.19437).
 Shapes: E, D, I, H, J, d (letters of the README's legend).
 
 How our tensors map to HF's:
@@ -21,10 +20,15 @@ How our tensors map to HF's:
    none in a checkpoint and loads as zero.
 4. Checkpoint tensors the model has no place for (e.g. GLM-4.5's multi-token-prediction
    layers) are skipped, counted and named in one line. A tied lm_head is the embedding (HF's
-   tied checkpoints have no lm_head.weight).
+   tied checkpoints have no lm_head.weight); a config.json that ties them over files holding a
+   distinct lm_head loads untied, as transformers loads it (hf_config.read_config).
 5. config.json: each key is implemented with transformers 5.24's meaning and default
    (`HF_DEFAULTS`), harmless (`HF_HARMLESS`) or implemented at one value (`HF_ONLY`); anything
    else is refused, so a checkpoint runs as transformers runs it or not at all.
+6. Nothing is loaded unproven: every tensor the model reads is there, in the file the index
+   names, with the shape config.json gives it (`hf_shapes`), before any is read (headers only:
+   `check_weights`, which train.prepare runs before any work, and load_hf on every rank); each
+   piece read is finite. Each failure is a ValueError naming the tensor and its file.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Sequence
 
 import torch
 
-from hf_config import config_to_hf, read_config, shape_differences
+from hf_config import EMBED, INDEX, LM_HEAD, config_to_hf, read_config, shape_differences, weight_files
 from model import ModelConfig, Transformer
 from weights import FP8, WEIGHT_BLOCK, full_tensor, policy_tensors, quantize_fp8, weight_buckets
 
@@ -104,9 +108,46 @@ def hf_tensors(named_tensors, cfg: ModelConfig):
             yield from zip(keys, t.split(sizes, dim=0))  # row views of t, no copy
 
 
-def _model_for(path: str, model: Transformer | None) -> Transformer:
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor a model of cfg reads (each expert's; lm_head.weight only untied) -> the shape config.json
+    gives it: save_hf's conversion (`hf_tensors`) run over the model's tensors on meta, which hold no storage."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {k: tuple(t.shape) for k, t in hf_tensors(policy_tensors(model), cfg)}
+
+
+Source = tuple[str, str, tuple[int, ...]]  # where an HF tensor is read: (file, its name in that file, shape)
+
+
+def _proven_sources(path: str, cfg: ModelConfig) -> tuple[dict[str, Source], dict[str, str]]:
+    """HF name -> (file, name in that file, shape) of every tensor a model of cfg reads from checkpoint folder
+    `path`, each checked there with the shape config.json gives it (`hf_shapes`) from the headers alone; and
+    weight_files(path). A tied model whose files hold only lm_head.weight reads its embedding from it, as
+    transformers ties the embedding to what is there. Raises ValueError (weight_files', or naming the tensor, its
+    file and both shapes)."""
+    from safetensors import safe_open
+    files = weight_files(path)
+    listing = INDEX if os.path.isfile(os.path.join(path, INDEX)) else "model.safetensors"
+    alias = {EMBED: LM_HEAD} if cfg.tie_embeddings and EMBED not in files and LM_HEAD in files else {}
+    sources, by_file = {}, {}  # by_file: file -> its (name, shape) pairs, so each header is opened once
+    for key, shape in hf_shapes(cfg).items():
+        stored = alias.get(key, key)
+        if stored not in files:
+            raise ValueError(f"{key} is missing: {listing} does not {'name' if listing == INDEX else 'hold'} it")
+        sources[key] = (files[stored], stored, shape)
+        by_file.setdefault(files[stored], []).append((stored, shape))
+    for file, wanted in sorted(by_file.items()):
+        with safe_open(os.path.join(path, file), "pt") as header:
+            for stored, shape in wanted:
+                found = tuple(header.get_slice(stored).get_shape())
+                if found != shape:
+                    raise ValueError(f"{stored} in {file} has shape {found}; config.json gives it {shape}")
+    return sources, files
+
+
+def _model_for(path: str, model: Transformer | None) -> tuple[Transformer, ModelConfig]:
     """The model load_hf fills: `model` checked against path's config.json, or one built from it on
-    the CPU, uninitialised. Raises ValueError as load_hf documents."""
+    the CPU, uninitialised; and that config. Raises ValueError as load_hf documents."""
     try:
         want = read_config(path)
     except ValueError as e:
@@ -120,37 +161,18 @@ def _model_for(path: str, model: Transformer | None) -> Transformer:
             model.lm_head.weight = model.embed.weight
     if differ := shape_differences(model.cfg, want):
         raise ValueError(f"load_hf: the model's config and {path}/config.json differ in (model's, file's) {differ}")
-    return model
+    return model, want
 
 
 def check_weights(name: str, path: str):
-    """Checkpoint folder `path`'s safetensors files exist (each one its index names) and their headers read:
-    a cheap look before any work. Raises ValueError starting with `name` (the field) and naming the file."""
-    from safetensors import safe_open
-    index_file = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index_file):
-        try:
-            with open(index_file, encoding="utf-8") as f:
-                index = json.load(f)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{name}: model.safetensors.index.json is not JSON ({e})") from None
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{name}: model.safetensors.index.json has no weight_map of tensor -> file")
-        files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"{name}: holds no model.safetensors or model.safetensors.index.json; need a hub-layout "
-                         f"checkpoint folder")
-    for file in files:
-        if not os.path.isfile(os.path.join(path, file)):
-            raise ValueError(f"{name}: {file}, named in model.safetensors.index.json, is not there")
-        try:
-            with safe_open(os.path.join(path, file), "pt") as f:
-                f.keys()
-        except Exception as e:  # noqa: BLE001  safetensors' SafetensorError subclasses nothing of ours
-            raise ValueError(f"{name}: {file} is not a readable safetensors file ({e})") from None
+    """Checkpoint folder `path`'s safetensors files exist (each one its index names) and their headers read, and
+    every tensor its config.json's model reads is there with the shape config.json gives it (`_proven_sources`):
+    a cheap look, headers only, before any work. Values (NaN, inf) only load_hf sees. Raises ValueError starting
+    with `name` (the field) and naming the file (and the tensor)."""
+    try:
+        _proven_sources(path, read_config(path))
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def load_hf(path: str, model: Transformer | None = None) -> Transformer:
@@ -162,27 +184,28 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
     for (e.g. GLM-4.5's multi-token-prediction layers) are skipped and counted. A tied
     lm_head reads the embedding (HF's checkpoints of tied models have no lm_head.weight).
     Raises ValueError (config_from_hf's) on a config.json this model does not implement, if a
-    given model's config differs from it (max_seq_len aside), if the weights are quantised, or
-    if a tensor the model needs is missing or has another shape.
+    given model's config differs from it (max_seq_len aside), if the weights are quantised, if
+    a tensor the model needs is missing or has another shape (every rank checks every header
+    first, check_weights' check), or if a piece a rank reads holds a NaN or inf.
     """
     from safetensors import safe_open
-    model = _model_for(path, model)
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):  # sharded: the index names each tensor's file
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    else:
-        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+    model, want = _model_for(path, model)
+    try:
+        sources, files = _proven_sources(path, want)
+    except ValueError as e:
+        raise ValueError(f"load_hf: {path}: {e}") from None
     handles = {}  # file -> open safe_open handle, each file opened once for the whole load
 
-    def tensor(key):
-        if key not in weight_map:
-            raise ValueError(f"load_hf: tensor {key!r} is missing from {path}")
-        file = weight_map[key]
+    def read(key, index):
+        """Part `index` of HF tensor `key`, proven finite: the bytes read are only the part's."""
+        file, stored, _ = sources[key]
         if file not in handles:
             handles[file] = safe_open(os.path.join(path, file), "pt")
-        return handles[file].get_slice(key)  # lazy: bytes are read only when the slice is indexed
+        x = handles[file].get_slice(stored)[index]
+        if not torch.isfinite(x).all():
+            raise ValueError(f"load_hf: {path}: {stored} in {file} holds NaN or inf ({(~torch.isfinite(x)).sum()} "
+                             f"of the {x.numel()} values read)")
+        return x
 
     def read_concat(keys, sl, transpose):
         """Slice `sl` of the parts concatenated along our dim 0, or, transposed, of their
@@ -190,14 +213,13 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
         # part `key` covers [start, start + n) of our concatenated dim; n is its HF dim 0 (rows, [out, in])
         cat_dim, out, start = (1 if transpose else 0), [], 0
         for key in keys:
-            part = tensor(key)
-            n = part.get_shape()[0]
+            n = sources[key][2][0]  # proven: the file's shape is config.json's
             # the slice's range in the concatenated dim, intersected with this part's
             lo, hi = max(sl[cat_dim].start, start), min(sl[cat_dim].stop, start + n)
             if lo < hi:
                 rows = slice(lo - start, hi - start)  # the same range in the part's own rows
                 # transposed: HF rows are our columns, so take (rows, our row slice) and transpose
-                out.append(part[rows, sl[0]].T if transpose else part[(rows, *sl[1:])])
+                out.append(read(key, (rows, sl[0])).T if transpose else read(key, (rows, *sl[1:])))
             start += n
         return torch.cat(out, dim=cat_dim)
 
@@ -217,17 +239,17 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
                                    for e in range(sl[0].start, sl[0].stop)])
             else:
                 src = read_concat(keys, sl, transpose=False)
-            if tuple(src.shape) != tuple(local.shape):
-                raise ValueError(f"load_hf: {keys} give shape {tuple(src.shape)}, the model wants {tuple(local.shape)}")
+            # every part's shape is proven and the model's config is the file's: a slice of another shape is a bug here
+            assert tuple(src.shape) == tuple(local.shape), (keys, tuple(src.shape), tuple(local.shape))
             local.copy_(src)  # in place: the model keeps its Parameter (and DTensor) objects
         # the softmax router's expert_bias is not persistent, so no checkpoint fills it, and to_empty left it
         # uninitialised
         for name, b in model.named_buffers():  # buffers no checkpoint holds start at zero
             if name.rsplit(".", 1)[-1] == "expert_bias" and model.cfg.router != "sigmoid":
                 b.zero_()
-    # every HF key the whole model reads (all experts, not only this rank's); the rest is reported unused
-    known = {k.format(e=e) for n, _ in policy_tensors(model) for k in hf_names(n) for e in range(model.cfg.num_experts)}
-    skipped = set(weight_map) - known
+    # every HF key the whole model reads (all experts, not only this rank's; a tied model's lm_head, which tied
+    # only because it equals the embedding); the rest is reported unused
+    skipped = set(files) - {stored for _, stored, _ in sources.values()} - ({LM_HEAD} if want.tie_embeddings else set())
     if skipped:
         print(f"load_hf: skipped {len(skipped)} checkpoint tensors this model does not use, e.g. {sorted(skipped)[0]}")
     return model

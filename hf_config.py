@@ -3,15 +3,20 @@
 Each key of a Qwen3-MoE (arXiv 2505.09388) or GLM-4.5 (arXiv 2508.06471) config.json is implemented
 with transformers 5.24's meaning and default (`HF_DEFAULTS`), harmless (`HF_HARMLESS`) or
 implemented at one value (`HF_ONLY`); anything else is refused, so a checkpoint runs as
-transformers runs it or not at all. `read_config` reads a folder's (init_hf's shape; what hf.load_hf
-checks a model against, `shape_differences`), `config_to_hf` writes one (hf.save_hf).
+transformers runs it or not at all; so is a key of another type than transformers' config classes declare
+(`HF_TYPES`). `read_config` reads a folder's (init_hf's shape; what hf.load_hf checks a model against,
+`shape_differences`), with tie_word_embeddings resolved against the weights as transformers resolves it;
+`weight_files` is which safetensors file holds each tensor; `config_to_hf` writes a config.json (hf.save_hf).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+
+import torch
 
 from model import HF_MODEL_TYPES, ModelConfig
 
@@ -55,6 +60,21 @@ HF_FAMILY_HARMLESS = {
 # experts, no dropout, full attention in every layer, every layer MoE (HF Qwen3-MoE may interleave dense layers)
 HF_ONLY = {"hidden_act": "silu", "attention_dropout": 0.0, "use_sliding_window": False, "decoder_sparse_step": 1,
            "mlp_only_layers": []}
+_NUMBER = (int, float)
+# Each key's type as transformers 5.24's config classes declare it: strict dataclasses, which refuse 64.0 for an int,
+# 1 for a float and "64" for either (tests/test_break_hf.py holds this table to those classes). Where the default
+# does not say it: head_dim is a field of neither class, but only an int builds a model; attention_dropout is
+# declared float | int; rope_theta and partial_rotary_factor, which transformers moves into rope_parameters, are
+# numbers there. A bool is no int here, as in neither class.
+HF_TYPES = {**{k: type(v) for family in HF_DEFAULTS.values() for k, v in family.items() if v is not None},
+            "head_dim": int, "mlp_only_layers": list, "num_local_experts": int, "attention_dropout": _NUMBER,
+            "rope_theta": _NUMBER, "partial_rotary_factor": _NUMBER}
+# rope_parameters' (or rope_scaling's) keys that take a number or null (transformers reads null as the default)
+_ROPE_NUMBERS = ("rope_theta", "partial_rotary_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                 "attention_factor")
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor -> file
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_TIE_ROWS = 4096  # rows of the embedding and lm_head compared at a time: 128 MiB a side at width 8192 in fp32
 # rope types and the keys of rope_parameters (or rope_scaling) each reads, besides rope_theta, partial_rotary_factor
 _ROPE_KEYS = {"default": set(), "linear": {"factor"},
               "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
@@ -67,11 +87,14 @@ def config_from_hf(config: str | dict) -> ModelConfig:
 
     Raises ValueError, naming the key, its value and what is supported, on another model_type, a key
     neither implemented nor harmless (`HF_HARMLESS`), a value implemented only at another (`HF_ONLY`),
-    a rope type other than default, linear and yarn, or a null where transformers needs a value.
+    a rope type other than default, linear and yarn, a null where transformers needs a value, a value of
+    another type than transformers declares (`HF_TYPES`), or a config that is not a JSON object.
     """
     if isinstance(config, str):
         with open(config) as f:
             config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"{_a(type(config))}, not a JSON object of keys and values")
     c = dict(config)
     kind = c.get("model_type")
     if kind not in HF_FAMILIES:
@@ -86,6 +109,9 @@ def config_from_hf(config: str | dict) -> ModelConfig:
     nulls = sorted(k for k in defaults if k in c and c[k] is None and k != "mlp_only_layers")
     if nulls:
         raise ValueError(f"{kind} config.json keys {nulls} are null; each needs a value (or leave it out)")
+    for k, v in c.items():
+        if k in HF_TYPES and v is not None:  # a null mlp_only_layers is transformers' []; the other nulls are refused
+            _check_type(f"{kind} {k}", v, HF_TYPES[k])
     for k, want in {**HF_ONLY, "architectures": [HF_FAMILIES[kind]]}.items():
         if c.get(k) not in (None, want):
             raise ValueError(f"{kind} {k}={c[k]!r} is not supported; only {want!r}")
@@ -116,9 +142,18 @@ def config_from_hf(config: str | dict) -> ModelConfig:
 def _rope_from_hf(c: dict, g: dict, kind: str) -> dict:
     """ModelConfig's rope fields, resolved as transformers 5.24 resolves them (configuration rope
     standardisation and modeling_rope_utils). Raises ValueError on what it does not implement."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if c.get(key) is not None:
+            _check_type(f"{kind} {key}", c[key], dict)
     # rope_scaling (the older name), when set, replaces rope_parameters; rope_theta and partial_rotary_factor
     # inside it win over the top-level keys, which win over the family's defaults
+    source = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
     rope = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+    for key in _ROPE_NUMBERS:
+        if rope.get(key) is not None:
+            _check_type(f"{kind} {source} {key}", rope[key], _NUMBER)
+    if rope.get("truncate") is not None:
+        _check_type(f"{kind} {source} truncate", rope["truncate"], bool)
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
     if rope_type not in _ROPE_KEYS:
         raise ValueError(f"{kind} rope_type={rope_type!r} is not supported; supported: {sorted(_ROPE_KEYS)}")
@@ -152,6 +187,19 @@ def _rope_from_hf(c: dict, g: dict, kind: str) -> dict:
     return {**out, "rope_factor": float(factor), "rope_original_max_seq_len": int(L),
             "yarn_beta_fast": float(rope.get("beta_fast") or 32), "yarn_beta_slow": float(rope.get("beta_slow") or 1),
             "yarn_truncate": bool(rope.get("truncate", True)), "rope_attention_factor": float(scale or 0.0)}
+
+
+def _a(want) -> str:
+    """A JSON type's name with its article, as the errors say it: 'an int', 'a number' (int or float), 'an object'."""
+    names = {int: "an int", float: "a float", bool: "a bool", str: "a str", list: "a list", dict: "an object",
+             _NUMBER: "a number", type(None): "a null"}
+    return names.get(want, f"a {getattr(want, '__name__', want)}")
+
+
+def _check_type(key: str, value, want):
+    """Raises ValueError naming key unless value is a `want` (a type or a tuple of types; a bool only for bool)."""
+    if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
+        raise ValueError(f"{key}={value!r} is {_a(type(value))}; transformers reads {_a(want)}")
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -198,8 +246,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def read_config(path: str) -> ModelConfig:
-    """The ModelConfig of checkpoint folder `path`'s config.json (`config_from_hf`). Raises ValueError: no
-    config.json, not JSON, quantised (e4m3 values loaded without their scales would be silently wrong)."""
+    """The ModelConfig of checkpoint folder `path`'s config.json (`config_from_hf`), its tie_embeddings as
+    transformers decides it against the weights (`_ties`; a look at them only when config.json ties and the
+    files hold an lm_head). Raises ValueError: no config.json, not JSON, not a JSON object, quantised (e4m3 values
+    loaded without their scales would be silently wrong), config_from_hf's."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ValueError("holds no config.json; need a hub-layout checkpoint folder (config.json, *.safetensors, "
@@ -209,12 +259,72 @@ def read_config(path: str) -> ModelConfig:
             config = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise ValueError(f"config.json is not JSON ({e})") from None
-    if isinstance(config, dict) and config.get("quantization_config"):
+    if not isinstance(config, dict):  # here, not only in config_from_hf: it reads a str as a file's path
+        raise ValueError(f"config.json: {_a(type(config))}, not a JSON object of keys and values")
+    if config.get("quantization_config"):
         raise ValueError(f"config.json is quantised ({config['quantization_config']}); only unquantised weights load")
     try:
-        return config_from_hf(config)
+        cfg = config_from_hf(config)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"config.json: {e}") from None
+    return dataclasses.replace(cfg, tie_embeddings=False) if cfg.tie_embeddings and not _ties(path) else cfg
+
+
+def _ties(path: str) -> bool:
+    """Whether transformers 5.24 ties the embedding and lm_head of checkpoint folder `path`, whose config.json ties
+    them: yes unless its files hold both with different shapes or values (PreTrainedModel.tie_weights: "both are
+    present in the checkpoints with different values, so we will NOT tie them"); with only an lm_head it ties the
+    embedding to that (hf.load_hf reads it). Compared in fp32, the model's dtype, _TIE_ROWS rows at a time."""
+    from safetensors import safe_open
+    try:
+        files = weight_files(path)
+    except ValueError:  # the weights' own faults are hf.check_weights' and load_hf's to name
+        return True
+    if EMBED not in files or LM_HEAD not in files:
+        return True
+    with safe_open(os.path.join(path, files[EMBED]), "pt") as a, \
+            safe_open(os.path.join(path, files[LM_HEAD]), "pt") as b:
+        embed, head = a.get_slice(EMBED), b.get_slice(LM_HEAD)
+        if embed.get_shape() != head.get_shape() or not embed.get_shape():
+            return False
+        return all(torch.equal(embed[lo:lo + _TIE_ROWS].float(), head[lo:lo + _TIE_ROWS].float())
+                   for lo in range(0, embed.get_shape()[0], _TIE_ROWS))
+
+
+def weight_files(path: str) -> dict[str, str]:
+    """{HF tensor name: the safetensors file of checkpoint folder `path` that holds it}: the index's weight_map
+    (model.safetensors.index.json), else model.safetensors's names; only headers are read. Raises ValueError
+    naming the file: neither there, an index that is not JSON or maps no tensor to a file, a file it names that is
+    not there or not safetensors, a tensor it puts in a file that does not hold it."""
+    from safetensors import safe_open
+    if os.path.isfile(os.path.join(path, INDEX)):
+        try:
+            with open(os.path.join(path, INDEX), encoding="utf-8") as f:
+                index = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{INDEX} is not JSON ({e})") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+            raise ValueError(f"{INDEX} has no weight_map of tensor -> file")
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        weight_map = None
+    else:
+        raise ValueError(f"holds no model.safetensors or {INDEX}; need a hub-layout checkpoint folder")
+    held = {}  # file -> the names its header lists
+    for file in sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]:
+        if not os.path.isfile(os.path.join(path, file)):
+            raise ValueError(f"{file}, named in {INDEX}, is not there")
+        try:
+            with safe_open(os.path.join(path, file), "pt") as f:
+                held[file] = set(f.keys())
+        except Exception as e:  # noqa: BLE001  safetensors' SafetensorError subclasses nothing of ours
+            raise ValueError(f"{file} is not a readable safetensors file ({e})") from None
+    if weight_map is None:
+        return dict.fromkeys(sorted(held["model.safetensors"]), "model.safetensors")
+    for key, file in weight_map.items():
+        if key not in held[file]:
+            raise ValueError(f"{INDEX} puts {key} in {file}, which does not hold it")
+    return weight_map
 
 
 def shape_differences(model: ModelConfig, checkpoint: ModelConfig) -> dict:
