@@ -24,9 +24,20 @@ Notable choices:
    pairs tiktoken ever sees joinable are own merges (`_check_merges`), so HF encodes exactly as
    tiktoken if its list holds every own merge in id order: `save` writes those, one per token, and
    `hf_encoding` checks a checkpoint's list for them.
-5. `encode` treats special-token strings as data (tiktoken's encode_ordinary), so no text can end or
-   restart a sequence; `prompt_ids` tokenizes the rendered template as transformers does, where every
-   added token's string (the template's own <|im_start|>, or one inside the question) is that token.
+5. `encode` treats special-token strings as data, so no text can end or restart a sequence, and reads
+   the strings of added tokens that are not special (Qwen3's <think>) as those tokens: tokenizers'
+   encode with encode_special_tokens=True (transformers' split_special_tokens=True). `prompt_ids`
+   tokenizes the rendered template as transformers does, where every added token's string (the
+   template's own <|im_start|>, or one inside the question) is that token.
+6. Added tokens are found as tokenizers finds them: leftmost-longest, first those with normalized=false
+   in the raw text, then those with normalized=true in the NFC'd text between. A tokenizer.json added
+   token that tokenizers would treat otherwise is refused at load, by name (`_added_tokens`): lstrip,
+   rstrip, single_word, an empty string (tokenizers ignores it), one listed twice, two normalized ones
+   that normalize alike, and one whose id in the file is not the id tokenizers gives it (tokenizers
+   ignores the file's ids: a string in the vocabulary gets its vocabulary id, any other the next id
+   after the vocabulary and the added tokens before it, so one that reuses a BPE token's id would be a
+   second id for that BPE token's bytes); and (`hf_encoding`) one spelled in GPT-2's byte alphabet
+   ("Ġx", or "é" NFC'd from a normalized "e\\u0301"), which tokenizers decodes as the bytes it spells.
 """
 
 from __future__ import annotations
@@ -145,8 +156,12 @@ def _hf_str(token: bytes) -> str:
     return "".join(BYTE_CHARS[b] for b in token)
 
 
+def _is_byte_level(s: str) -> bool:
+    return all(c in CHAR_BYTES for c in s)
+
+
 def _hf_bytes(s: str) -> bytes:
-    if any(c not in CHAR_BYTES for c in s):
+    if not _is_byte_level(s):
         raise ValueError(f"vocabulary entry {s!r} is not in GPT-2's byte-level alphabet: not a byte-level BPE")
     return bytes(CHAR_BYTES[c] for c in s)
 
@@ -248,15 +263,69 @@ def _split_pattern(pre: dict | None) -> str:
     return split["pattern"]["Regex"]
 
 
+def _tokenizers_id(content: str, vocab: dict[str, int], top: int | None) -> int:
+    """The id the tokenizers library gives an added token, whatever id tokenizer.json declares (it only
+    warns): its vocabulary id if the vocabulary holds the string, else one past `top` (the largest id given
+    to the added tokens before it, None: none), or the vocabulary's size if top is below it
+    (AddedVocabulary::add_tokens)."""
+    if content in vocab:
+        return vocab[content]
+    return len(vocab) if top is None or (top < len(vocab) and vocab) else top + 1
+
+
+def _added_tokens(tj: dict) -> list[dict]:
+    """tokenizer.json's added tokens, refused (ValueError naming the token's string and id, and why) where
+    the tokenizers library would find or number one otherwise than `Tokenizer` does (choice 6)."""
+    vocab = tj.get("model", {}).get("vocab", {})
+    vocab_names = {i: s for s, i in vocab.items()}
+    nfc = _uses_nfc(tj)
+    given, declared, matched = {}, {}, {}  # string -> tokenizers' id, the file's id; normalized match -> string
+    top = None  # the largest id tokenizers has given an added token so far
+    for added in tj.get("added_tokens", []):
+        content, i = added["content"], added["id"]
+        name = f"tokenizer.json added token {content!r} (id {i})"
+        for key in ("lstrip", "rstrip", "single_word"):
+            if added.get(key):  # each widens or drops matches by the text around them: not implemented
+                raise ValueError(f"{name} has {key}=true: not supported")
+        if not content:
+            raise ValueError(f"{name} is empty: tokenizers ignores it, so no text would encode to id {i}")
+        if content in declared:
+            raise ValueError(f"{name} is listed twice (ids {declared[content]} and {i})")
+        if added.get("normalized"):
+            # tokenizers matches a normalized token by its normalized string: two that normalize alike
+            # would be one pattern with two ids
+            key = NFC.normalize_str(content) if nfc else content
+            if key in matched:
+                raise ValueError(f"{name} has normalized=true and normalizes to the same text as added token "
+                                 f"{matched[key]!r}")
+            matched[key] = content
+        hf_id = _tokenizers_id(content, vocab, top)
+        if hf_id != i:
+            added_names = {j: s for s, j in given.items()}
+            if content in vocab:
+                why = "the vocabulary holds its string"
+            elif i in vocab_names:  # a BPE token's id: that token's bytes would encode to it here
+                why = f"id {i} belongs to vocabulary token {vocab_names[i]!r}"
+            elif i in added_names:
+                why = f"id {i} belongs to added token {added_names[i]!r}"
+            else:
+                why = f"new added tokens are numbered in file order after the vocabulary's {len(vocab)} tokens"
+            raise ValueError(f"{name}: tokenizers ignores that id and gives it id {hf_id} ({why})")
+        given[content], declared[content] = hf_id, i
+        top = hf_id if top is None else max(top, hf_id)
+    return tj.get("added_tokens", [])
+
+
 def hf_encoding(tokenizer_json: dict | str | os.PathLike) -> tiktoken.Encoding:
     """A byte-level BPE tokenizer.json (a path or its parsed dict) as a tiktoken Encoding: the vocabulary
     as ranks (tokenizer.json ids), every added token as a special, the Split pre-tokenizer's regex.
 
-    Encodes exactly as the `tokenizers` library (choice 4); NFC, if the file has it, is the caller's
-    (`Tokenizer.normalize`). The post-processor is not applied: it only adds tokens when transformers
-    encodes with add_special_tokens=True, which apply_chat_template does not. Raises ValueError naming
-    what is not supported (another model type, normalizer, pre-tokenizer or decoder; byte_fallback,
-    dropout, subword affixes; added tokens with lstrip/rstrip/single_word) or the first merge that
+    Encodes exactly as the `tokenizers` library (choice 4); NFC, if the file has it, and finding added
+    tokens in text (their special and normalized flags) are the caller's (`Tokenizer`, choice 6). The
+    post-processor is not applied: it only adds tokens when transformers encodes with
+    add_special_tokens=True, which apply_chat_template does not. Raises ValueError naming what is not
+    supported (another model type, normalizer, pre-tokenizer or decoder; byte_fallback, dropout, subword
+    affixes), an added token tokenizers would treat otherwise (`_added_tokens`), or the first merge that
     tiktoken's ranking would not reproduce.
     """
     tj = tokenizer_json if isinstance(tokenizer_json, dict) else _read_json(tokenizer_json)
@@ -270,20 +339,31 @@ def hf_encoding(tokenizer_json: dict | str | os.PathLike) -> tiktoken.Encoding:
     pattern = _split_pattern(tj.get("pre_tokenizer"))
     if (tj.get("decoder") or {}).get("type") != "ByteLevel":
         raise ValueError(f"tokenizer.json decoder {tj.get('decoder')}: only ByteLevel is supported")
-    specials = {}
-    for added in tj.get("added_tokens", []):
-        for key in ("lstrip", "rstrip", "single_word"):
-            if added.get(key):
-                raise ValueError(f"tokenizer.json added token {added['content']!r} has {key}=true: not supported")
-        specials[added["content"]] = added["id"]
-    special_ids = set(specials.values())
-    # Some files list added tokens in the vocabulary too: they are specials, not BPE tokens.
-    ranks = {_hf_bytes(s): i for s, i in model["vocab"].items() if i not in special_ids}
-    if missing := [b for b in range(NUM_BYTES) if bytes([b]) not in ranks]:
-        raise ValueError(f"tokenizer.json vocabulary lacks the single bytes {missing[:8]}...: not a byte-level BPE")
+    specials = {added["content"]: added["id"] for added in _added_tokens(tj)}
     # tokenizers writes a merge as [a, b]; older files as "a b" (byte-level tokens hold no space)
     pairs = [m.split(" ") if isinstance(m, str) else m for m in model.get("merges", [])]
-    _check_merges([(_hf_bytes(a), _hf_bytes(b)) for a, b in pairs], ranks)
+    merges = [(_hf_bytes(a), _hf_bytes(b)) for a, b in pairs]
+    # Some files list added tokens in the vocabulary too (_added_tokens has checked the ids agree). One
+    # that BPE builds (a byte, or a merge's result) stays a rank too: tokenizers' BPE still makes it from
+    # text where the added token is data. One no merge builds (GPT-2's <|endoftext|>) is only a special.
+    built = {a + b for a, b in merges} | {bytes([b]) for b in range(NUM_BYTES)}
+    ranks = {_hf_bytes(s): i for s, i in model["vocab"].items()
+             if specials.get(s) != i or (_is_byte_level(s) and _hf_bytes(s) in built)}
+    if missing := [b for b in range(NUM_BYTES) if bytes([b]) not in ranks]:
+        raise ValueError(f"tokenizer.json vocabulary lacks the single bytes {missing[:8]}...: not a byte-level BPE")
+    nfc = _uses_nfc(tj)
+    for added in tj.get("added_tokens", []):
+        s, i = added["content"], added["id"]
+        # tokenizers decodes an added token's string (NFC'd if normalized) through the ByteLevel decoder,
+        # which reads a string wholly in GPT-2's alphabet as the bytes it spells there; tiktoken decodes
+        # a special to its UTF-8, or to the rank's bytes where the id is a rank's too
+        shown = NFC.normalize_str(s) if nfc and added.get("normalized") else s
+        theirs = _hf_bytes(shown) if _is_byte_level(shown) else shown.encode()
+        ours = _hf_bytes(s) if _is_byte_level(s) and ranks.get(_hf_bytes(s)) == i else s.encode()
+        if theirs != ours:
+            raise ValueError(f"tokenizer.json added token {s!r} (id {i}) decodes to {theirs!r} in tokenizers (its "
+                             f"ByteLevel decoder reads GPT-2's byte alphabet), to {ours!r} here")
+    _check_merges(merges, ranks)
     return tiktoken.Encoding(name=f"hf_bpe_{len(ranks)}", pat_str=pattern, mergeable_ranks=ranks,
                              special_tokens=specials)
 
@@ -343,11 +423,20 @@ class Tokenizer:
     """Unicode NFC on text before it is encoded, as Qwen's tokenizer.json normalizer does."""
     eos_token: str | None = None
     """tokenizer_config.json's eos_token, which templates may read; None: stop_ids[0]'s token."""
+    non_special_tokens: frozenset[str] = frozenset()
+    """enc's specials that tokenizer.json marks special=false (Qwen3's <think>): `encode` reads their
+    strings as these tokens, where it reads a special's string as data."""
+    normalized_tokens: frozenset[str] = frozenset()
+    """enc's specials that tokenizer.json marks normalized=true: found by their NFC'd strings (if
+    `normalize`) in the NFC'd text that the others leave, as tokenizers finds them (choice 6)."""
 
     def encode(self, text: str) -> list[int]:
         """text's ids (NFC first if `normalize`). Special-token strings in text are data, encoded as their
-        bytes (tiktoken's encode_ordinary), so no text can end or restart a sequence."""
-        return self.enc.encode_ordinary(NFC.normalize_str(text) if self.normalize else text)
+        bytes, so no text can end or restart a sequence; the strings of `non_special_tokens` are those
+        tokens, as in tokenizers' encode with encode_special_tokens=True."""
+        if not self.non_special_tokens:  # every added token's string is data: plain BPE
+            return self.enc.encode_ordinary(NFC.normalize_str(text) if self.normalize else text)
+        return self._encode_added(text, specials_are_text=True)
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids, specials as their strings; bytes that are not UTF-8 (a completion cut inside a
@@ -373,30 +462,62 @@ class Tokenizer:
             names["eos_token"] = self.eos_token
         text = _compiled_template(self.chat_template).render(
             messages=messages, tools=None, documents=None, add_generation_prompt=True, **names)
-        return self._encode_with_specials(text)
+        return self._encode_added(text, specials_are_text=False)
 
     @functools.cached_property
-    def _special_pattern(self) -> re.Pattern | None:
-        # Longest first: transformers matches added tokens leftmost-longest, a regex alternation leftmost-first.
-        names = sorted(_specials(self.enc), key=len, reverse=True)
-        return re.compile("|".join(map(re.escape, names))) if names else None
+    def _added_passes(self) -> tuple[tuple[re.Pattern, dict[str, tuple[int, bool]]] | None, ...]:
+        """The two passes in which tokenizers finds added tokens (choice 6): those with normalized=false,
+        then those with normalized=true by their NFC'd strings (if `normalize`). Each a pattern and its
+        matches' (id, whether special); None where the pass has no token."""
+        passes = []
+        for normalized in (False, True):
+            found = {(NFC.normalize_str(s) if normalized and self.normalize else s):
+                     (i, s not in self.non_special_tokens)
+                     for s, i in _specials(self.enc).items() if (s in self.normalized_tokens) == normalized}
+            # Longest first: tokenizers matches leftmost-longest (Aho-Corasick), a regex alternation
+            # leftmost-first, so at each position the longest string that matches there wins.
+            names = sorted(found, key=len, reverse=True)
+            passes.append((re.compile("|".join(map(re.escape, names))), found) if names else None)
+        return tuple(passes)
 
-    def _encode_with_specials(self, text: str) -> list[int]:
-        # As the tokenizers library does for added tokens with normalized=false (Qwen's, GLM's): split them
-        # out first, then normalize and encode the text between (NFC never joins a special's ">" to a mark).
-        if self._special_pattern is None:
-            return self.encode(text)
-        ids, start = [], 0
-        for m in self._special_pattern.finditer(text):
-            ids += self.encode(text[start:m.start()]) + [_specials(self.enc)[m.group()]]
-            start = m.end()
-        return ids + self.encode(text[start:])
+    @staticmethod
+    def _split_added(text: str, added: tuple[re.Pattern, dict[str, tuple[int, bool]]] | None,
+                     specials_are_text: bool) -> list[str | int]:
+        """text cut at the added tokens that `added` (an `_added_passes` pass) finds: text pieces and ids.
+        With specials_are_text a special's match stays text, and still hides the tokens overlapping it,
+        as tokenizers' encode_special_tokens skips a match only after finding it."""
+        if added is None:
+            return [text]
+        pattern, found = added
+        parts, start = [], 0
+        for m in pattern.finditer(text):
+            token_id, special = found[m.group()]
+            if not (special and specials_are_text):
+                parts += [text[start:m.start()], token_id]
+                start = m.end()
+        return parts + [text[start:]]
+
+    def _encode_added(self, text: str, *, specials_are_text: bool) -> list[int]:
+        # As tokenizers' AddedVocabulary::extract_and_normalize: the normalized=false tokens are split out
+        # of the raw text, each piece between is normalized on its own (NFC never joins a special's ">" to a
+        # mark), the normalized=true tokens are split out of those, and BPE encodes what is left.
+        raw, normalized = self._added_passes
+        ids = []
+        for part in self._split_added(text, raw, specials_are_text):
+            if isinstance(part, int):
+                ids.append(part)
+                continue
+            part = NFC.normalize_str(part) if self.normalize else part
+            for piece in self._split_added(part, normalized, specials_are_text):
+                ids += [piece] if isinstance(piece, int) else self.enc.encode_ordinary(piece)
+        return ids
 
     def save(self, path: str):
         """Write the Hugging Face tokenizer files into folder path, which transformers' AutoTokenizer,
         tokenizers.Tokenizer.from_file and load_hf_tokenizer load to the same ids: tokenizer.json
         (the ranks as a byte-level BPE vocabulary with their own merges in id order (`bpe_merges`), the
-        pattern as a Split pre-tokenizer, the specials as added tokens, NFC if `normalize`),
+        pattern as a Split pre-tokenizer, the specials as added tokens with their special and normalized
+        flags, NFC if `normalize`),
         tokenizer_config.json (bos/eos/pad names, the template), chat_template.jinja, and
         generation_config.json's eos_token_id (the stop ids), pad_token_id and bos_token_id (other keys
         of an existing file are kept). Raises ValueError (bpe_merges') for ranks no merge list gives."""
@@ -406,7 +527,7 @@ class Tokenizer:
         tokenizer = {
             "version": "1.0", "truncation": None, "padding": None,
             "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                              "normalized": False, "special": True}
+                              "normalized": s in self.normalized_tokens, "special": s not in self.non_special_tokens}
                              for s, i in sorted(_specials(self.enc).items(), key=lambda kv: kv[1])],
             "normalizer": {"type": "NFC"} if self.normalize else None,
             "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
@@ -483,6 +604,10 @@ def load_hf_tokenizer(path: str) -> Tokenizer:
                          f"generation_config.json beside it")
     tj = _read_json(tokenizer_path)
     enc = hf_encoding(tj)
+    added = tj.get("added_tokens", [])  # hf_encoding has checked them
+    # a file without the flags reads as before they were honoured: special, not normalized
+    non_special = frozenset(a["content"] for a in added if not a.get("special", True))
+    normalized = frozenset(a["content"] for a in added if a.get("normalized", False))
     config = _read_json(os.path.join(path, "tokenizer_config.json"), {})
     names = {k: v["content"] if isinstance(v, dict) else v
              for k in ("bos_token", "eos_token", "pad_token") if (v := config.get(k)) is not None}
@@ -495,7 +620,7 @@ def load_hf_tokenizer(path: str) -> Tokenizer:
                          f"generation_config.json: nothing would end a completion")
     return Tokenizer(enc=enc, stop_ids=tuple(stops), pad_id=ids.get("pad_token", stops[0]), bos_id=ids.get("bos_token"),
                      chat_template=_chat_template(path, config), normalize=_uses_nfc(tj),
-                     eos_token=names.get("eos_token"))
+                     eos_token=names.get("eos_token"), non_special_tokens=non_special, normalized_tokens=normalized)
 
 
 def demo_tokenizer(enc: tiktoken.Encoding) -> Tokenizer:
