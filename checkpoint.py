@@ -8,7 +8,9 @@ hub layout):
 - read_checkpoint loads one written by any number of ranks into a model and optimizer;
 - resume_checkpoint picks the folder `resume=` names (`auto`: the newest complete one that
   loads, skipping with a warning any newer one that does not) and returns its trainer state;
-  rng_state / set_rng_state carry the generators across.
+  rng_state / set_rng_state carry the generators across;
+- the run folder: check_run_folder (before any work: out_dir writable, apart from the init
+  checkpoint, free of a live run, holding no other run's checkpoints) and take_lock.
 A resumed run ends bit-exactly where an uninterrupted one would (train.py restores the RNGs
 last, so nothing draws between the restore and the next step).
 
@@ -32,21 +34,39 @@ Notable choices:
    a process group of their own whose timeout is sized at each save by the bytes the busiest rank
    writes (save_timeout_s), so a healthy save never races dist_timeout_s, and a dead rank still
    ends the job, later. That group is a gloo one (DCP exchanges only metadata on it).
+6. A run folder holds one run. Its identity is its settings (run_settings: the resolved config less
+   RESUMABLE, the settings that may change between a run and its resume), hashed into run_id; each
+   checkpoint's config.json and out_dir/run_config.json record them. Resuming a checkpoint written
+   with other settings is an error naming each one (old -> new) unless resume_changed is set; a
+   fresh run refuses a folder holding another run's checkpoints, which resume=auto would continue.
+7. One live run per folder: rank 0 creates out_dir/run.lock (O_EXCL) holding its pid, host and the
+   process's start time, and removes it at the end. A lock whose process is gone from this host (or
+   whose pid now names a process started later) is a killed run's: taken over with a warning. A
+   lock from another host cannot be checked from here: the error names it.
+8. A full disk, a read-only folder or a missing permission during a save is one WriteError line
+   naming the folder and the bytes it needed; the half-written `.tmp` folder is removed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
+import hashlib
 import json
 import os
 import random
+import shutil
+import socket
+import tempfile
+import time
 import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
 from distributed import all_gather_list, all_reduce_float, barrier, collective_group, rank_world
+from metrics import WRITE_ERRNOS, WriteError, free_bytes, write_atomic, write_error
 from weights import local
 
 if TYPE_CHECKING:
@@ -61,6 +81,25 @@ WRITE_BYTES_PER_S = 200e6
 and a conservative one for a shared network filesystem (NFS, Lustre, a cloud file store) under a whole job's load."""
 SAVE_TIMEOUT_FACTOR = 3  # over the bytes' time at WRITE_BYTES_PER_S: stragglers, contention with other jobs
 SAVE_ALLOWANCE_S = 300.0  # over any size: DCP's planning, the fsyncs, the rename, deleting the oldest checkpoint
+
+LOCK_FILE = "run.lock"  # in out_dir while a run writes there: its pid, host and start (take_lock)
+LOCK_WRITE_GRACE_S = 60.0  # a lock file still unreadable this long after it was made: its run died creating it
+CKPT_BYTES_PER_PARAM = 12  # a checkpoint holds fp32 weights and AdamW's two fp32 moments (whatever the compute dtype)
+RESUMABLE = (
+    # where and how a run starts, not what it is
+    "out_dir", "resume", "resume_changed", "dry_run",
+    # its length: RL's learning rate is constant after warm-up, so more (or fewer) RL steps leave the others alone
+    "rl_steps",
+    # what it reports and keeps, not what it trains: evals sample from their own seeded streams, not torch's RNG
+    "logger", "eval_every", "eval_batch_rows", "ckpt_every", "ckpt_keep",
+    # the machine at hand: checkpoints load on any world size, batching leaves what is sampled as it was, and
+    # micro-batches, recompute and compile change how a step is computed, not what it computes
+    "device", "gpus_per_node", "ep", "dist_timeout_s", "activation_checkpoint", "compile", "gen_batch_rows",
+    "microbatch_tokens", "rollout_threads", "trainer_threads", "engine.sglang_urls", "engine.sglang_mem_fraction",
+    "reward.workers",
+)
+"""The settings (section fields dotted) that may differ between a run and its resume without making it another run;
+every other setting is the run's identity (choice 6)."""
 
 _save_group = (None, None)  # (the default group, the group saves run on) once made; see _save_group_for
 _logged_timeout_s = None  # the save timeout last printed: printed again only if it changes
@@ -123,8 +162,10 @@ def _fsync_dir(path: str):
 
 
 def _write_trainer_state(path: str, state: dict):
-    # Its own function so that a test can make it raise, to crash a save midway.
-    torch.save(state, path)
+    # Its own function so that a test can make it raise, to crash a save midway. Written beside, then renamed:
+    # trainer_state.pt is whole or absent, as every file of a checkpoint folder.
+    torch.save(state, path + ".part")
+    os.replace(path + ".part", path)
 
 
 def complete_checkpoints(out_dir: str) -> list[str]:
@@ -155,7 +196,7 @@ def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dic
     previous checkpoints as they were. Keeps the newest cfg.ckpt_keep up to this position (choice 4).
     Collective; under several ranks its collectives wait up to save_timeout_s of the busiest rank's bytes,
     not cfg.dist_timeout_s (choice 5).
-    Returns the checkpoint folder.
+    Returns the checkpoint folder. Raises WriteError (a full disk, no permission) with no `.tmp` folder left (choice 8).
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
     # get_state_dict names parameters and optimizer state by their unwrapped names, not by rank-local ids,
@@ -165,14 +206,38 @@ def write_checkpoint(out_dir: str, position: int, model, opt, trainer_state: dic
     # rank 0 alone also writes the trainer state; its tensors count with its shards
     nbytes = local_bytes((model_sd, optim_sd)) + (local_bytes(trainer_state) if rank == 0 else 0)
     group = _save_group_for(nbytes, cfg.dist_timeout_s)
+    tmp = os.path.join(out_dir, CKPT_SUBDIR, f"step_{position:08d}.tmp")
+    if free_bytes(os.path.dirname(tmp)) < nbytes:  # before a byte is written
+        raise write_error(tmp, OSError(errno.ENOSPC, "no space"), nbytes)
     with collective_group(group):  # barrier() below runs on it too
-        return _write(out_dir, position, {"model": model_sd, "optim": optim_sd}, trainer_state, cfg, group)
+        try:
+            return _write(out_dir, position, {"model": model_sd, "optim": optim_sd}, trainer_state, cfg, group)
+        except BaseException as e:  # DCP's CheckpointException, which carries each rank's, is no Exception
+            failure = _write_failure(e, tmp, nbytes)
+            if failure is None and not isinstance(e, WriteError):
+                raise
+            error = e if failure is None else write_error(tmp, failure, nbytes)  # the free bytes as it failed
+            if rank == 0:  # nothing partial left: the earlier checkpoints stay as they were (choice 8)
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise error from None
+
+
+def _write_failure(e: BaseException, folder: str, nbytes: int) -> OSError | None:
+    # The OSError of WRITE_ERRNOS behind a failed save of nbytes into `folder` (DCP wraps each rank's in
+    # CheckpointException.failures), or None. torch.save's zip writer reports a write the disk cut short without
+    # its errno ("unexpected pos"): a full disk when less room is left than the save needed.
+    if isinstance(e, OSError):
+        return e if e.errno in WRITE_ERRNOS else None
+    if isinstance(e, RuntimeError) and "unexpected pos" in str(e) and free_bytes(folder) < nbytes:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    for exc, _ in getattr(e, "failures", {}).values():
+        if (found := _write_failure(exc, folder, nbytes)) is not None:
+            return found
+    return None
 
 
 def _write(out_dir: str, position: int, state: dict, trainer_state: dict, cfg: TrainConfig, group) -> str:
     # write_checkpoint's steps, its collectives on `group` (None: the default group)
-    import shutil
-
     import torch.distributed.checkpoint as dcp
     rank, _ = rank_world()
     root = os.path.join(out_dir, CKPT_SUBDIR)
@@ -190,8 +255,7 @@ def _write(out_dir: str, position: int, state: dict, trainer_state: dict, cfg: T
     # 3. The replicated trainer state and the resolved config, from rank 0 only.
     if rank == 0:
         _write_trainer_state(os.path.join(tmp, "trainer_state.pt"), trainer_state)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            f.write(json.dumps(dataclasses.asdict(cfg), default=str, indent=1))
+        write_atomic(os.path.join(tmp, "config.json"), json.dumps(dataclasses.asdict(cfg), default=str, indent=1))
     barrier()  # every rank's shards are written before the marker below may claim so
     if rank == 0:
         # 4. The marker, last, so its presence implies every other file was written; flushed and
@@ -308,8 +372,10 @@ def resume_checkpoint(cfg: TrainConfig) -> tuple[str | None, dict | None]:
     loads (load_trainer_state); each newer one that does not is skipped with a warning naming it and
     why; none at all starts afresh, so the same command starts a run and resumes it after a crash.
     Raises ValueError when the named folder does not load, when under "auto" complete ones exist and
-    none loads, or when the chosen one's model has another shape than cfg.model. Several ranks: rank 0
-    chooses and the others take its choice (or its error), so all resume from the same folder.
+    none loads, when the chosen one's model has another shape than cfg.model, or when it was written
+    with other settings (run_settings) and cfg.resume_changed is not set; with it set, each change is
+    printed. Several ranks: rank 0 chooses and the others take its choice (or its error), so all
+    resume from the same folder.
     """
     if not cfg.resume:
         return None, None
@@ -332,6 +398,14 @@ def resume_checkpoint(cfg: TrainConfig) -> tuple[str | None, dict | None]:
         saved = json.load(f)
     if saved["model"] != json.loads(json.dumps(dataclasses.asdict(cfg.model))):
         raise ValueError(f"resume: {path} holds a model of another shape: {saved['model']}")
+    changes = changed_settings(saved, cfg)
+    if changes and not cfg.resume_changed:  # choice 6
+        raise ValueError(f"resume={cfg.resume!r}: {path} was written with other settings (checkpoint -> this "
+                         f"run: {'; '.join(changes)}): resume with its settings, set resume_changed=True to continue "
+                         f"it with these, or start this run in another out_dir")
+    if changes and rank == 0:
+        print(f"resume_changed=True: {path} continues with changed settings (checkpoint -> this run: "
+              f"{'; '.join(changes)})", flush=True)
     return path, state
 
 
@@ -354,3 +428,213 @@ def _choose_checkpoint(cfg: TrainConfig) -> tuple[str | None, dict | None]:
                          f"{os.path.join(cfg.out_dir, CKPT_SUBDIR)} loads:\n" + "\n".join(errors)
                          + "\nrepair one and resume it by name, or move them away to start afresh")
     return None, None
+
+
+# ----------------------------------------------------------------------------- the run folder (choices 6, 7)
+
+def config_dict(cfg: TrainConfig) -> dict:
+    """cfg as its config.json holds it (tuples as lists, other values as JSON reads them back)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def run_settings(config: dict) -> dict:
+    """A run's identity: the settings of a config dict (config_dict, or a config.json), section fields dotted,
+    less RESUMABLE."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):  # a section
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return {k: v for k, v in flat.items() if k not in RESUMABLE}
+
+
+def run_id(config: dict) -> str:
+    """A short hash of run_settings: two configs of one run have the same."""
+    return hashlib.sha256(json.dumps(run_settings(config), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def changed_settings(saved: dict, cfg: TrainConfig) -> list[str]:
+    """'name: old -> new' for each setting of run_settings in which cfg differs from a config.json's `saved`. A
+    setting `saved` lacks (a field added since) counts as its default; one cfg lacks (removed since) as no change."""
+    old, new = run_settings(saved), run_settings(config_dict(cfg))
+    default = run_settings(config_dict(type(cfg)()))
+
+    def shown(v):
+        text = repr(v)
+        return text if len(text) <= 60 else text[:57] + "..."
+    return [f"{key}: {shown(old.get(key, default[key]))} -> {shown(value)}" for key, value in new.items()
+            if old.get(key, default[key]) != value]
+
+
+def check_run_folder(cfg: TrainConfig, checkpoint_bytes: int = 0, lock: bool = True):
+    """out_dir can hold this run, checked before any work without writing there: it is (or can be made) a folder
+    this process can write in, with checkpoint_bytes free; it is not, inside or around the init_hf / init_from
+    checkpoint (their realpaths); with `lock` (rank 0: the others would see its own), no live run holds it
+    (take_lock's file); unless the run resumes one of out_dir's checkpoints (which resume_checkpoint checks) or
+    resume_changed names another folder's, every checkpoint in it is this run's (run_settings), so resume=auto
+    can never continue another run's. Raises ValueError naming out_dir and the reason."""
+    out = cfg.out_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"out_dir={out!r}: a file is there; need a folder (or nothing, to create one)")
+    real = os.path.realpath(out)
+    for key in ("init_hf", "init_from"):
+        src = getattr(cfg, key)
+        if not src:
+            continue
+        init = os.path.realpath(src)
+        if real == init or real.startswith(init + os.sep) or init.startswith(real + os.sep):
+            where = "is" if real == init else "is inside" if real.startswith(init + os.sep) else "holds"
+            raise ValueError(f"out_dir={out!r} {where} the {key} folder {src!r}: the run's model.safetensors, "
+                             f"config.json, tokenizer files and checkpoints would be written over it; write the "
+                             f"run to a folder apart from it")
+    existing = real
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"out_dir={out!r}: {existing} is a file, so no folder can be made under it")
+    try:  # a folder made and removed at once: the one way to know, whatever the filesystem and the user's rights
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
+    except OSError as e:
+        raise ValueError(f"out_dir={out!r}: cannot write in {existing}: {os.strerror(e.errno) if e.errno else e}"
+                         ) from None
+    if checkpoint_bytes and (free := free_bytes(existing)) < checkpoint_bytes:
+        raise ValueError(f"out_dir={out!r}: {free:,} bytes free on its filesystem; one checkpoint needs about "
+                         f"{checkpoint_bytes:,} (ckpt_every={cfg.ckpt_every}: {CKPT_BYTES_PER_PARAM} bytes a "
+                         f"parameter); free space, or write the run elsewhere")
+    busy = _lock_state(os.path.join(out, LOCK_FILE))[2] if lock else None
+    if busy:
+        raise ValueError(f"out_dir={out!r} is in use: {busy}")
+    own = cfg.resume == "auto" or os.path.realpath(cfg.resume).startswith(os.path.join(real, CKPT_SUBDIR, ""))
+    if cfg.resume and (own or cfg.resume_changed):
+        return  # resume_checkpoint holds the checkpoint to this run's settings (or prints how they changed)
+    for ckpt in complete_checkpoints(out):
+        try:
+            with open(os.path.join(ckpt, "config.json")) as f:
+                changes = changed_settings(json.load(f), cfg)
+        except (OSError, ValueError, AttributeError) as e:  # missing, not JSON, not an object
+            changes = [f"its config.json does not read: {e}"]
+        if changes:
+            raise ValueError(f"out_dir={out!r} holds another run's checkpoints ({ckpt} -> this run: "
+                             f"{'; '.join(changes)}): this run would write beside them, and resume=auto would "
+                             f"continue theirs; write this run to another out_dir, move {os.path.dirname(ckpt)} "
+                             f"away, or resume that run with its settings")
+
+
+@dataclasses.dataclass
+class RunLock:
+    """out_dir/run.lock as take_lock wrote it; release() removes it if it is still this run's."""
+    path: str
+    text: str
+
+    def release(self):
+        try:
+            with open(self.path) as f:
+                if f.read() != self.text:  # not ours any more: leave it to its holder
+                    return
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def take_lock(out_dir: str, run: str) -> RunLock:
+    """Create out_dir (if needed) and its lock file, exclusively: {pid, host, start, since, run}. A stale lock (its
+    process gone from this host) is taken over with a warning naming it. Rank 0 only. Raises ValueError when a
+    live run (or one on another host) holds it, WriteError when out_dir cannot be written."""
+    path = os.path.join(out_dir, LOCK_FILE)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid()),
+          "since": time.strftime("%Y-%m-%d %H:%M:%S"), "run": run}
+    text = json.dumps(me)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        for _ in range(3):  # after a stale lock is taken over, or its holder just removed it: once more
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                seen, holder, busy = _lock_state(path)
+                if busy:
+                    raise ValueError(f"out_dir={out_dir!r} is in use: {busy}") from None
+                if seen:
+                    warnings.warn(f"{path}: left by pid {holder.get('pid', '?')} on {holder.get('host', '?')} "
+                                  f"(since {holder.get('since', '?')}), which is no longer running; this run takes "
+                                  f"it over", stacklevel=2)
+                    _remove_stale(path, seen)
+                continue
+            try:
+                os.write(fd, text.encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return RunLock(path, text)
+    except OSError as e:
+        if e.errno in WRITE_ERRNOS:
+            raise write_error(path, e) from None
+        raise
+    raise ValueError(f"out_dir={out_dir!r} is in use: another run took {path} while this one took over a stale one")
+
+
+def _lock_state(path: str) -> tuple[str, dict, str | None]:
+    # (the lock file's text, its holder, why it keeps a new run out: None when there is none or it is stale)
+    try:
+        with open(path) as f:
+            text = f.read()
+        age = time.time() - os.path.getmtime(path)
+    except FileNotFoundError:
+        return "", {}, None
+    try:
+        holder = json.loads(text)
+        pid, host = int(holder["pid"]), str(holder["host"])
+    except (ValueError, KeyError, TypeError):  # made, not yet written; or its run died between the two
+        busy = f"{path} is being taken by another run" if age < LOCK_WRITE_GRACE_S else None
+        return text, {}, busy
+    named = f"run {holder.get('run', '?')} (pid {pid} on host {host}, since {holder.get('since', '?')}) holds {path}"
+    if host != socket.gethostname():
+        return text, holder, (f"{named}, which this host ({socket.gethostname()}) cannot check; if that run has "
+                              f"ended, delete {path}")
+    if _running(pid, holder.get("start")):
+        return text, holder, (f"{named}; two runs in one folder overwrite each other's checkpoints and metrics: "
+                              f"wait for it to end, stop it, or write this run elsewhere")
+    return text, holder, None
+
+
+def _process_start(pid: int) -> str | None:
+    # When process `pid` started (clock ticks since boot, /proc/<pid>/stat's 22nd field); None without /proc
+    # or such a process. A pid's number is reused; its start time tells the processes apart.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]  # a zombie has ended; only its exit status is left
+
+
+def _running(pid: int, start: str | None) -> bool:
+    # Whether process `pid` of this host, started at `start` (if known), still runs.
+    if os.path.isdir("/proc/self"):
+        now = _process_start(pid)
+        return now is not None and (start is None or now == start)
+    try:  # no /proc (macOS): signal 0 asks only whether the pid exists
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_stale(path: str, seen: str):
+    # Remove the stale lock whose text is `seen`, but never a fresh one another run made in the meantime: move it
+    # aside (atomic), then put back what was moved if it is not what was seen.
+    grave = f"{path}.stale{os.getpid()}"
+    try:
+        os.rename(path, grave)
+    except FileNotFoundError:  # another run removed it first
+        return
+    with open(grave) as f:
+        moved = f.read()
+    if moved != seen:
+        try:
+            os.link(grave, path)
+        except FileExistsError:
+            pass
+    os.remove(grave)

@@ -193,6 +193,9 @@ class TrainConfig:
     resume: str = ""
     """"" = start afresh; "auto" = the newest complete checkpoint in out_dir/ckpt that loads (newer ones that do not
     are skipped with a warning naming them); or a checkpoint folder."""
+    resume_changed: bool = False
+    """With resume set: continue a checkpoint written with other settings (all but checkpoint.RESUMABLE), each change
+    printed as `name: old -> new`; without it such a resume is an error naming them, before any work."""
     logger: str = "none"
     """Metrics sink besides metrics.jsonl and the console: 'none', 'tensorboard' or 'wandb' (imported lazily)."""
     # task
@@ -287,7 +290,7 @@ class TrainConfig:
                                    "eval_samples", "eval_batch_rows")},
         **{k: integer(0) for k in ("train_seed", "eval_seed", "bpe_merges", "sft_steps", "rl_steps", "lr_warmup_steps",
                                    "max_staleness", "rollout_threads", "trainer_threads")},
-        **{k: FLAG for k in ("dry_run", "activation_checkpoint", "compile", "router_replay")},
+        **{k: FLAG for k in ("dry_run", "activation_checkpoint", "compile", "router_replay", "resume_changed")},
         **{k: PATH for k in ("init_from", "init_hf", "train_data", "eval_data")},
         **{k: POSITIVE for k in ("sft_lr", "lr")},
         "out_dir": text("a folder path (a non-empty str)", lambda v: bool(v.strip())),
@@ -361,6 +364,8 @@ RELATIONS: list[tuple[Callable[[TrainConfig], Any], Callable[[TrainConfig], str]
     (lambda c: bool(c.train_data) == bool(c.eval_data),
      lambda c: f"train_data={c.train_data!r}, eval_data={c.eval_data!r}: give both (a dataset file to train on and "
                f"one held out for the evals), or neither (reasoning-gym's tasks)"),
+    (lambda c: not c.resume_changed or c.resume,
+     lambda c: "resume_changed=True is read only when resuming: set resume='auto' or a checkpoint folder"),
     (lambda c: not (c.init_hf and c.init_from),
      lambda c: f"init_from={c.init_from!r}: start from init_hf={c.init_hf!r} or from init_from, not both"),
     (lambda c: c.train_data or c.eval_seed > c.train_seed + c.train_size,

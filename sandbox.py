@@ -18,21 +18,33 @@ Layers, in the order the child applies them, each only where the host allows it:
 1. namespaces: a new network namespace (no interface is up, loopback included, so no
    connection leaves it), a new PID namespace (when its first process exits the kernel
    kills everything left in it, including processes that left the OS process group with
-   setsid) and a new mount namespace whose copy of the temp dir is a size-limited tmpfs
-   (the disk cannot fill up, and its files vanish with the namespace). A caller that is
-   not root first enters a new user namespace, mapping its own uid;
+   setsid) and a new mount namespace with a root of the program's own ("rootfs"): a small
+   tmpfs holding read-only binds of the interpreter's standard library and the system's
+   shared libraries (`_readable_paths`), four devices, the PID namespace's /proc and, at
+   the temp dir's path, a size-limited tmpfs (the disk cannot fill up, and its files vanish
+   with the namespace). Init pivots into it (pivot_root(2)) and lets the host's root go
+   before the program exists, so the data, the repository, the rest of /tmp, /etc and
+   every home are not there to be read or listed. A caller that is not root first enters
+   a new user namespace, mapping its own uid;
 2. rlimits per process: CPU seconds, address space, file size, open files, processes
    (set after the user namespace exists: in it the process count is the sandbox's own);
    no core dumps; no_new_privs;
 3. as root: the program runs under an unprivileged uid unique to this run, because the
    kernel does not enforce RLIMIT_NPROC for root;
-4. Landlock (Linux >= 5.13): files may be created, written or removed only beneath the
-   temp dir (and /dev/null written); TCP bind/connect denied (Landlock ABI >= 4); no
-   signals to, and no abstract unix socket connections with, processes outside the
-   sandbox (ABI >= 6). Its network and signal rules repeat layer 1 on purpose: where
-   namespaces are missing they still keep the program off the network and away from the
-   caller's processes. Its file rule is the only bound on where a program that runs
-   under the caller's own uid (a caller that is not root) may write.
+4. Landlock (Linux >= 5.13): files may be read, listed or executed only beneath the temp
+   dir, `_readable_paths`, the devices and (with layer 1) /proc ("landlock-read"), and
+   created, written or removed only beneath the temp dir (and /dev/null written); TCP
+   bind/connect denied (Landlock ABI >= 4); no signals to, and no abstract unix socket
+   connections with, processes outside the sandbox (ABI >= 6). Its read, network and
+   signal rules repeat layer 1 on purpose: where namespaces are missing they still keep
+   the program away from the host's files, off the network and away from the caller's
+   processes. Its write rule is the only bound on where a program that runs under the
+   caller's own uid (a caller that is not root) may write;
+5. every capability dropped: in a user namespace the program would hold all of them in it
+   (mount, umount, ptrace of the runner);
+6. only where neither layer 1's root nor Landlock confines reads: a Python audit hook
+   (`_audit_reads`, "audit-reads") refuses opening, listing or entering paths outside those
+   of layer 4, starting a process and every ctypes call.
 
 Ending and judging a run:
 1. The child keeps the wall-clock limit outside the namespaces: it kills the namespace's
@@ -63,7 +75,11 @@ Ending and judging a run:
 Limits of this design:
 1. Memory is bounded per process, so the worst case is max_processes x memory_mb; a
    cgroup would bound the sum.
-2. Files stay readable (the interpreter needs its standard library).
+2. Reads: the program reads its temp dir, the standard library and the system's shared
+   library directories (other software's files there, none of the run's). Where the host
+   has neither user namespaces (or root) nor Landlock, only the audit hook guards reads,
+   and it sees Python's calls only: C code that reads without an audit event (an exec by
+   _posixsubprocess.fork_exec, say) gets past it.
 3. Without a `Check`, code written against this file's internals (reading the nonce
    from the runner's stack) is not stopped; with one, the nonce is not in its process.
 4. With a `Check`: tests that catch every exception (a bare `except:`) also catch the
@@ -91,6 +107,7 @@ import signal
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -98,15 +115,23 @@ from dataclasses import asdict, dataclass
 # Kernel constants from <linux/sched.h>, <linux/mount.h> and <linux/prctl.h>, spelled out because the os module
 # has no mount(2) at all, and unshare and its flags only from Python 3.12.
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 0x1000, 0x4000, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 1 << 18
+MNT_DETACH = 2  # umount2(2): detach now, free once no longer busy
+# A read-only remount of a bind mount must repeat the flags the kernel locked on it in a user namespace
+# (mount_namespaces(7)), read back by statvfs(2): its ST_ bits -> mount(2)'s MS_ bits
+LOCKED_MOUNT_FLAGS = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC,
+                      os.ST_NOATIME: 1 << 10, os.ST_NODIRATIME: 1 << 11, os.ST_RELATIME: 1 << 21}
 PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 4, 38
 LINUX_CAPABILITY_VERSION_3 = 0x20080522  # <linux/capability.h>: capset(2) with two 32-bit words per set
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446  # same on every arch
 LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1  # the first flag asks for the ABI version only
 # Landlock filesystem rights that change the filesystem (uapi/linux/landlock.h), with the ABI that added them;
-# reading and executing are never restricted: the interpreter must import its standard library
+# reading and executing are restricted apart (FS_READ): allowed beneath the standard library and the shared libraries
 FS_WRITE_RIGHTS = {1: (1 << 1) | (1 << 4) | (1 << 5) | sum(1 << b for b in range(6, 13)), 2: 1 << 13, 3: 1 << 14}
 FS_WRITE_FILE, FS_TRUNCATE = 1 << 1, 1 << 14
+FS_READ = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read a file, list a directory (ABI 1)
+FS_FILE_RIGHTS = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14)  # the rights a rule on a file (not a directory) may hold
 NET_BIND_TCP, NET_CONNECT_TCP = 1, 2  # Landlock ABI >= 4
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2  # Landlock ABI >= 6
 SANDBOX_UID_BASE = 1_000_000_000  # above any real account; + the child's pid makes it unique among live runs
@@ -118,6 +143,15 @@ OUTPUT_NAME = "output.txt"
 LAYERS_TAG = "#sandbox-layers "  # the output's first line names the layers applied, before any program output
 JOB_NAME = "job.json"  # the program and the name of the function a Check calls, handed to the child
 PLAIN_SCALARS = (bool, int, float, str, type(None))  # JSON's own types, which the runner takes exactly
+# What a program may read besides its temp dir: the standard library (sysconfig's paths, found at run time) and
+# the shared libraries its extension modules load lazily (hashlib's libcrypto), with the loader's cache
+LIBRARY_PATHS = ("/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/local/lib",
+                 "/etc/ld.so.cache")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")  # readable; only /dev/null writable
+ROOT_TMPFS_OPTS = b"size=1m,mode=0755"  # the program's / holds only directories, mount points and symlinks
+# `_audit_reads`: events whose first argument is a path (sys.audit's event table), and event prefixes refused
+AUDIT_PATH_EVENTS = ("open", "os.listdir", "os.scandir", "os.chdir")
+AUDIT_REFUSED = ("os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen", "ctypes.")
 
 
 @dataclass(frozen=True)
@@ -264,7 +298,8 @@ def _check(ret: int, what: str) -> int:
 
 
 def _enter_namespaces(libc, tmp: str, uid: int, limits: SandboxLimits) -> list[str]:
-    """New net, PID and mount namespaces (and user namespace when not root); tmpfs over tmp."""
+    """New net, PID and mount namespaces (and user namespace when not root), and the program's root
+    built over tmp (`_build_root`), which init pivots into (`_pivot_root`)."""
     root = os.geteuid() == 0
     # root may create these namespaces directly; any other caller may only together with a new user namespace
     flags = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS | (0 if root else CLONE_NEWUSER)
@@ -278,49 +313,72 @@ def _enter_namespaces(libc, tmp: str, uid: int, limits: SandboxLimits) -> list[s
         for name, text in (("setgroups", "deny"), ("uid_map", f"{os.getuid()} {os.getuid()} 1"), ("gid_map", f"{gid} {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
-    # keep our mounts out of the host's namespace, then give the program a fresh, bounded tmpfs
+    # keep our mounts out of the host's namespace
     _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+    _build_root(libc, tmp, uid, limits)
+    return ["netns", "pidns", "tmpfs", "rootfs"] + ([] if root else ["userns"])
+
+
+def _readable_paths() -> list[str]:
+    """The paths a program may read besides its temp dir (LIBRARY_PATHS' comment), none inside another."""
+    # the base interpreter's, not a virtual environment's (its site-packages are the project's dependencies)
+    base = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})
+    # LIBDIR: the libraries a conda or pyenv interpreter links its extension modules to (conda's libssl, libffi)
+    found = [base["stdlib"], base["platstdlib"], *map(sysconfig.get_config_var, ("DESTSHARED", "LIBDIR"))]
+    paths = sorted({os.path.abspath(p) for p in [*found, *LIBRARY_PATHS] if p and os.path.lexists(p)})
+    return [p for p in paths if not any(p.startswith(q + os.sep) for q in paths)]
+
+
+def _build_root(libc, tmp: str, uid: int, limits: SandboxLimits):
+    """The program's future /: a small tmpfs mounted over tmp holding read-only binds of `_readable_paths`
+    and DEVICES at their own paths, an empty /proc, and at tmp's path the program's working directory, a
+    size-limited tmpfs. The data, the repository, the rest of /tmp, /etc and every home are not in it.
+
+    Directories on the way to a bind are this tmpfs's own, mode 0755: the sandbox uid (as root) reaches an
+    interpreter under /root without the rest of /root becoming visible.
+    """
+    _check(libc.mount(b"tmpfs", tmp.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, ROOT_TMPFS_OPTS), "mount the root tmpfs")
+    for path in [*_readable_paths(), *DEVICES]:
+        inside = tmp + path
+        if os.path.islink(path):  # /lib -> usr/lib on a merged /usr: the same link, its target bound on its own
+            os.makedirs(os.path.dirname(inside), exist_ok=True)
+            os.symlink(os.readlink(path), inside)
+            continue
+        if os.path.isdir(path):  # a bind mount needs a mount point of the same kind
+            os.makedirs(inside, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(inside), exist_ok=True)
+            open(inside, "w").close()
+        _check(libc.mount(path.encode(), inside.encode(), None, MS_BIND | MS_REC, None), f"bind {path}")
+        if path not in DEVICES:  # a device node on a read-only mount could not be written, /dev/null included
+            _remount_read_only(libc, inside)
+    os.makedirs(tmp + "/proc")
+    os.makedirs(tmp + tmp)
     # owned by the uid the program will run under, readable by no one else; nosuid and nodev: no setuid binary
     # or device node the program creates there has any effect
     opts = f"size={limits.disk_mb}m,mode=0700,uid={uid},gid={uid}".encode()
-    _check(libc.mount(b"tmpfs", tmp.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts), "mount tmpfs")
-    if root:  # the sandbox uid must still import the interpreter's modules, which may lie under /root
-        _make_reachable(libc, [p for p in sys.path if p and os.path.exists(p)])
-    return ["netns", "pidns", "tmpfs"] + ([] if root else ["userns"])
+    # The root itself stays writable, to its owner only (the caller's uid; never the sandbox uid of a root
+    # caller): a throwaway tmpfs of 1 MB, where Landlock refuses writes anyway
+    _check(libc.mount(b"tmpfs", (tmp + tmp).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts), "mount tmpfs")
 
 
-def _make_reachable(libc, paths: list[str]):
-    """Let any uid reach `paths` (the interpreter's import path) in this mount namespace.
-
-    An ancestor that others cannot traverse (an interpreter under /root, say) is covered by
-    a tmpfs that holds only bind mounts of the children on the way to the paths, so the
-    sandbox uid can import the standard library while the rest of that directory stays hidden.
-    """
-    needed: dict[str, set[str]] = {}  # an ancestor closed to others -> its children on the way to a path
-    for path in paths:
-        parts = os.path.abspath(path).split(os.sep)[1:]
-        for i in range(len(parts)):
-            ancestor = os.sep + os.sep.join(parts[:i])
-            if not os.stat(ancestor).st_mode & stat.S_IXOTH:
-                needed.setdefault(ancestor, set()).add(parts[i])
-    for ancestor in sorted(needed, key=len):  # outermost first: inner ones are reached through its bind mounts
-        # opened before the tmpfs covers the ancestor: the names then resolve to the tmpfs, but these fds still
-        # point at the originals, which /proc/self/fd/N bind-mounts back into place
-        fds = {name: os.open(os.path.join(ancestor, name), os.O_PATH | os.O_CLOEXEC) for name in needed[ancestor]}
-        _check(libc.mount(b"tmpfs", ancestor.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"),
-               f"mount tmpfs on {ancestor}")
-        for name, fd in fds.items():
-            if stat.S_ISDIR(os.fstat(fd).st_mode):  # a bind mount needs a mount point of the same kind
-                os.mkdir(os.path.join(ancestor, name))
-            else:
-                open(os.path.join(ancestor, name), "w").close()  # a file is bind-mounted onto a file
-            _check(libc.mount(f"/proc/self/fd/{fd}".encode(), os.path.join(ancestor, name).encode(), None,
-                              MS_BIND | MS_REC, None), f"bind {ancestor}/{name}")
-            os.close(fd)
+def _remount_read_only(libc, path: str):
+    """Make the mount at path read-only, keeping the flags a user namespace locked on it."""
+    kept = sum(ms for st, ms in LOCKED_MOUNT_FLAGS.items() if os.statvfs(path).f_flag & st)
+    _check(libc.mount(None, path.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept, None), f"remount {path} ro")
 
 
-def _landlock(libc, tmp: str) -> list[str]:
-    """Allow filesystem writes only beneath tmp; deny TCP and outside signals where the ABI has them."""
+def _pivot_root(libc, new: str):
+    """Make `new` this mount namespace's / and let go of the old one (pivot_root(2)'s "." "." idiom)."""
+    os.chdir(new)
+    _check(libc.pivot_root(b".", b"."), "pivot_root")  # the old root now lies on top of the new one
+    _check(libc.umount2(b".", MNT_DETACH), "detach the old root")  # no path leads back to it
+    os.chdir("/")
+
+
+def _landlock(libc, tmp: str, *, proc: bool) -> list[str]:
+    """Allow filesystem writes only beneath tmp, reads only there and beneath `_readable_paths` (and /proc when
+    `proc`: the PID namespace's own); deny TCP and outside signals where the ABI has them."""
     libc.syscall.restype = ctypes.c_long  # syscall(2) returns a long; ctypes would assume an int
     # a kernel without Landlock, or with it disabled at boot, returns -1 (ENOSYS, EOPNOTSUPP): no layer, not an error
     abi = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
@@ -339,22 +397,28 @@ def _landlock(libc, tmp: str) -> list[str]:
 
     # a handled right is denied everywhere except beneath the paths of a rule; a right this ABI does not know
     # would make the kernel refuse the whole ruleset
-    fs = sum(bits for v, bits in FS_WRITE_RIGHTS.items() if v <= abi)
+    fs = sum(bits for v, bits in FS_WRITE_RIGHTS.items() if v <= abi) | FS_READ
     attr = RulesetAttr(fs, NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0,
                        SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0)
     ruleset = _check(libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
                                   ctypes.c_uint32(0)), "landlock_create_ruleset")
     # /dev/null: programs and the libraries they call write there; opening it with O_TRUNC needs TRUNCATE (ABI 3)
-    for path, access in ((tmp, fs), ("/dev/null", FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0))):
+    # (rules on one path add up)
+    rules = [(tmp, fs), ("/dev/null", FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0))]
+    rules += [(path, FS_READ) for path in [*_readable_paths(), *DEVICES] + (["/proc"] if proc else [])]
+    for path, access in rules:
+        if not os.path.exists(path):  # a link whose target is missing: O_PATH would fail the whole layer
+            continue
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        rule = PathBeneath(access, fd)
+        rule = PathBeneath(access if os.path.isdir(path) else access & FS_FILE_RIGHTS, fd)  # else EINVAL
         _check(libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
                             ctypes.byref(rule), ctypes.c_uint32(0)), "landlock_add_rule")
         os.close(fd)
     # from here on for this process and every process it starts; it cannot be lifted (needs no_new_privs, set earlier)
     _check(libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)), "landlock_restrict_self")
     os.close(ruleset)
-    return ["landlock-fs"] + (["landlock-tcp"] if abi >= 4 else []) + (["landlock-signal"] if abi >= 6 else [])
+    return (["landlock-fs", "landlock-read"] + (["landlock-tcp"] if abi >= 4 else [])
+            + (["landlock-signal"] if abi >= 6 else []))
 
 
 def _child(tmp: str, limits: SandboxLimits):
@@ -382,8 +446,13 @@ def _child(tmp: str, limits: SandboxLimits):
     layers.append("rlimits")
     init = os.fork()  # with a PID namespace: its init, which outlives the program and takes everything with it
     if init == 0:
-        if "pidns" in layers:  # a /proc of this namespace: the host's processes are not even listed
-            _check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
+        if "rootfs" in layers:  # mounted by init, the namespace's first process: a /proc of this PID namespace
+            try:  # only the sandbox's own processes are listed
+                _check(libc.mount(b"proc", f"{tmp}/proc".encode(), b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None),
+                       "mount /proc")
+            except OSError:  # refused in a user namespace where a container masks parts of the host's /proc:
+                pass  # /proc stays an empty directory
+            _pivot_root(libc, tmp)  # before the program exists: no process of the sandbox ever sees the host's /
         # the program is not the namespace's pid 1, which the kernel shields from every signal it has no handler
         # for (pid_namespaces(7)); init waits for it and passes its status on
         program = os.fork()
@@ -396,9 +465,14 @@ def _child(tmp: str, limits: SandboxLimits):
                 os.setuid(uid)
                 layers.append("uid")
             try:
-                layers += _landlock(libc, tmp)
+                layers += _landlock(libc, tmp, proc="rootfs" in layers)
             except OSError:  # Landlock is one layer among several; the result lists the layers that held
                 pass
+            # in a user namespace the program would hold every capability in it: mount, umount, ptrace of the
+            # runner (after setuid, as root, it holds none already)
+            _drop_capabilities(libc)
+            if not {"rootfs", "landlock-read"} & set(layers):  # the kernel confines no reads: Python's hook must
+                layers.append("audit-reads")
             os.chdir(tmp)  # relative paths land in the tmpfs
             _run_program(job["program"], job["entry_point"], layers)
         # os._exit, not sys.exit: a forked interpreter must not run the parent's exit handlers or flush its buffers
@@ -425,9 +499,12 @@ def _status(wait_status: int) -> int:  # a shell's convention: the exit code, or
 def _run_program(source: str, entry_point: str | None, layers: list[str]):
     sys.stdout.write(LAYERS_TAG + ",".join(layers) + "\n")
     sys.stdout.flush()  # the header must come before anything the program writes
+    audit = "audit-reads" in layers
     if entry_point is not None:
-        _run_check(source, entry_point)  # exits
+        _run_check(source, entry_point, audit)  # exits
     nonce = sys.stdin.readline().strip()  # stdin is at its end afterwards: the program reads nothing of it
+    if audit:  # last: this process makes no ctypes call after it
+        _audit_reads(os.getcwd())
     try:
         # fresh globals named __main__, as `python program.py` would give: the program's __main__ blocks
         # run, and this file's names are not among its globals
@@ -435,6 +512,24 @@ def _run_program(source: str, entry_point: str | None, layers: list[str]):
     except BaseException as e:  # SystemExit included: exiting before the end is not a pass
         _fail(e)
     _pass(nonce)
+
+
+def _audit_reads(tmp: str):
+    """The fallback where the kernel confines no reads: a sys.addaudithook(3.8) hook, which Python code
+    cannot remove, refuses opening, listing or entering a path outside tmp and `_readable_paths`, starting
+    a process (exec, spawn, system, subprocess) and every ctypes call, so no C function is called past it.
+    It does not see C code that reads files without an audit event (_posixsubprocess.fork_exec, say)."""
+    allowed = tuple(os.path.realpath(p) for p in [tmp, *_readable_paths(), *DEVICES])
+
+    def hook(event: str, args: tuple):
+        if event.startswith(AUDIT_REFUSED):
+            raise PermissionError(f"sandbox: {event} refused")
+        if event in AUDIT_PATH_EVENTS and not isinstance(args[0], int):  # an int: a descriptor already open
+            path = os.path.realpath(os.fsdecode("." if args[0] is None else args[0]))
+            if not any(path == a or path.startswith(a + os.sep) for a in allowed):
+                raise PermissionError(f"sandbox: {event} of {path} refused")
+
+    sys.addaudithook(hook)
 
 
 def _fail(e: BaseException):
@@ -461,8 +556,9 @@ class ProgramEnded(BaseException):
     """The program's process ended (exited, crashed, failed to define the function) before answering."""
 
 
-def _run_check(source: str, entry_point: str):
-    """Fork the program's process, then read the Check's tests from stdin and run them here; exits."""
+def _run_check(source: str, entry_point: str, audit: bool):
+    """Fork the program's process, then read the Check's tests from stdin and run them here; exits.
+    audit: the program's process installs `_audit_reads` before the program runs."""
     libc = _libc()
     # not dumpable: a process of the same uid may not read this one's memory or file descriptors (the nonce's
     # pipe) through /proc or ptrace; set before the fork so there is no moment when the program could
@@ -475,8 +571,9 @@ def _run_check(source: str, entry_point: str):
         os.close(calls_w)
         os.close(replies_r)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the nonce's pipe, gone before the program starts
-        _drop_capabilities(libc)  # in a user namespace it would hold CAP_SYS_PTRACE over the runner
         _check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(DUMPABLE)")  # its own /proc stays readable to it
+        if audit:  # last: this process makes no ctypes call after it
+            _audit_reads(os.getcwd())
         _serve(source, entry_point, calls_r, replies_w)
     os.close(calls_r)
     os.close(replies_w)

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from checkpoint import (latest_checkpoint, read_checkpoint, resume_checkpoint, rng_state, set_rng_state,
-                        write_checkpoint)
+from checkpoint import (CKPT_BYTES_PER_PARAM, check_run_folder, config_dict, latest_checkpoint, read_checkpoint,
+                        resume_checkpoint, rng_state, run_id, set_rng_state, take_lock, write_checkpoint)
 from config import ConfigError, TrainConfig, parse_args
 from data import Item, ItemList, Prompts, RunData, load_run_data, prompt_ids
 from distributed import Meshes, all_gather_list, build_model, rank_world, reference_copy, setup_distributed
@@ -49,7 +49,8 @@ from espo import ragged_group_advantages
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, PromptHistory, Scored, is_informative, oversample_size,
                     post_rollout_filter, pre_rollout_filter, probe_decisions)
 from hf import check_weights, save_hf
-from metrics import MetricsLog, plot
+from metrics import MetricsLog, WriteError, check_logger, plot, read_records, write_atomic
+from plan import param_counts
 from reward import reward_model_for, shaped_rewards
 from rollout import Engine, build_engine, engine_builder, producer_engine, stop_engine_servers
 from sampler import Rollout
@@ -427,39 +428,68 @@ def rl_optimizer(model, cfg: TrainConfig):
 # ----------------------------------------------------------------------------- eval
 
 @torch.no_grad()
-def evaluate(run: Run, *, samples: int, temperature: float) -> torch.Tensor:
-    """Per held-out item, the mean binary reward of `samples` completions at `temperature`, [n] fp32.
+def evaluate(run: Run, *, samples: int, temperature: float) -> tuple[torch.Tensor, Counter]:
+    """Per held-out item, the mean binary reward of `samples` completions at `temperature`, [n] fp32, and how
+    their scoring went over every rank (a count per reason: "ok", "timeout", "error: <type>").
 
-    temperature 0 is greedy (use samples=1). Sampling is seeded by cfg.seed, so every eval of a
-    run draws from the same random stream.
+    Scored as the RL step scores (score_rollouts): each completion within reward.timeout_s, by reward
+    workers beside generation when the run has them (a RewardPool of the held-out task's verifier: the
+    run's own pool is bound to the training task's), else on this thread (scoring.score_inline). A
+    completion that cannot be scored (math-verify on 9^{9^{9^{9}}}, a verifier that raises) counts as
+    wrong and is counted; it never ends the run. temperature 0 is greedy (use samples=1). Sampling is
+    seeded by cfg.seed, so every eval of a run draws from the same random stream.
     """
-    cfg, items = run.cfg, run.eval_items
+    cfg, items, task = run.cfg, run.eval_items, run.held_out
     params = dataclasses.replace(cfg.sampling, temperature=temperature)
-    scores = []
     rows = max(1, cfg.eval_batch_rows // samples)
     rank, world = rank_world()
     mine = list(range(rank, len(items), world))  # multi-rank: rank r takes items r, r + world, ...
     calls = -(-len(items) // (rows * world))  # as many on every rank (the sharded engine's calls are collectives)
-    with run.engine.phase():
-        for c in range(calls):
-            chunk = mine[c * rows:(c + 1) * rows]
-            # item i's stream is keyed by (cfg.seed, i, sample): the same whichever rank and call generate it
-            outs = run.engine.generate([prompt_ids(run.tok, run.held_out, items[i], cfg.system_prompt) for i in chunk],
-                                       params, n=samples, seed=cfg.seed, group_ids=chunk)
-            scores += [(r.group_id, run.held_out.score(completion_text(run.tok, r), items[r.group_id])) for r in outs]
-    scores = [x for _, x in sorted(all_gather_list(scores), key=lambda s: s[0])]  # item order, samples in order
-    return torch.tensor(scores).view(len(items), samples).mean(dim=1)  # (items, samples) -> mean per item
+    pool = None
+    if run.pool is not None:  # the run scores on workers: so does its eval, with the same number and limit
+        pool = RewardPool(task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+    group_ids, results = [], []  # per completion: its item, and its (reward, reason)
+    try:
+        with run.engine.phase():
+            for c in range(calls):
+                chunk = mine[c * rows:(c + 1) * rows]
+                # item i's stream is keyed by (cfg.seed, i, sample): the same whichever rank and call generate it
+                outs = run.engine.generate([prompt_ids(run.tok, task, items[i], cfg.system_prompt) for i in chunk],
+                                           params, n=samples, seed=cfg.seed, group_ids=chunk)
+                for r in outs:  # a completion's key is its position among this rank's completions
+                    text, item = completion_text(run.tok, r), items[r.group_id]
+                    if pool is not None:
+                        pool.submit(len(group_ids), text, item)
+                    else:
+                        results.append(score_inline(task.score, text, item, timeout_s=cfg.reward.timeout_s))
+                    group_ids.append(r.group_id)
+        if pool is not None:
+            rewards, reasons = pool.gather(list(range(len(group_ids))))
+            results = list(zip(rewards, reasons))
+    finally:
+        if pool is not None:
+            pool.close()
+    # sorted by item, stable: each item's samples stay in order
+    scored = sorted(all_gather_list([(g, w, why) for g, (w, why) in zip(group_ids, results)]), key=lambda s: s[0])
+    reward = torch.tensor([w for _, w, _ in scored], dtype=torch.float32)
+    return reward.view(len(items), samples).mean(dim=1), Counter(why for _, _, why in scored)  # (items, samples) -> [n]
 
 
 def run_eval(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampled (mean of eval_samples at the rollout temperature) and greedy accuracy per held-out prompt, logged."""
-    sampled = evaluate(run, samples=run.cfg.eval_samples, temperature=run.cfg.sampling.temperature)
-    greedy = evaluate(run, samples=1, temperature=0.0)
+    """Sampled (mean of eval_samples at the rollout temperature) and greedy accuracy per held-out prompt, logged
+    with `eval/unscored`: the completions of both that could not be scored (timeout or error), counted wrong."""
+    sampled, reasons = evaluate(run, samples=run.cfg.eval_samples, temperature=run.cfg.sampling.temperature)
+    greedy, greedy_reasons = evaluate(run, samples=1, temperature=0.0)
+    reasons.update(greedy_reasons)
+    unscored = sum(n for why, n in reasons.items() if why != "ok")
     (acc, se), (g_acc, g_se) = mean_se(sampled), mean_se(greedy)
     run.log({"stage": "eval", "step": step, "eval_acc": acc, "eval_se": se, "eval_greedy_acc": g_acc,
-             "eval_greedy_se": g_se, "time": time.perf_counter() - run.t_start})
+             "eval_greedy_se": g_se, "eval/unscored": unscored, "time": time.perf_counter() - run.t_start})
     if rank_world()[0] == 0:
         tqdm.write(f"step {step}: eval accuracy {acc:.3f} +- {se:.3f} sampled, {g_acc:.3f} +- {g_se:.3f} greedy")
+        if unscored:
+            causes = ", ".join(f"{n} {why}" for why, n in sorted(reasons.items()) if why != "ok")
+            tqdm.write(f"step {step}: eval: {unscored} completions could not be scored ({causes}), counted wrong")
     return sampled, greedy
 
 
@@ -499,11 +529,18 @@ class Start:
 
 
 def prepare(cfg: TrainConfig) -> Start:
-    """Every file the run reads, read once and checked before any work: out_dir, the checkpoint's weights
-    (headers), data and tokenizer (data.load_run_data), the offline pass rates. Raises ValueError naming
-    the field (and the file)."""
-    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
-        raise ValueError(f"out_dir={cfg.out_dir!r}: a file is there; need a folder (or nothing, to create one)")
+    """Every file the run reads, read once and checked before any work (a dry run's too): out_dir (writable,
+    room for a checkpoint, apart from the init checkpoint, no live run in it, no other run's checkpoints:
+    checkpoint.check_run_folder), the logger (its package, a wandb login), the metrics.jsonl a resume continues,
+    the checkpoint's weights (headers), data and tokenizer (data.load_run_data), the offline pass rates.
+    Leaves nothing written. Raises ValueError naming the field (and the file)."""
+    # a dry run plans for another machine: this one's free space says nothing of that one's
+    needed = 0 if cfg.dry_run or not cfg.ckpt_every else CKPT_BYTES_PER_PARAM * param_counts(cfg.model)["total"]
+    check_run_folder(cfg, needed, lock=os.environ.get("RANK", "0") == "0")  # rank 0 takes the lock (main)
+    check_logger(cfg.logger)
+    metrics = os.path.join(cfg.out_dir, "metrics.jsonl")
+    if cfg.resume and os.path.isfile(metrics):
+        read_records(metrics)  # a partial last line is dropped, but a bad line inside is named now, not at its turn
     for key in ("init_hf", "init_from"):
         if getattr(cfg, key):
             check_weights(f"{key}={getattr(cfg, key)!r}", getattr(cfg, key))
@@ -525,9 +562,9 @@ def prepare(cfg: TrainConfig) -> Start:
 def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
     """The policy, engine, metrics log and reward workers of a run, around what `prepare` read."""
     data = start.data
-    if rank_world()[0] == 0:
-        with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
-            f.write(json.dumps(dataclasses.asdict(cfg), default=str, indent=1))
+    if rank_world()[0] == 0:  # whole or not at all: a crash or a full disk leaves the previous one
+        write_atomic(os.path.join(cfg.out_dir, "run_config.json"), json.dumps(dataclasses.asdict(cfg), default=str,
+                                                                              indent=1))
     model = build_model(cfg, meshes)  # before the engine: both draw their init from torch's RNG
     return Run(cfg=cfg, engine=build_engine(cfg, data.tok, model), tok=data.tok, prompts=data.prompts,
                predictor=LengthPredictor(prior=cfg.sampling.max_new_tokens / 2), filter_rng=random.Random(cfg.seed),
@@ -643,14 +680,18 @@ def main(cfg: TrainConfig) -> dict:
     accuracies before and after RL.
 
     Before any work every file the run reads is read and checked once (`prepare`; a problem is a
-    ConfigError). Under torchrun (WORLD_SIZE > 1) every rank runs this: see setup_distributed. With
-    cfg.resume it continues from a checkpoint exactly where that run was (same weights, optimizer,
-    data position, RNGs, filter history and length predictor), so a resumed run ends with the
-    weights an uninterrupted one would have.
+    ConfigError), the dry run's too; then rank 0 locks out_dir for this run (`lock_run_folder`,
+    released when main returns or raises). Under torchrun (WORLD_SIZE > 1) every rank runs this: see
+    setup_distributed. With cfg.resume it continues from a checkpoint of this run (checkpoint.py's
+    choice 6) exactly where that run was (same weights, optimizer, data position, RNGs, filter
+    history and length predictor), so a resumed run ends with the weights an uninterrupted one would
+    have. A file the run cannot write (a full disk) is a WriteError naming it.
     """
     try:
         engine_builder(cfg.engine.name)  # the one setting only the registry knows
-        start = None if cfg.dry_run else prepare(cfg)
+        start = prepare(cfg)
+        if cfg.dry_run:  # the checks a run makes before its work, the resumed checkpoint's settings last
+            resume_checkpoint(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     if cfg.dry_run:
@@ -666,9 +707,11 @@ def main(cfg: TrainConfig) -> dict:
     if torch.device(cfg.device).type == "cuda":
         # beside bf16 compute, the fp32 matmuls left (the router's) use TF32 tensor cores; a float32 run stays exact
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.compute_dtype() != torch.float32
-    finished = False
+    finished, lock = False, None
     try:
-        try:  # a collective under torchrun: rank 0 chooses, past any newer checkpoint that fails to load
+        try:
+            lock = lock_run_folder(cfg)
+            # a collective under torchrun: rank 0 chooses, past any newer checkpoint that fails to load
             start.ckpt, start.resumed = resume_checkpoint(cfg)
         except ValueError as e:
             raise ConfigError(str(e)) from e
@@ -676,11 +719,30 @@ def main(cfg: TrainConfig) -> dict:
         finished = True
         return result
     finally:
+        if lock is not None:
+            lock.release()
         import torch.distributed as dist
         # after a failure under torchrun the process exits at once (__main__): tearing the group down first could
         # wait on ranks that never answer
         if dist.is_initialized() and (finished or rank_world()[1] == 1):
             dist.destroy_process_group()
+
+
+def lock_run_folder(cfg: TrainConfig):
+    """Rank 0 takes out_dir's lock (checkpoint.take_lock), making out_dir; every rank learns its error, if any, so
+    all stop alike. Returns the lock on rank 0, None on the others. Collective under torchrun."""
+    rank, world = rank_world()
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = take_lock(cfg.out_dir, run_id(config_dict(cfg)))
+        except ValueError as e:
+            error = str(e)
+    if world > 1:
+        error = all_gather_list([error] if rank == 0 else [])[0]
+    if error is not None:
+        raise ValueError(error)
+    return lock
 
 
 def abort(message: str | None):
@@ -706,6 +768,8 @@ if __name__ == "__main__":
         # a NaN or inf: the numbers went bad, not the code (where, and which state is good)
         line = f"config error: {e}" if isinstance(e, ConfigError) else stopped(e, config)
         abort(line if rank0 else None) if several else sys.exit(line)
+    except WriteError as e:  # a full disk, a read-only folder: the machine's answer, one line from the rank that met it
+        abort(f"write error: {e}") if several else sys.exit(f"write error: {e}")
     except Exception as e:  # a dead or stuck rank, or a bug: say so and exit rather than hang in teardown
         if not several:
             raise

@@ -32,7 +32,7 @@ LAYERS = {
     # 9: the entry point and the RL step
     "train": 9,
 }
-MAX_ARROWS = 60
+MAX_ARROWS = 62  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -56,7 +56,7 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_imports_point_down_with_no_cycle_and_fewer_than_60_arrows():
+def test_imports_point_down_with_no_cycle_and_fewer_than_max_arrows():
     graph = import_graph()
     assert set(graph) == set(LAYERS), f"give every top-level file a layer: {set(graph) ^ set(LAYERS)}"
     upward = [f"{a} (layer {LAYERS[a]}) -> {b} (layer {LAYERS[b]})" for a in graph for b in graph[a]
