@@ -6,14 +6,10 @@
 # Not run yet: no GPU has been lent to this project. Plan it: python train.py configs/smoke_gpu.py dry_run=True
 from configs.qwen3_30b_a3b import *  # noqa: F403  the cluster settings: cuda, 8 GPUs a node, ep=8, checkpointing
 from configs.tiny import bpe_merges  # noqa: F401  a tokenizer learned from the default reasoning-gym prompts
+from importlib import import_module  # configs/100b.py's name is no identifier
 
 out_dir = "out/smoke_gpu"
-model = dict(vocab_size=151552, dim=4096, n_layers=4, n_heads=96, n_kv_heads=8, head_dim=128,
-             num_experts=128, top_k=8, moe_inter_dim=1408, num_shared_experts=1,
-             first_k_dense_replace=1, dense_inter_dim=10944, router="sigmoid", norm_topk_prob=True,
-             routed_scaling_factor=1.0, n_group=1, topk_group=1, attention_bias=True,
-             partial_rotary_factor=0.5, rope_theta=1_000_000.0, norm_eps=1e-5, max_seq_len=4096,
-             qk_norm=False, hf_model_type="glm4_moe")
+model = dict(import_module("configs.100b").model, n_layers=4, max_seq_len=4096)  # GLM-4.5-Air, 4 layers
 sft_steps = 4
 sft_batch_size = 64
 rl_steps = 6

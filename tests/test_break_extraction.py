@@ -15,21 +15,9 @@ from config import load_config
 import data
 from data import Item, MathTask, load_task, load_tasks
 from reward import final_answer
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.environ.get("EVERYPROMPT_DATA", os.path.join(REPO, "..", "shared", "data"))
-needs_data = pytest.mark.skipif(not os.path.isdir(DATA), reason=f"real datasets not found at {DATA} (EVERYPROMPT_DATA)")
+from test_data import DATA, HUMANEVAL, needs_data, write_jsonl  # the shared data folder and row writer
 
 GSM8K = {"question": "Eggs?", "answer": "16 - 3 - 4 = 9\n#### 18"}
-HUMANEVAL = {"task_id": "toy/0", "prompt": 'def add(a, b):\n    """Return a + b."""\n',
-             "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n", "entry_point": "add",
-             "canonical_solution": "    return a + b\n"}
-
-
-def write_jsonl(folder, rows, name="data.jsonl") -> str:
-    path = folder / name
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def reward(completion_gold, _tmp) -> float:
