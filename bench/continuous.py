@@ -1,0 +1,182 @@
+"""Continuous batching (NativeEngine(slots=N)) against the static engine, on a long-tailed length distribution.
+
+The model: configs/tiny.py's (1.9M parameters, vocab 336) with random weights, fp32. Lengths vary because
+`--stop-ids` ids of the vocabulary stop a row (ids 1..k, each about 1/336 likely per step with random
+weights): with 8 of them the completion lengths are long-tailed (median near a fifth of the limit, about
+7 percent of the rows reaching `--new-tokens`); the table prints the distribution drawn. Every engine
+generates the same rows (`--prompts` random prompts of 8 to 32 tokens, `--n` samples each) with the same
+seed and group ids, so each samples the same tokens (the count of rows whose completion differs from the
+static call's is printed: float rounding can flip a near-tie). Three ways to run them:
+
+- static_one_call: one generate call over every row, today's default: every row decodes until the
+  last one stops.
+- static_batches: calls of `--slots` rows each, in prompt order (the run's generation batches of that
+  many rows): the KV cache of the continuous engine, each call decoding until its own longest row stops.
+- continuous: NativeEngine(slots=`--slots`): a stopped row's slot takes the next row.
+
+Measured: tokens/s (completion tokens over wall time, prefill included) and useful tokens per decode
+row-step (decode steps that fed a live row's token, over all rows decoded in every step; a static call
+runs STOP_CHECK_EVERY-aligned steps past its longest row). Rounds interleave the three (a warm-up round
+first), so a change in machine load hits each alike; median and min..max over `--repeats` rounds, and
+the continuous engine's tokens/s ratio to each static way taken round by round. The headline compares
+it with static_batches, the same KV cache: what a run does with gen_batch_rows = slots (the large
+configs hold 16 or 32 rows per call, bounded by their KV cache). Against one call over every row (a
+cache rows / slots times larger) the answer turns on how a decode step's cost grows with its rows:
+on a CPU with this tiny model it barely does (per-op overhead dominates), so fewer, wider steps win.
+
+    python bench/continuous.py [--prompts 16 --n 8 --slots 32 --new-tokens 128 --repeats 5 --threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from model import ModelConfig, Transformer  # noqa: E402
+from rollout import STOP_CHECK_EVERY, NativeEngine  # noqa: E402
+from sampler import SamplingParams  # noqa: E402
+
+PAD = 0
+PROMPT_LENS = (8, 32)  # prompt tokens, drawn uniformly: the continuous engine's slots hold ragged prompts
+
+
+def tiny_model_config() -> ModelConfig:
+    """configs/tiny.py's model section (a config file of plain assignments)."""
+    spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs", "tiny.py"))
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    return ModelConfig(**tiny.model)
+
+
+def static_decode_row_steps(lengths: list[int], new_tokens: int) -> int:
+    """Rows x decode steps of one static generate call whose rows sampled `lengths` tokens: it samples
+    until every row stopped, checked every STOP_CHECK_EVERY steps, and feeds all but its last sample."""
+    steps = min(new_tokens, STOP_CHECK_EVERY * math.ceil(max(lengths) / STOP_CHECK_EVERY))
+    return len(lengths) * (steps - 1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (the group size)")
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--stop-ids", type=int, default=8, help="ids 1..k stop a row: the higher, the shorter")
+    ap.add_argument("--repeats", type=int, default=5)
+    # 1 by default: on shared, busy cores two OpenMP threads stall each other (bench/scheduler.py saw it too)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = tiny_model_config()
+    model = Transformer(cfg)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(args.stop_ids + 1, cfg.vocab_size, (int(length),), generator=g).tolist()
+               for length in torch.randint(PROMPT_LENS[0], PROMPT_LENS[1] + 1, (args.prompts,), generator=g)]
+    params, stops = SamplingParams(max_new_tokens=args.new_tokens), list(range(1, args.stop_ids + 1))
+    static = NativeEngine(cfg, eos_id=stops, pad_id=PAD)
+    continuous = NativeEngine(cfg, eos_id=stops, pad_id=PAD, slots=args.slots)
+    for engine in (static, continuous):
+        engine.update_weights(model.named_parameters(), version=0)
+    per_call = max(1, args.slots // args.n)  # whole groups per static batch: slots rows at most
+
+    def one_call():
+        return static.generate(prompts, params, n=args.n, seed=0), None
+
+    def batches():
+        out, row_steps = [], 0
+        for i in range(0, len(prompts), per_call):
+            part = static.generate(prompts[i:i + per_call], params, n=args.n, seed=0,
+                                   group_ids=list(range(i, min(i + per_call, len(prompts)))))
+            row_steps += static_decode_row_steps([len(r.completion_ids) for r in part], args.new_tokens)
+            out += part
+        return out, row_steps
+
+    def slots():
+        out = continuous.generate(prompts, params, n=args.n, seed=0)
+        return out, continuous.batch_stats["decode_row_steps"]
+
+    ways = {"static_one_call": one_call, f"static_batches_of_{per_call * args.n}": batches,
+            f"continuous_{args.slots}_slots": slots}
+    times = {name: [] for name in ways}
+    load_before = os.getloadavg()[0]
+    for r in range(args.repeats + 1):  # round 0 warms up
+        for name, fn in ways.items():
+            t = time.perf_counter()
+            rollouts, row_steps = fn()
+            elapsed = time.perf_counter() - t
+            if r:
+                times[name].append(elapsed)
+            else:  # what each way generated: the same every round (same seeds)
+                lengths = [len(x.completion_ids) for x in rollouts]
+                if row_steps is None:
+                    row_steps = static_decode_row_steps(lengths, args.new_tokens)
+                times[name + "/rollouts"] = [x.completion_ids for x in rollouts]
+                times[name + "/row_steps"] = row_steps
+                times[name + "/tokens"] = sum(lengths)
+                times[name + "/useful"] = sum(c - 1 for c in lengths)
+    reference = times.pop("static_one_call/rollouts")
+    lengths = sorted(len(c) for c in reference)
+    dist = {"mean": statistics.mean(lengths), "p50": statistics.median(lengths),
+            "p90": lengths[int(0.9 * len(lengths))], "max": lengths[-1],
+            "at_limit": sum(c == args.new_tokens for c in lengths) / len(lengths)}
+    table = {}
+    for name in ways:
+        tok, ts = times[name + "/tokens"], times[name]
+        table[name] = {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
+                       "tokens": tok, "tokens_per_s": tok / statistics.median(ts),
+                       "decode_row_steps": times[name + "/row_steps"],
+                       "useful_per_row_step": times[name + "/useful"] / times[name + "/row_steps"],
+                       "rows_differing_from_static_one_call": sum(
+                           a != b for a, b in zip(times.pop(name + "/rollouts", reference), reference))}
+    cont = f"continuous_{args.slots}_slots"
+    for name in ways:  # round by round: each round's three runs share the machine's load
+        ratios = [b / a for a, b in zip(times[cont], times[name])]
+        table[name]["continuous_speedup"] = {"median": statistics.median(ratios), "min": min(ratios),
+                                             "max": max(ratios)}
+
+    rows = args.prompts * args.n
+    print(f"configs/tiny.py model, random weights, fp32, {args.threads} threads; {rows} rows ({args.prompts} prompts "
+          f"x {args.n}), prompts {PROMPT_LENS[0]}-{PROMPT_LENS[1]} tokens, <= {args.new_tokens} new tokens, "
+          f"{args.stop_ids} stop ids; median (min..max) of {args.repeats} interleaved rounds")
+    print(f"completion lengths: mean {dist['mean']:.1f}, p50 {dist['p50']:.0f}, p90 {dist['p90']}, max {dist['max']}, "
+          f"{100 * dist['at_limit']:.1f}% reach the limit")
+    print(f"{'engine':<24}{'wall s':>22}{'tokens/s':>10}{'useful/row-step':>17}{'row-steps':>11}{'differ':>8}"
+          f"{'continuous x':>20}")
+    for name, r in table.items():
+        s = r["continuous_speedup"]
+        print(f"{name:<24}{r['median_s']:>8.2f} ({r['min_s']:.2f}..{r['max_s']:.2f}){r['tokens_per_s']:>10.0f}"
+              f"{r['useful_per_row_step']:>17.2f}{r['decode_row_steps']:>11}"
+              f"{r['rows_differing_from_static_one_call']:>8}"
+              f"{s['median']:>9.2f} ({s['min']:.2f}..{s['max']:.2f})")
+    out = os.path.join(ROOT, "bench", "results")
+    os.makedirs(out, exist_ok=True)
+    load = (load_before, os.getloadavg()[0])
+    busy = max(load) > os.cpu_count()
+    with open(os.path.join(out, "continuous.json"), "w") as f:
+        json.dump({"config": vars(args), "torch_version": torch.__version__, "cpu_count": os.cpu_count(),
+                   "load_average_1min": load,
+                   "note": (f"contended: the 1-minute load average ({max(load):.1f}) exceeded the {os.cpu_count()} "
+                            "CPUs while this ran, so absolute times are inflated and noisy; the ways ran interleaved, "
+                            "so the ratios are the numbers to read" if busy else "quiet machine"),
+                   "lengths": dist, **table}, f, indent=1)
+    per, one = table[f"static_batches_of_{per_call * args.n}"], table["static_one_call"]
+    print(f"{per['continuous_speedup']['median']:.2f}x tokens/s with continuous batching on a long-tailed length "
+          f"distribution ({args.slots} slots vs static generate calls of {per_call * args.n} rows, the same KV cache; "
+          f"useful tokens per decode row-step {table[cont]['useful_per_row_step']:.2f} vs "
+          f"{per['useful_per_row_step']:.2f}; {one['continuous_speedup']['median']:.2f}x vs one static call of all "
+          f"{rows} rows, {rows / args.slots:.0f}x the KV cache)")
+
+
+if __name__ == "__main__":
+    main()
