@@ -485,9 +485,10 @@ def check_run_folder(cfg: TrainConfig, checkpoint_bytes: int = 0, lock: bool = T
         init = os.path.realpath(src)
         if real == init or real.startswith(init + os.sep) or init.startswith(real + os.sep):
             where = "is" if real == init else "is inside" if real.startswith(init + os.sep) else "holds"
+            harm = "would be written over it" if where != "holds" else "would sit beside it, mixed with it"
             raise ValueError(f"out_dir={out!r} {where} the {key} folder {src!r}: the run's model.safetensors, "
-                             f"config.json, tokenizer files and checkpoints would be written over it; write the "
-                             f"run to a folder apart from it")
+                             f"config.json, tokenizer files and checkpoints {harm}; write the run to a folder apart "
+                             f"from it")
     existing = real
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -514,6 +515,10 @@ def check_run_folder(cfg: TrainConfig, checkpoint_bytes: int = 0, lock: bool = T
                 changes = changed_settings(json.load(f), cfg)
         except (OSError, ValueError, AttributeError) as e:  # missing, not JSON, not an object
             changes = [f"its config.json does not read: {e}"]
+        if not changes and not cfg.resume and not cfg.dry_run:
+            warnings.warn(f"out_dir={out!r} holds this run's checkpoints ({ckpt}): it starts over and replaces them "
+                          f"(resume=auto would continue from there)", stacklevel=2)
+            return
         if changes:
             raise ValueError(f"out_dir={out!r} holds another run's checkpoints ({ckpt} -> this run: "
                              f"{'; '.join(changes)}): this run would write beside them, and resume=auto would "
@@ -535,6 +540,8 @@ class RunLock:
             os.remove(self.path)
         except FileNotFoundError:
             pass
+        except OSError as e:  # out_dir made unwritable during the run: say so, without hiding the run's own error
+            warnings.warn(f"could not remove {self.path}: {e.strerror}; delete it before the next run", stacklevel=2)
 
 
 def take_lock(out_dir: str, run: str) -> RunLock:

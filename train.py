@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 from tqdm import tqdm
 
 from checkpoint import (CKPT_BYTES_PER_PARAM, check_run_folder, config_dict, latest_checkpoint, read_checkpoint,
@@ -49,7 +50,7 @@ from espo import ragged_group_advantages
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, PromptHistory, Scored, is_informative, oversample_size,
                     post_rollout_filter, pre_rollout_filter, probe_decisions)
 from hf import check_weights, save_hf
-from metrics import MetricsLog, WriteError, check_logger, plot, read_records, write_atomic
+from metrics import MetricsLog, WriteError, check_logger, plot, read_records, write_atomic, write_error
 from plan import param_counts
 from reward import reward_model_for, shaped_rewards
 from rollout import Engine, build_engine, engine_builder, producer_engine, stop_engine_servers
@@ -580,9 +581,14 @@ def save_model(run: Run):
     parameter at a time, written by rank 0 shard by shard) with the tokenizer files beside them, so
     transformers, SGLang and this project's init_hf/init_from load it."""
     write = rank_world()[0] == 0
-    save_hf(run.model, run.cfg.out_dir, write=write)
-    if write:
-        run.tok.save(run.cfg.out_dir)
+    try:
+        save_hf(run.model, run.cfg.out_dir, write=write)
+        if write:
+            run.tok.save(run.cfg.out_dir)
+    except OSError as e:  # a full disk, a folder made read-only during the run
+        raise write_error(run.cfg.out_dir, e) from None
+    except SafetensorError as e:  # safetensors' own error for a failed write, naming the OS's
+        raise WriteError(f"cannot write the model in {run.cfg.out_dir}: {e}") from None
 
 
 def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:

@@ -24,15 +24,18 @@ import socket
 import subprocess
 import sys
 import warnings
+from types import SimpleNamespace
 from typing import Callable
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 import checkpoint
 import train
 from config import ConfigError, TrainConfig, load_config, parse_args
-from metrics import MetricsLog
+from checkpoint import take_lock
+from metrics import MetricsLog, WriteError
 from model import Transformer
 from runs import MICRO
 
@@ -413,3 +416,22 @@ def test_settings_that_may_change_on_resume_leave_it_the_same_run(ws, monkeypatc
     assert start.ckpt == os.path.join(ws.run, NEWEST) and start.resumed["phase"] == "rl"
     assert "resume_changed" not in capsys.readouterr().out
     assert torch.load(os.path.join(start.ckpt, "trainer_state.pt"), weights_only=False)["step"] == 0
+
+
+@pytest.mark.parametrize("error", [OSError(errno.EACCES, "Permission denied"), OSError(errno.ENOSPC, "No space left"),
+                                   SafetensorError("Permission denied (os error 13)")], ids=["eacces", "enospc", "safetensors"])
+def test_the_final_model_save_that_cannot_write_is_one_write_error(error, monkeypatch, tmp_path):
+    """out_dir made read-only (or full) during the run: the final save_hf is a WriteError line, not a traceback."""
+    def fail(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(train, "save_hf", fail)
+    run = SimpleNamespace(model=None, tok=None, cfg=SimpleNamespace(out_dir=str(tmp_path)))
+    with pytest.raises(WriteError, match=f"cannot write (the model in )?{tmp_path}"):
+        train.save_model(run)
+
+
+def test_a_lock_that_cannot_be_removed_is_a_warning_not_an_error(tmp_path, monkeypatch):
+    lock = take_lock(str(tmp_path), "run")
+    monkeypatch.setattr(os, "remove", lambda path: (_ for _ in ()).throw(PermissionError(errno.EACCES, "denied")))
+    with pytest.warns(UserWarning, match="could not remove .*run.lock"):
+        lock.release()
