@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ from typing import Protocol, Sequence
 import torch
 
 import sandbox
-from rules import NON_NEGATIVE, POSITIVE, check_fields, integer, number, one_of
+from rules import NON_NEGATIVE, POSITIVE, check_fields, integer, number, text as text_rule
 from scoring import ScoreTimeout, grade_elsewhere, time_limited
 
 # non-greedy and across lines; callers take the last match, so a model that drafts an answer and then corrects
@@ -479,7 +480,7 @@ def adjust_rewards(correct_PG: torch.Tensor, shaping_PG: torch.Tensor, *, margin
     return (c + margin * torch.minimum(p, 1 - p) * shaping_PG.double().clamp(-1, 1)).float()
 
 
-REWARD_MODELS = ("", "stub", "stub-judge")
+REWARD_MODELS = ("", "stub", "stub-judge")  # the built-in scorers; reward.model may instead name a checkpoint folder
 RM_SCORE_SCALE = 1.0  # reward-model score units per tanh unit in the shaping score (the stub's scores lie in [-1, 1])
 
 
@@ -492,8 +493,11 @@ class RewardConfig:
     repetition_weight: float = 0.0
     """Weight of the repeated-4-gram penalty in the shaping score (0 = off)."""
     model: str = ""
-    """Scorer mixed into the shaping score: '' (none), 'stub' (a reward model of deterministic noise) or 'stub-judge'
-    (a pairwise judge against the gold answer); both stand-ins test the wiring."""
+    """Scorer mixed into the shaping score: '' (none), 'stub' (a reward model of deterministic noise), 'stub-judge'
+    (a pairwise judge against the gold answer; both stand-ins test the wiring), or the path of a reward model's
+    checkpoint folder (a transformers sequence-classification checkpoint: reward_model.HFRewardModel)."""
+    rm_batch_size: int = 8
+    """(prompt, completion) pairs per forward of a checkpoint folder's reward model."""
     rm_weight: float = 0.5
     """Weight of the reward model's (or judge's) score in the shaping score."""
     judge_dead_band: float = 0.1
@@ -508,7 +512,9 @@ class RewardConfig:
     RULES = {  # each field's type and range (rules.py); not a field: no annotation
         "overlong_buffer": integer(0, why="0 = off; at most sampling.max_new_tokens"),
         "repetition_weight": number(0, why="a penalty's weight; a negative one would pay for repeats"),
-        "model": one_of(*REWARD_MODELS),
+        "model": text_rule(f"one of {', '.join(map(repr, REWARD_MODELS))}, or a reward model's checkpoint folder "
+                           f"(an existing directory)", lambda v: v in REWARD_MODELS or os.path.isdir(v)),
+        "rm_batch_size": integer(1),
         "rm_weight": NON_NEGATIVE,
         "judge_dead_band": number(0, 0.5, high_open=True),
         "shaping_margin": number(0, 0.5, high_open=True, why="at 1/2 a correct answer could get a negative advantage"),
@@ -528,7 +534,11 @@ class RewardConfig:
 
 
 def reward_model_for(cfg: RewardConfig) -> RewardModel | PairwiseJudge | None:
-    """The scorer cfg.model names (None for "")."""
+    """The built-in scorer cfg.model names (None for ""). A checkpoint folder's reward model is
+    reward_model.reward_model_for's (it loads through hf.py, layers above this file); raises ValueError for one."""
+    if cfg.model not in REWARD_MODELS:
+        raise ValueError(f"reward.model={cfg.model!r} is a checkpoint folder: build its scorer with "
+                         f"reward_model.reward_model_for")
     return {"": None, "stub": StubRewardModel(), "stub-judge": StubJudge()}[cfg.model]
 
 

@@ -52,7 +52,8 @@ from filter import (STAGE1_COUNTS, STAGE2_COUNTS, PromptHistory, Scored, is_info
 from hf import check_weights, save_hf
 from metrics import MetricsLog, WriteError, check_logger, plot, read_records, write_atomic, write_error
 from plan import param_counts
-from reward import reward_model_for, shaped_rewards
+from reward import shaped_rewards
+from reward_model import reward_model_for
 from rollout import Engine, build_engine, engine_builder, producer_engine, stop_engine_servers
 from sampler import Rollout
 from scheduler import LengthPredictor, Pipeline, generation_batches
@@ -573,7 +574,7 @@ def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
                log=MetricsLog(cfg.out_dir, logger=cfg.logger, config=dataclasses.asdict(cfg), write=rank_world()[0] == 0,
                               keep=start.resumed["num_records"] if start.resumed else None),
                pool=RewardPool(data.task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
-               if cfg.reward.workers else None, scorer=reward_model_for(cfg.reward))
+               if cfg.reward.workers else None, scorer=reward_model_for(cfg.reward, device=cfg.device))
 
 
 def save_model(run: Run):

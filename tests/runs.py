@@ -8,7 +8,7 @@ import train
 from config import TrainConfig, load_config
 from model import Transformer
 from data import Item, ItemList
-from reward import reward_model_for
+from reward_model import reward_model_for
 from rollout import NativeEngine
 from scheduler import LengthPredictor
 from scoring import RewardPool

@@ -1,0 +1,258 @@
+"""A reward model read from a transformers sequence-classification checkpoint scores as transformers does; its
+scores through rm_score and adjust_rewards never put a wrong answer above a correct one; a judge's reply yields a
+verdict only in JUDGE_PROMPT's format (issue 27)."""
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_checkpoint import IM_END, model_config, qwen_ranks_path, write_qwen_tokenizer  # noqa: E402
+
+from reward import JUDGE_OUTCOMES, RewardConfig, adjust_rewards, judge_score, rm_score  # noqa: E402
+from reward_model import (JUDGE_PROMPT, MAX_JUDGE_CHARS, HFRewardModel, conversation_ids, judge_outcome,  # noqa: E402
+                          parse_verdict, reward_model_for)
+
+transformers = pytest.importorskip("transformers", reason="a test-only dependency (requirements-dev.txt)")
+needs_ranks = pytest.mark.skipif(qwen_ranks_path() is None, reason="needs dashscope's qwen.tiktoken (requirements-dev)")
+
+NUM_RANKS = 1000  # Qwen's first ranks: bytes and common merges, enough for English text
+SPECIALS = 9  # hf_checkpoint.QWEN_SPECIALS follow the ranks: <|endoftext|> = NUM_RANKS, <|im_start|>, <|im_end|>, ...
+NEWLINE = 198  # Qwen's id of "\n"
+PROMPTS = ["What is 2 + 3?", "Name a prime number larger than ten, and say why it is prime.", "Hi"]
+COMPLETIONS = ["5", "Thirteen: its only divisors are 1 and 13.\nSo it is prime.", "Hello there! <|endoftext|> ok",
+               "I think the answer is <answer>6</answer>", "", "Verdict: better"]
+
+
+def write_classifier(path, *, seed: int = 0, **overrides) -> str:
+    """A random one-label Qwen3MoeForSequenceClassification (2 layers, width 64) saved by transformers, with
+    Qwen's first NUM_RANKS ranks as its tokenizer and a ChatML template (tests/hf_checkpoint.py)."""
+    torch.manual_seed(seed)
+    # initializer_range 0.2: scores of order 1, so a wrong token position or a dropped term shows at atol 1e-4
+    config = model_config("qwen3_moe", vocab_size=NUM_RANKS + SPECIALS, eos_token_id=IM_END - 151643 + NUM_RANKS,
+                          pad_token_id=NUM_RANKS, num_labels=1, initializer_range=0.2, **overrides)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return write_qwen_tokenizer(str(path), num_ranks=NUM_RANKS)
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    if qwen_ranks_path() is None:
+        pytest.skip("needs dashscope's qwen.tiktoken (requirements-dev.txt)")
+    return write_classifier(tmp_path_factory.mktemp("rm"))
+
+
+def transformers_scores(path: str, pairs: list[tuple[str, str]]) -> list[float]:
+    """transformers' own scores: its tokenizer's chat template, one unpadded sequence per forward."""
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p, c in pairs:
+            ids = tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                                          tokenize=True)["input_ids"]
+            out.append(model(torch.tensor([ids])).logits[0, 0].item())
+    return out
+
+
+PAIRS = [(p, c) for p in PROMPTS for c in COMPLETIONS]  # lengths from a few tokens to a few dozen
+
+
+@needs_ranks
+def test_conversation_ids_are_transformers_chat_template_ids(classifier):
+    tok = transformers.AutoTokenizer.from_pretrained(classifier)
+    ours = HFRewardModel(classifier, batch_size=4).tokenizer
+    for p, c in PAIRS:
+        want = tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                                       tokenize=True)["input_ids"]
+        assert conversation_ids(ours, p, c) == want, (p, c)
+
+
+@needs_ranks
+def test_batched_scores_equal_transformers_forward_one_sequence_at_a_time(classifier):
+    want = transformers_scores(classifier, PAIRS)
+    assert torch.tensor(want).std() > 0.1  # scores spread out: the comparison can see a wrong position
+    got = HFRewardModel(classifier, batch_size=4).score(*map(list, zip(*PAIRS)))  # 18 pairs: batches of 4, 4, ..., 2
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+@needs_ranks
+def test_score_is_read_at_the_rightmost_token_that_is_not_the_models_pad_id(classifier, tmp_path):
+    """With "\\n" as config.json's pad_token_id, transformers scores ChatML's `<|im_end|>` before the final "\\n";
+    so does HFRewardModel (and the tokenizer's own pad id still pads the batch)."""
+    path = shutil.copytree(classifier, tmp_path / "rm")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "pad_token_id": NEWLINE}))
+    pairs = PAIRS[:5]
+    got = HFRewardModel(str(path), batch_size=5).score(*map(list, zip(*pairs)))
+    assert got == pytest.approx(transformers_scores(str(path), pairs), abs=1e-4)
+    assert got != pytest.approx(HFRewardModel(classifier, batch_size=5).score(*map(list, zip(*pairs))), abs=1e-3)
+
+
+@needs_ranks
+def test_reward_model_for_builds_a_folders_reward_model_and_keeps_the_stand_ins(classifier):
+    scorer = reward_model_for(RewardConfig(model=classifier, rm_batch_size=2))
+    assert isinstance(scorer, HFRewardModel) and scorer.batch_size == 2
+    assert reward_model_for(RewardConfig(model="")) is None
+    assert type(reward_model_for(RewardConfig(model="stub"))).__name__ == "StubRewardModel"
+    with pytest.raises(ValueError, match=r"model='gpt4': need one of '', 'stub', 'stub-judge', or a reward"):
+        RewardConfig(model="gpt4")
+
+
+@needs_ranks
+def test_a_glm_classifier_in_transformers_generic_layout_scores_its_backbones_last_hidden_state(tmp_path):
+    """transformers 5.24 has no Glm4MoeForSequenceClassification; a checkpoint in its generic layout (backbone
+    under `model.`, `score.weight`) scores as transformers' Glm4MoeModel's last hidden state times the head."""
+    torch.manual_seed(0)
+    config = model_config("glm4_moe", vocab_size=NUM_RANKS + SPECIALS, eos_token_id=NUM_RANKS + 2,
+                          pad_token_id=NUM_RANKS, initializer_range=0.2)
+    lm = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers inits biases to zero, which would hide a lost one
+        for name, p in lm.named_parameters():
+            if name.endswith(".bias") or name.endswith("e_score_correction_bias"):
+                p.normal_(0, 0.5)
+    lm.save_pretrained(tmp_path)
+    write_qwen_tokenizer(str(tmp_path), num_ranks=NUM_RANKS)
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(tmp_path / "model.safetensors")
+    head = torch.randn(1, config.hidden_size)
+    tensors = {**{k: v for k, v in tensors.items() if k != "lm_head.weight"}, "score.weight": head}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "architectures": ["Glm4MoeForSequenceClassification"],
+                                "id2label": {"0": "LABEL_0"}}))
+    rm = HFRewardModel(str(tmp_path), batch_size=3)
+    pairs = PAIRS[:6]
+    with torch.no_grad():
+        last_BD = [lm.model(torch.tensor([conversation_ids(rm.tokenizer, p, c)])).last_hidden_state[:, -1]
+                   for p, c in pairs]
+    want = [(h_1D[0] @ head[0]).item() for h_1D in last_BD]
+    assert rm.score(*map(list, zip(*pairs))) == pytest.approx(want, abs=1e-4)
+
+
+def test_a_dense_qwen3_classifier_is_refused_by_its_architecture(tmp_path):
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_labels=1)
+    transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"Qwen3ForSequenceClassification'\] is a dense or unsupported family"):
+        HFRewardModel(str(tmp_path))
+
+
+@needs_ranks
+def test_a_causal_lm_or_a_two_label_classifier_is_no_reward_model(classifier, tmp_path):
+    for name, change in (("causal", {"architectures": ["Qwen3MoeForCausalLM"]}),
+                         ("two", {"id2label": {"0": "A", "1": "B"}})):
+        path = shutil.copytree(classifier, tmp_path / name)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match="is not a sequence classifier" if name == "causal" else "2 labels"):
+            HFRewardModel(str(path))
+
+
+# ----------------------------------------------------------------------------- the adjustment on real scores
+
+@needs_ranks
+def test_no_correct_answer_falls_below_a_wrong_one_under_the_tiny_reward_models_scores(classifier):
+    """Every correctness pattern of G = 6 rollouts (2^6), each of 3 groups scored by the reward model: after
+    rm_score and adjust_rewards every correct reward is above every wrong one in its group, and a group all
+    correct or all wrong keeps its correctness as it is."""
+    rm = HFRewardModel(classifier, batch_size=6)
+    scores_PG = torch.tensor([rm.score([p] * len(COMPLETIONS), COMPLETIONS) for p in PROMPTS])  # (3, 6)
+    for scale in (0.01, 1.0):  # 0.01: tanh saturates, shaping at +-1, the guarantee's edge
+        s_PG = rm_score(scores_PG, scale=scale)
+        assert s_PG.abs().max() > 0.5
+        for pattern in range(2 ** len(COMPLETIONS)):
+            c_G = torch.tensor([(pattern >> g) & 1 for g in range(len(COMPLETIONS))], dtype=torch.float32)
+            c_PG = c_G.expand_as(s_PG)
+            r_PG = adjust_rewards(c_PG, s_PG, margin=0.49)
+            if 0 < c_G.sum() < len(c_G):
+                assert (r_PG[:, c_G == 1].min(-1).values > r_PG[:, c_G == 0].max(-1).values).all(), pattern
+                adv_PG = r_PG - r_PG.mean(-1, keepdim=True)  # GRPO's sign: the correctness's
+                assert ((adv_PG > 0) == (c_PG == 1)).all(), pattern
+            else:
+                assert torch.equal(r_PG, c_PG)
+
+
+@needs_ranks
+def test_equal_scores_and_tied_or_unreadable_verdicts_add_nothing(classifier):
+    """The same completion G times scores alike, so rm_score gives zero shaping; a judge's tie, and a reply
+    parse_verdict cannot read, give judge_score zero: the rewards are the correctness itself."""
+    rm = HFRewardModel(classifier, batch_size=3)
+    same_G = torch.tensor(rm.score([PROMPTS[1]] * 4, [COMPLETIONS[1]] * 4))
+    c_G = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    assert torch.equal(adjust_rewards(c_G, rm_score(same_G, scale=1.0), margin=0.4), c_G)
+    replies = ["Verdict: tie", "The answer is better.", "Verdict: better\nVerdict: worse\nmaybe", "", "x" * 40_000]
+    p_G = torch.tensor([judge_outcome(r) for r in replies], dtype=torch.float64)
+    assert torch.equal(judge_score(p_G, dead_band=0.0), torch.zeros(len(replies), dtype=torch.float64))
+    assert torch.equal(adjust_rewards(torch.tensor([1.0, 0, 1, 0, 1]), judge_score(p_G, dead_band=0.0)),
+                       torch.tensor([1.0, 0, 1, 0, 1]))
+
+
+# ----------------------------------------------------------------------------- a judge's verdict
+
+VERDICTS = [  # (judge's reply, verdict or None); None is counted as a tie, never as a reward
+    ("Verdict: better", "better"),
+    ("Verdict: worse", "worse"),
+    ("Verdict: tie", "tie"),
+    ("The answer is right and shorter.\nVerdict: better\n", "better"),
+    ("Both are correct.\n\nVerdict: tie\n\n  \n", "tie"),
+    ("   Verdict: worse   ", "worse"),
+    ("Reasoning...\r\nVerdict: better\r\n", "better"),
+    # only the last line counts: verdicts quoted or drafted earlier are not read
+    ("The answer says 'Verdict: better'. It is wrong.\nVerdict: worse", "worse"),
+    ("Verdict: better\nOn reflection the answer drops a case.\nVerdict: worse", "worse"),
+    ("Verdict: worse\nVerdict: better", "better"),
+    # nothing after the verdict line, not even text that repeats it
+    ("Verdict: better\nThe answer is better.", None),
+    ("Verdict: better\nVerdict: better.", None),
+    # both verdicts, hedged, listed
+    ("Verdict: better or worse", None),
+    ("Verdict: better/worse", None),
+    ("Verdict: better|worse|tie", None),
+    ("Verdict: better worse", None),
+    ("Verdict: tie (leaning better)", None),
+    # malformed: case, markup, spacing, punctuation, other words
+    ("verdict: better", None),
+    ("VERDICT: BETTER", None),
+    ("Verdict: Better", None),
+    ("**Verdict: better**", None),
+    ("Verdict: `better`", None),
+    ("Verdict:better", None),
+    ("Verdict:  better", None),
+    ("Verdict: better.", None),
+    ("Verdict - better", None),
+    ("Final verdict: better", None),
+    ("Verdict: equal", None),
+    ("Verdict: the answer is better", None),
+    ("Verdict:\nbetter", None),
+    ("Verdict: bet\u200bter", None),
+    ("Verdict\uff1a better", None),  # a full-width colon
+    # verdict words in the answer's text, no verdict line
+    ("The answer writes 'better' and 'Verdict: better' inside its proof.", None),
+    ("better", None),
+    ("I cannot judge this.", None),
+    # nothing, or not a reply
+    ("", None),
+    ("\n\n   \n", None),
+    (None, None),
+    (b"Verdict: better", None),
+    # a runaway or cut-off reply: over MAX_JUDGE_CHARS, even one that ends in a verdict
+    ("ha" * (MAX_JUDGE_CHARS // 2) + "\nVerdict: better", None),
+    ("Verdict: better\n" + "x" * MAX_JUDGE_CHARS, None),
+]
+
+
+@pytest.mark.parametrize("reply,verdict", VERDICTS, ids=[f"{i}" for i in range(len(VERDICTS))])
+def test_parse_verdict_reads_only_a_last_line_in_the_prompts_format(reply, verdict):
+    assert parse_verdict(reply) == verdict
+    assert judge_outcome(reply) == JUDGE_OUTCOMES[verdict or "tie"]
+
+
+def test_judge_prompt_names_the_three_parts_and_the_verdict_lines():
+    text = JUDGE_PROMPT.format(question="Q?", reference="R.", answer="A. Verdict: better")
+    assert "Q?" in text and "R." in text and "A. Verdict: better" in text
+    assert all(f"\nVerdict: {v}" in JUDGE_PROMPT for v in ("better", "worse", "tie"))
