@@ -289,6 +289,7 @@ class SGLangServer:
     def __init__(self, url: str, *, serialize=None, timeout_s: float = HTTP_TIMEOUT_S):
         self.url, self.serialize, self.timeout_s = url.rstrip("/"), serialize, timeout_s
         self._info = None
+        self.version = None  # the server's SGLang version, once check_server has asked
 
     def call(self, route: str, payload: dict | None = None, *, optional: bool = False):
         """POST payload (GET when None) to route; the decoded answer. optional: a 404 (a route this
@@ -365,12 +366,37 @@ class SGLangServer:
         return self.call("/update_weights_from_distributed", bucket)
 
 
+SERVER_NCCL = {"0.5.23": (2, 30, 7)}
+"""The NCCL of each SGLang release's own environment, read from the wheels: sglang 0.5.23 pins torch 2.14.1, whose
+Linux wheel pins nvidia-nccl-cu13 2.30.7 (tools/check_install.py prints the pairing)."""
+TRAINER_NCCL = (2, 29, 7)
+"""The trainer's NCCL where it cannot be asked (no CUDA here): torch 2.13.0's Linux wheel pins nvidia-nccl-cu13
+2.29.7."""
+
+
+def nccl_pairing(server_version: str | None, url: str) -> str | None:
+    """Why the weight broadcast's NCCL communicator may not form, or None: it holds this process (the trainer's NCCL)
+    and the server's GPUs (its SGLang release's, SERVER_NCCL), and NCCL does not promise that two versions pair."""
+    ours = torch.cuda.nccl.version() if torch.cuda.is_available() else TRAINER_NCCL
+    theirs = SERVER_NCCL.get(server_version or "")
+    if theirs is None:
+        return (f"SGLang {url} runs version {server_version!r}, whose NCCL is not known here (SERVER_NCCL): the weight "
+                f"broadcast pairs it with this trainer's NCCL {'.'.join(map(str, ours))}, untested")
+    if tuple(theirs[:2]) != tuple(ours[:2]):
+        return (f"SGLang {url} (sglang {server_version}) runs NCCL {'.'.join(map(str, theirs))} and this trainer NCCL "
+                f"{'.'.join(map(str, ours))}: the weight broadcast pairs them in one communicator, which NCCL does not "
+                f"promise and which has not been tried; if init_weights_update_group fails or hangs, install the "
+                f"server's NCCL here (pip install nvidia-nccl-cu13=={'.'.join(map(str, theirs))})")
+    return None
+
+
 def check_server(server: SGLangServer) -> bool:
     """Whether the server honours a request's sampling_seed (deterministic inference on); raises RuntimeError,
     naming its URL and the flag to start it with, when it does not capture routed experts, without which no
     rollout can be replayed. Reads /server_info: sglang 0.5.23 answers ServerArgs.resolved_dict(), its
     arguments flat and as resolved (rl_on_policy_target turns deterministic inference on, for one)."""
     info = server.server_info()
+    server.version = info.get("version")  # sglang's __version__, which /server_info adds (entrypoints/http_server.py)
     if not info.get("enable_return_routed_experts"):  # absent before SGLang had the switch (PR 12162): no routes either
         raise RuntimeError(f"SGLang {server.url} reports enable_return_routed_experts="
                            f"{info.get('enable_return_routed_experts')}: it returns no routed experts, which router "
@@ -538,6 +564,9 @@ class SGLangEngine:
             warnings.warn(f"SGLang {', '.join(unseeded)} runs without --enable-deterministic-inference: it ignores "
                           f"each request's sampling_seed, so these rollouts are not reproducible", stacklevel=3)
         self.seeded = len(asked) == len(servers) and not unseeded  # every request's sampling_seed honoured
+        if join_group is not None and leader:  # weights by NCCL broadcast: the trainer's NCCL meets each server's
+            for problem in filter(None, (nccl_pairing(s.version, s.url) for s in asked)):
+                warnings.warn(problem, stacklevel=3)
         self.weight_version = 0
         self.asleep = False  # memory released (sleep) and not yet resumed
         self.stale = False  # resumed (wake) but not yet refilled by update_weights: the weights hold no values

@@ -39,3 +39,14 @@ def test_the_snapshot_holds_the_cuda_wheels_own_pins():
     torch_requires = requires()["torch==2.13.0"]
     assert 'triton==3.7.1; platform_system == "Linux" and python_version < "3.15"' in torch_requires
     assert 'nvidia-nccl-cu13==2.29.7; platform_system == "Linux"' in torch_requires
+
+
+def test_the_weight_broadcasts_nccl_pairing_is_read_from_the_wheels_as_the_engine_holds_it():
+    """The trainer's torch and SGLang's own torch pin different NCCLs; sglang_engine warns of it at connect from
+    its SERVER_NCCL and TRAINER_NCCL, which must be what the wheels say."""
+    import sglang_engine
+    line = check_install.nccl_pairing(requires())
+    server = sglang_engine.SERVER_NCCL[check_install.read_pins(["requirements-sglang.txt"])["sglang"]]
+    assert f"nvidia-nccl-cu13=={'.'.join(map(str, server))} (torch==2.14.1)" in line
+    assert f"nvidia-nccl-cu13=={'.'.join(map(str, sglang_engine.TRAINER_NCCL))} (torch==2.13.0)" in line
+    assert "different versions in one communicator" in line

@@ -36,7 +36,8 @@ class FakeSGLang(ThreadingHTTPServer):
     def __init__(self, cfg, log: list, *, tp_size: int = 1, sessions: bool = True, info: dict | None = None):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.cfg, self.log, self.tp_size, self.sessions = cfg, log, tp_size, sessions
-        self.info = dict(enable_return_routed_experts=True, enable_deterministic_inference=True) | (info or {})
+        self.info = dict(enable_return_routed_experts=True, enable_deterministic_inference=True,
+                         version="0.5.23") | (info or {})
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -455,3 +456,14 @@ def test_sglang_from_the_config_generates_sleeps_syncs_and_matches_the_trainer(t
         trainer.append(token_logprobs(logits, seq[None, 1:])[0, len(r.prompt_ids) - 1:].cpu())
         infer.append(r.logprobs)
     assert mismatch_metrics(infer, trainer)["mismatch/max_abs_logp"] < 0.1
+
+
+def test_the_weight_broadcasts_nccl_pairing_is_checked_at_connect(tiny_cfg, log):
+    """An external server's SGLang version gives its NCCL (sglang 0.5.23: torch 2.14.1's 2.30.7, read from the
+    wheels), which the trainer's (torch 2.13.0's 2.29.7 where no GPU answers) meets in the weight broadcast."""
+    assert "2.30.7" in sglang_engine.nccl_pairing("0.5.23", "http://s:1") and "2.29.7" in \
+        sglang_engine.nccl_pairing("0.5.23", "http://s:1")
+    assert "not known here" in sglang_engine.nccl_pairing("0.9.0", "http://s:1")
+    server = FakeSGLang(tiny_cfg, log)
+    with pytest.warns(UserWarning, match=r"NCCL 2\.30\.7 and this trainer NCCL 2\.29\.7"):
+        build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=server.url), TOK, Transformer(tiny_cfg))

@@ -147,6 +147,9 @@ def main():
         for pin in wanted:
             requires[pin] = wheel_requires(*pin.split("=="))
             print(f"read {pin}: {len(requires[pin])} requirements", flush=True)
+        for pin in _pinned(requires, next(p for p in wanted if p.startswith("sglang==")), "torch"):  # its own torch
+            requires[pin] = wheel_requires(*pin.split("=="))
+            print(f"read {pin} (sglang's): {len(requires[pin])} requirements", flush=True)
         with open(SNAPSHOT, "w") as f:
             json.dump(requires, f, indent=1, sort_keys=True)
     with open(SNAPSHOT) as f:
@@ -158,7 +161,33 @@ def main():
         failed |= bool(found) != expected
         verdict = "resolves" if not found else ("conflicts, as expected" if expected else "CONFLICTS")
         print(f"{name}: {verdict}" + "".join(f"\n  {c}" for c in found))
+    print(nccl_pairing(requires))
     sys.exit(1 if failed else 0)
+
+
+def _pinned(requires: dict[str, list[str]], pin: str, name: str) -> list[str]:
+    """["name==version"] for the exact pin of `name` among pin's requirements on TARGET, or []."""
+    for line in requires.get(pin, []):
+        req = Requirement(line)
+        if canonical(req.name) == name and (req.marker is None or req.marker.evaluate({**TARGET, "extra": ""})):
+            spec = next(iter(req.specifier), None)
+            if spec is not None and spec.operator == "==":
+                return [f"{name}=={spec.version}"]
+    return []
+
+
+def nccl_pairing(requires: dict[str, list[str]]) -> str:
+    """The NCCL of the trainer's torch and of an SGLang server's own torch, which the weight broadcast pairs in one
+    communicator (sglang_engine.SERVER_NCCL holds the server's, and the engine warns at connect when they differ)."""
+    trainer = f"torch=={read_pins(['requirements.txt'])['torch']}"
+    server = _pinned(requires, f"sglang=={read_pins(['requirements-sglang.txt'])['sglang']}", "torch")
+    ours = _pinned(requires, trainer, "nvidia-nccl-cu13")
+    theirs = _pinned(requires, server[0], "nvidia-nccl-cu13") if server else []
+    if not ours or not theirs:
+        return "weight broadcast NCCL: not in the snapshot (run --refresh)"
+    same = ours[0] == theirs[0]
+    return (f"weight broadcast NCCL: trainer {ours[0]} ({trainer}), SGLang server {theirs[0]} ({server[0]}): "
+            + ("the same" if same else "different versions in one communicator, untested (a warning at connect)"))
 
 
 if __name__ == "__main__":
