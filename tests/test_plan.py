@@ -31,11 +31,11 @@ def test_every_config_passes_the_dry_run_plan(path, capsys):  # beyond tiny's, 2
     assert "parameters:" in capsys.readouterr().out
 
 
-def test_the_plan_is_within_2_percent_of_measured_runs_in_both_dtypes():
+def test_the_plan_is_within_2_percent_of_measured_trainers_and_5_of_engines_in_both_dtypes():
     """plan.py against the peaks of real runs of the same code on this CPU (bench/memory.py): live
-    tensor memory (the trainer's to the byte: the plan reads torch's own tracker), and in fp32 the
-    process's resident set as well, within 15%. A small shape with a dense block, qk-norm and
-    activation checkpointing."""
+    tensor memory (the trainer's to the byte: the plan reads torch's own tracker; the engine's within
+    5%), and in fp32 the process's resident set as well, within 15%. A small shape with a dense
+    block, qk-norm and activation checkpointing."""
     memory = _bench_memory()
     shape = ["model.n_layers=3", "model.first_k_dense_replace=1", "model.dense_inter_dim=384", "model.qk_norm=True",
              "activation_checkpoint=True", "microbatch_tokens=2048", "gen_batch_rows=64", "sampling.max_new_tokens=16",
@@ -43,7 +43,9 @@ def test_the_plan_is_within_2_percent_of_measured_runs_in_both_dtypes():
     runs = [(part, [*shape, f"dtype={dtype}"]) for dtype in ("float32", "bfloat16") for part in ("trainer", "engine")]
     for (part, args), measured in zip(runs, memory.measure_many(runs)):
         planned = memory.planned(part, args)
-        assert 0.98 <= planned / measured["tensors"] <= 1.02, (part, args, planned, measured)
+        # the trainer's plan is torch's own tracker on the same steps; the engine's a sum of its parts (plan.py)
+        bound = 0.02 if part == "trainer" else 0.05
+        assert 1 - bound <= planned / measured["tensors"] <= 1 + bound, (part, args, planned, measured)
         if "dtype=float32" in args:  # bf16 matmuls on CPU keep buffers of oneDNN's own, outside any tensor
             assert 0.85 <= planned / measured["rss"] <= 1.15, (part, args, planned, measured)
 
@@ -208,3 +210,27 @@ def test_colocated_sglang_that_cannot_fit_is_refused_naming_what_to_change():
         plan.colocated_sglang(cfg, 8, h200)  # one node: the trainer's fp32 parameters alone fill the pool
     with pytest.raises(ValueError, match="cannot fit on 8 GPUs of 79.1 GiB: the trainer's fp32 parameters and AdamW"):
         plan.colocated_sglang(cfg, 8, int(plan.GPU_MEMORY_GIB["H100 80GB"] * plan.GB))
+
+
+def test_a_continuous_engines_kv_cache_and_generate_peak_are_sized_by_its_slots(capsys):
+    """engine.slots: the KV cache holds `slots` rows whatever gen_batch_rows says, as the engine allocates it, a call
+    of many more rows peaks where plan.continuous_peak says (live tensors, bench/memory.py's tracker: the slots'
+    cache beside a round's prefill, the call's rows of outputs), and the dry run says which bound it used."""
+    from rollout import NativeEngine
+    memory = _bench_memory()
+    cfg = train.parse_args([CONFIGS[-1], "model.n_layers=3", "model.first_k_dense_replace=1",
+                            "model.dense_inter_dim=384", "model.qk_norm=True", "gen_batch_rows=64",
+                            "sampling.max_new_tokens=16", "max_prompt_tokens=128", "group_size=8", "engine.slots=4"])
+    static = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, slots=0))
+    assert plan.engine_bytes(cfg, 1)["kv_cache"] * 16 == plan.engine_bytes(static, 1)["kv_cache"]  # 4 rows, not 64
+    engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0, slots=4)  # no stop token: every row runs to the limit
+    prompts = torch.randint(cfg.model.vocab_size, (4, cfg.prompt_limit()), generator=torch.Generator().manual_seed(0))
+    engine.generate(prompts.tolist(), cfg.sampling, n=8, seed=0)  # warm-up, as bench/memory.py's
+    with memory.LiveTensors() as live:
+        memory._reset_peaks(live)
+        base = live.now
+        engine.generate(prompts.tolist(), cfg.sampling, n=8, seed=0)  # 32 rows through 4 slots
+    assert engine.kv_bytes == plan.engine_bytes(cfg, 1)["kv_cache"]
+    assert 0.98 <= plan.continuous_peak(cfg, 1, 32, 8) / (live.peak - base) <= 1.05
+    print_plan(dataclasses.replace(cfg, gpus_per_node=1), nodes=(1,))
+    assert "the engine generating 4 rows per GPU at once (engine.slots" in capsys.readouterr().out
