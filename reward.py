@@ -49,6 +49,10 @@ Penalties and shaping:
    exactly zero.
 5. Departure from DAPO: its overlong penalty is added to a +-1 reward, where an overlong
    correct answer can fall below a wrong one; here penalties enter as shaping instead.
+6. Without a verifier (`RewardConfig.rm_only`: prompts without trusted gold answers) the
+   reward is the shaping score itself, clamped to [-1, 1]: correctness would be constant in
+   every group, where adjust_rewards adds no shaping at all. `order_violations` is the
+   check train.py makes on every group that the adjustment kept its order.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ from typing import Protocol, Sequence
 import torch
 
 import sandbox
-from rules import NON_NEGATIVE, POSITIVE, check_fields, integer, number, text as text_rule
+from rules import FLAG, NON_NEGATIVE, POSITIVE, check_fields, integer, number, text as text_rule
 from scoring import ScoreTimeout, grade_elsewhere, time_limited
 
 # non-greedy and across lines; callers take the last match, so a model that drafts an answer and then corrects
@@ -481,6 +485,7 @@ def adjust_rewards(correct_PG: torch.Tensor, shaping_PG: torch.Tensor, *, margin
 
 
 REWARD_MODELS = ("", "stub", "stub-judge")  # the built-in scorers; reward.model may instead name a checkpoint folder
+JUDGE_PREFIX = "judge:"  # reward.model=judge:<folder>: a causal LM as a judge (reward_model.GenerativeJudge)
 RM_SCORE_SCALE = 1.0  # reward-model score units per tanh unit in the shaping score (the stub's scores lie in [-1, 1])
 
 
@@ -494,14 +499,22 @@ class RewardConfig:
     """Weight of the repeated-4-gram penalty in the shaping score (0 = off)."""
     model: str = ""
     """Scorer mixed into the shaping score: '' (none), 'stub' (a reward model of deterministic noise), 'stub-judge'
-    (a pairwise judge against the gold answer; both stand-ins test the wiring), or the path of a reward model's
-    checkpoint folder (a transformers sequence-classification checkpoint: reward_model.HFRewardModel)."""
+    (a pairwise judge against the gold answer; both stand-ins test the wiring), the path of a reward model's
+    checkpoint folder (a transformers sequence-classification checkpoint: reward_model.HFRewardModel), or
+    'judge:<folder>', a causal LM's checkpoint that judges each completion against the gold answer
+    (reward_model.GenerativeJudge, greedy on the native engine)."""
     rm_batch_size: int = 8
     """(prompt, completion) pairs per forward of a checkpoint folder's reward model."""
     rm_weight: float = 0.5
     """Weight of the reward model's (or judge's) score in the shaping score."""
     judge_dead_band: float = 0.1
     """Judge verdicts within this of 1/2 count as ties and add exactly nothing (judge_score)."""
+    judge_max_new_tokens: int = 512
+    """A generative judge's reply limit, in tokens: a reply cut off there has no last verdict line (a counted tie)."""
+    rm_only: bool = False
+    """The reward is the shaping score alone (reward model or judge, and penalties), the verifier's correctness
+    unread: RL on prompts without trusted gold answers. Every response is then in one correctness class, so
+    adjust_rewards' ordering guarantee holds vacuously. Needs reward.model (checked when the run builds its scorer)."""
     shaping_margin: float = 0.4
     """Shaping scale m < 1/2 in r = correct + m min(p, 1 - p) s."""
     workers: int = 0
@@ -513,10 +526,13 @@ class RewardConfig:
         "overlong_buffer": integer(0, why="0 = off; at most sampling.max_new_tokens"),
         "repetition_weight": number(0, why="a penalty's weight; a negative one would pay for repeats"),
         "model": text_rule(f"one of {', '.join(map(repr, REWARD_MODELS))}, or a reward model's checkpoint folder "
-                           f"(an existing directory)", lambda v: v in REWARD_MODELS or os.path.isdir(v)),
+                           f"(an existing directory) or '{JUDGE_PREFIX}<folder>' (a causal LM's, as a judge)",
+                           lambda v: v in REWARD_MODELS or os.path.isdir(v.removeprefix(JUDGE_PREFIX))),
         "rm_batch_size": integer(1),
         "rm_weight": NON_NEGATIVE,
         "judge_dead_band": number(0, 0.5, high_open=True),
+        "judge_max_new_tokens": integer(1),
+        "rm_only": FLAG,
         "shaping_margin": number(0, 0.5, high_open=True, why="at 1/2 a correct answer could get a negative advantage"),
         "workers": integer(0),
         "timeout_s": POSITIVE,
@@ -528,7 +544,7 @@ class RewardConfig:
     @property
     def shapes(self) -> bool:
         """Whether any shaping applies (otherwise the reward is the correctness itself)."""
-        return bool(self.overlong_buffer or self.repetition_weight or self.model)
+        return bool(self.overlong_buffer or self.repetition_weight or self.model or self.rm_only)
 
 
 
@@ -537,20 +553,42 @@ def reward_model_for(cfg: RewardConfig) -> RewardModel | PairwiseJudge | None:
     """The built-in scorer cfg.model names (None for ""). A checkpoint folder's reward model is
     reward_model.reward_model_for's (it loads through hf.py, layers above this file); raises ValueError for one."""
     if cfg.model not in REWARD_MODELS:
-        raise ValueError(f"reward.model={cfg.model!r} is a checkpoint folder: build its scorer with "
+        raise ValueError(f"reward.model={cfg.model!r} names a checkpoint folder: build its scorer with "
                          f"reward_model.reward_model_for")
     return {"": None, "stub": StubRewardModel(), "stub-judge": StubJudge()}[cfg.model]
 
 
+def scorer_outputs(scorer, prompt: str, texts: list[str], reference: str) -> torch.Tensor:
+    """One group's raw scorer outputs [G] fp64: a RewardModel's scores (unbounded), or a PairwiseJudge's
+    P(completion beats `reference`) in [0, 1] (the protocols are not runtime-checkable: duck typing on compare)."""
+    G = len(texts)
+    if hasattr(scorer, "compare"):
+        return torch.tensor(scorer.compare([prompt] * G, texts, [reference] * G), dtype=torch.float64)
+    return torch.tensor(scorer.score([prompt] * G, texts), dtype=torch.float64)
+
+
+def order_violations(correct_G: torch.Tensor, rewards_G: torch.Tensor) -> tuple[int, int]:
+    """(pairs compared, pairs inverted) of one group: every (correct, wrong) pair of responses, inverted when the
+    correct one's reward is not above the wrong one's, which adjust_rewards rules out (margin < 1/2)."""
+    c = correct_G.bool()
+    right, wrong = rewards_G[c].double(), rewards_G[~c].double()
+    return right.numel() * wrong.numel(), int((right[:, None] <= wrong[None, :]).sum())
+
+
 def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg: RewardConfig, *, max_new_tokens: int,
-                   scorer=None, prompt: str = "", texts: list[str] | None = None, reference: str = "") -> torch.Tensor:
+                   scorer=None, prompt: str = "", texts: list[str] | None = None, reference: str = "",
+                   scores: torch.Tensor | None = None) -> torch.Tensor:
     """One group's final rewards [G] fp32: correctness plus shaping kept inside the correctness class.
 
     The shaping score s sums DAPO's overlong penalty, the repetition penalty and the
     scorer's term (a reward model's score through `rm_score`, or a judge's verdict against
     `reference` through `judge_score`), and enters through `adjust_rewards`, so no correct
     response's advantage turns negative. max_new_tokens: the generation limit the overlong
-    penalty ramps up to. texts (the decoded completions) and prompt are needed only with a scorer. Without any shaping, the correctness is returned as it is.
+    penalty ramps up to. texts (the decoded completions) and prompt are needed only with a scorer;
+    scores: the scorer's outputs for this group (`scorer_outputs`) when the caller already has them
+    (train.py times and logs them), else they are computed here. With cfg.rm_only the reward is s itself,
+    clamped to [-1, 1], correct_G unread: a group then holds one class, and adjust_rewards would give it
+    no shaping at all. Without any shaping, the correctness is returned as it is.
     """
     if not cfg.shapes:  # the common case: no float64 detour, the verifier's rewards as they are
         return correct_G
@@ -562,11 +600,13 @@ def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg
                              for x in completion_ids])
     if cfg.repetition_weight:
         s_G += cfg.repetition_weight * torch.tensor([repetition_penalty(x) for x in completion_ids])
-    if hasattr(scorer, "compare"):  # a PairwiseJudge (the protocols are not runtime-checkable: duck typing)
-        p_better = torch.tensor(scorer.compare([prompt] * G, texts, [reference] * G), dtype=torch.float64)
+    if scorer is not None and scores is None:
+        scores = scorer_outputs(scorer, prompt, texts, reference)
+    if hasattr(scorer, "compare"):  # a PairwiseJudge
         # against the gold answer as the reference: better than gold pushes up, worse pushes down, a tie adds 0
-        s_G += cfg.rm_weight * judge_score(p_better, dead_band=cfg.judge_dead_band)
+        s_G += cfg.rm_weight * judge_score(scores, dead_band=cfg.judge_dead_band)
     elif scorer is not None:
-        scores = torch.tensor(scorer.score([prompt] * G, texts), dtype=torch.float64)
         s_G += cfg.rm_weight * rm_score(scores, scale=RM_SCORE_SCALE)
+    if cfg.rm_only:  # no correctness class to keep: the bounded shaping is the reward
+        return s_G.clamp(-1, 1).float()
     return adjust_rewards(correct_G, s_G, margin=cfg.shaping_margin)

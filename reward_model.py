@@ -1,4 +1,4 @@
-"""Reward models from Hugging Face checkpoints, and a generative judge's verdict format.
+"""Reward models from Hugging Face checkpoints, and a generative judge on a causal LM's.
 
 `HFRewardModel` is a scalar reward model (a `reward.RewardModel`) read from a hub-layout folder
 holding a transformers sequence-classification checkpoint (config.json's architectures
@@ -8,11 +8,13 @@ apart, and each (prompt, completion) is scored in the reward model's own chat te
 (tokenizer.load_hf_tokenizer). `reward_model_for(cfg)` is the run's scorer for `reward.model`: a
 checkpoint folder here, the stand-ins through reward.reward_model_for.
 
-`JUDGE_PROMPT` and `parse_verdict` are the text side of a pairwise judge (reward.PairwiseJudge): the
-prompt a generative judge is given, and the one verdict read from its reply; serving the judge is not
-here yet. The outcome then enters the reward through reward.judge_score's dead band and
-reward.adjust_rewards, which keeps every correct response above every wrong one (arXiv 2402.03300's
-group-relative advantage never turned against correctness).
+`GenerativeJudge` is a pairwise judge (reward.PairwiseJudge) on a causal LM's checkpoint
+(`reward.model=judge:<folder>`): `JUDGE_PROMPT` rendered in the judge's chat template, a greedy reply from a
+`generate` callable the caller gives it (train.py wires a rollout.NativeEngine of the judge's weights: the
+engines sit a layer above this file), the one verdict `parse_verdict` reads from the reply. The outcome
+then enters the reward through reward.judge_score's dead band and reward.adjust_rewards, which keeps every
+correct response above every wrong one (arXiv 2402.03300's group-relative advantage never turned against
+correctness).
 Shapes: B, T, D (letters of the README's legend).
 
 Notable choices:
@@ -33,6 +35,10 @@ Notable choices:
 5. A judge's reply counts only if its last non-empty line is exactly `Verdict: better|worse|tie`;
    everything else is None, which the caller scores as a tie (zero shaping), never as a reward. A
    verdict quoted earlier in the reply (from the judged answer, or a draft) is not read.
+6. The judge is given its generator, not an engine: rollout.py sits above this file (tests/test_structure.py's
+   layers), and a generator is all a judge needs of one. A judged prompt that cannot fit the judge's context
+   with room for its reply is not sent: a counted tie (`counts["too_long"]`), as an unreadable reply is
+   (`counts["unparsed"]`).
 """
 
 from __future__ import annotations
@@ -41,13 +47,18 @@ import json
 import os
 import re
 import tempfile
+from collections import Counter
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from hf import load_hf
 from hf_config import weight_files
-from reward import JUDGE_OUTCOMES, RewardConfig, reward_model_for as stand_in_for
+from reward import JUDGE_OUTCOMES, JUDGE_PREFIX, REWARD_MODELS, RewardConfig, reward_model_for as stand_in_for
 from tokenizer import Tokenizer, _compiled_template, _token_name, load_hf_tokenizer
+
+if TYPE_CHECKING:
+    from model import Transformer
 
 # architectures entry -> the family's causal LM, whose backbone tensors and config.json keys it shares
 SEQUENCE_CLASSIFIERS = {"Qwen3MoeForSequenceClassification": "Qwen3MoeForCausalLM",
@@ -172,9 +183,29 @@ class HFRewardModel:
         return out
 
 
-def reward_model_for(cfg: RewardConfig, *, device: str | torch.device = "cpu"):
+Generate = Callable[[list[list[int]]], list[list[int]]]
+"""A greedy generator: prompts' ids -> each reply's ids, its stop token left out."""
+
+
+def reward_model_for(cfg: RewardConfig, *, device: str | torch.device = "cpu",
+                     judge_generator: Callable[[Transformer, Tokenizer], Generate] | None = None):
     """The run's scorer for cfg.model: an HFRewardModel of a checkpoint folder (on device, cfg.rm_batch_size
-    pairs per forward), else reward.reward_model_for's stand-in (None for "")."""
+    pairs per forward), a GenerativeJudge of 'judge:<folder>' (its model loaded by hf.load_hf, its generator
+    `judge_generator(model, tokenizer)`), else reward.reward_model_for's stand-in (None for "").
+    Raises ValueError for rm_only without a scorer, a judge without judge_generator, and what the loaders refuse."""
+    if cfg.rm_only and not cfg.model:
+        raise ValueError("reward.rm_only=True: the reward is the reward model's alone, so reward.model must name one "
+                         f"(a checkpoint folder, '{JUDGE_PREFIX}<folder>', or a stand-in: {REWARD_MODELS[1:]})")
+    if cfg.model.startswith(JUDGE_PREFIX):
+        if judge_generator is None:
+            raise ValueError(f"reward.model={cfg.model!r}: a generative judge needs a generator (train.py's)")
+        path = cfg.model.removeprefix(JUDGE_PREFIX)
+        tok = load_hf_tokenizer(path)
+        if tok.chat_template is None:
+            raise ValueError(f"judge {path}: its tokenizer has no chat template to render the judge's prompt in")
+        model = load_hf(path)
+        return GenerativeJudge(tok, judge_generator(model, tok), max_seq_len=model.cfg.max_seq_len,
+                               max_new_tokens=cfg.judge_max_new_tokens)
     if os.path.isdir(cfg.model):
         return HFRewardModel(cfg.model, device, batch_size=cfg.rm_batch_size)
     return stand_in_for(cfg)
@@ -223,3 +254,36 @@ def judge_outcome(text: str) -> float:
     """P(answer beats the reference) from a judge's reply, reward.JUDGE_OUTCOMES' scale: 1, 1/2 or 0; a reply
     parse_verdict cannot read is a tie (1/2), which reward.judge_score turns into exactly zero shaping."""
     return JUDGE_OUTCOMES[parse_verdict(text) or "tie"]
+
+
+class GenerativeJudge:
+    """A pairwise judge (reward.PairwiseJudge) that asks a causal LM: JUDGE_PROMPT with the question, the reference
+    and the answer as the user's turn in tok's chat template, one greedy reply of at most max_new_tokens from
+    `generate`, read by judge_outcome. counts: the calls' judgements, 'unparsed' replies and 'too_long' prompts
+    (prompt + max_new_tokens over max_seq_len: not sent), both ties; the caller reads and resets them."""
+
+    def __init__(self, tok: Tokenizer, generate: Generate, *, max_seq_len: int, max_new_tokens: int):
+        if not 0 < max_new_tokens < max_seq_len:
+            raise ValueError(f"reward.judge_max_new_tokens={max_new_tokens}: need 0 < it < the judge's "
+                             f"max_seq_len={max_seq_len}")
+        self.tok, self.generate = tok, generate
+        self.max_prompt = max_seq_len - max_new_tokens  # the engine refuses longer prompts
+        self.counts = Counter(judged=0, unparsed=0, too_long=0)
+
+    def compare(self, prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
+        """P(completion beats reference) per triple, 1.0 / 0.5 / 0.0 (reward.JUDGE_OUTCOMES)."""
+        if not len(prompts) == len(completions) == len(references):
+            raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions, {len(references)} references: "
+                             f"need one of each per judgement")
+        ids = [self.tok.prompt_ids(JUDGE_PROMPT.format(question=p, reference=r, answer=c))
+               for p, c, r in zip(prompts, completions, references)]
+        fits = [i for i, x in enumerate(ids) if len(x) <= self.max_prompt]
+        replies = dict(zip(fits, self.generate([ids[i] for i in fits]) if fits else []))
+        out = []
+        for i in range(len(ids)):
+            verdict = parse_verdict(self.tok.decode(replies[i])) if i in replies else None
+            self.counts["too_long"] += i not in replies
+            self.counts["unparsed"] += i in replies and verdict is None
+            out.append(JUDGE_OUTCOMES[verdict or "tie"])
+        self.counts["judged"] += len(ids)
+        return out

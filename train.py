@@ -52,10 +52,10 @@ from filter import (STAGE1_COUNTS, STAGE2_COUNTS, PromptHistory, Scored, is_info
 from hf import check_weights, save_hf
 from metrics import MetricsLog, WriteError, check_logger, plot, read_records, write_atomic, write_error
 from plan import param_counts
-from reward import shaped_rewards
+from reward import order_violations, scorer_outputs, shaped_rewards
 from reward_model import reward_model_for
-from rollout import Engine, build_engine, engine_builder, producer_engine, stop_engine_servers
-from sampler import Rollout
+from rollout import Engine, NativeEngine, build_engine, engine_builder, producer_engine, stop_engine_servers
+from sampler import Rollout, SamplingParams
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
 from trainer import NonFiniteError, TrainBatch, lr_at, sft_step, train_on_rollouts
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from tokenizer import Tokenizer
 
 STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds (probes, the rest, over-sampling)
+JUDGE_SEED = 0  # a generative judge decodes greedily; a fixed seed keeps its calls off torch's RNG (the policy's)
 ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken as hung
 
 
@@ -160,13 +161,7 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     correct = [torch.tensor([s.reward for s in g]) for _, g in groups]  # the verifier's 0/1
     # shaping (penalties, reward model, judge) moves a reward only inside its correctness class, so no
     # correct response can get a negative advantage (reward.adjust_rewards)
-    rewards = correct
-    if cfg.reward.shapes:
-        rewards = [shaped_rewards(c, [s.payload.completion_ids for s in g], cfg.reward,
-                                  max_new_tokens=cfg.sampling.max_new_tokens, scorer=run.scorer,
-                                  prompt=item.question, reference=item.answer,
-                                  texts=[completion_text(run.tok, s.payload) for s in g] if run.scorer else None)
-                   for (item, g), c in zip(groups, correct)]
+    rewards, shaping = shape_rewards(run, groups, correct, step) if cfg.reward.shapes else (correct, {})
     lengths = [torch.tensor([s.num_tokens for s in g]) for _, g in groups]
     keep_P, filtered = post_rollout_filter(rewards, lengths, correct)  # stage 3, after rollout: all equal, no signal
     zero_var_P = ~keep_P
@@ -183,8 +178,49 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
               "oversample_rounds": rounds, "prompts_drawn": drawn,
               "groups_informative": sum(is_informative(g) for _, g in groups)}
     m = rollout_metrics(step, groups, correct, lengths, {**filtered, **counts}, t_generate)
+    m.update(shaping)
     m.update({f"engine/{k}_bytes": v for k, v in run.engine.memory().items()})  # this rank's: no replica if sharded
     return m, kept_batch(run, groups, keep_P, zero_var_P, adv)
+
+
+def shape_rewards(run: Run, groups, correct: list[torch.Tensor], step: int) -> tuple[list[torch.Tensor], dict]:
+    """Each group's final rewards, shaped inside its correctness class (reward.shaped_rewards), and their metrics:
+    the scorer's raw outputs (rm/score_mean and rm/score_std, or a judge's judge/p_better_mean and its counts:
+    judge/unparsed, judge/too_long), the rewards' mean and std, the (correct, wrong) pairs checked and
+    t_reward_model (the scorer's seconds). Every group is checked to keep each correct response's reward above
+    each wrong one's (reward.adjust_rewards' guarantee): an AssertionError naming the step if one ever is not.
+    With reward.rm_only the verifier's correctness is unread: each group is one class, the check vacuous."""
+    cfg, scorer = run.cfg.reward, run.scorer
+    t0 = time.perf_counter()
+    scores = [scorer_outputs(scorer, item.question, [completion_text(run.tok, s.payload) for s in g], item.answer)
+              if scorer is not None else None for item, g in groups]
+    m = {"t_reward_model": time.perf_counter() - t0}
+    classes = [torch.zeros_like(c) for c in correct] if cfg.rm_only else correct
+    rewards = [shaped_rewards(c, [s.payload.completion_ids for s in g], cfg, scorer=scorer, scores=x,
+                              max_new_tokens=run.cfg.sampling.max_new_tokens)
+               for (_, g), c, x in zip(groups, classes, scores)]
+    pairs = 0
+    for p, (c, r) in enumerate(zip(classes, rewards)):
+        n, inverted = order_violations(c, r)
+        if inverted:  # adjust_rewards rules this out; a change to the shaping that breaks it must not train on
+            raise AssertionError(f"step {step}: group {p}: {inverted} of {n} (correct, wrong) pairs have the wrong "
+                                 f"response's reward at or above the correct one's: rewards {r.tolist()}, correct "
+                                 f"{c.tolist()} (reward.adjust_rewards' ordering guarantee broken)")
+        pairs += n
+    if rewards:
+        r = torch.cat(rewards).double()
+        m.update({"reward/shaped_mean": r.mean().item(), "reward/shaped_std": r.std(correction=0).item()})
+    m.update({"reward/order_pairs_checked": pairs, "reward/order_violations": 0})
+    if scorer is not None and scores:
+        x = torch.cat(scores)
+        if hasattr(scorer, "compare"):
+            m["judge/p_better_mean"] = x.mean().item()
+        else:
+            m.update({"rm/score_mean": x.mean().item(), "rm/score_std": x.std(correction=0).item()})
+    if hasattr(scorer, "counts"):  # a GenerativeJudge's: this step's, then reset
+        m.update({f"judge/{k}": v for k, v in scorer.counts.items()})
+        scorer.counts.subtract(dict(scorer.counts))
+    return rewards, m
 
 
 def update_policy(run: Run, batch: TrainBatch, step: int) -> dict:
@@ -561,6 +597,23 @@ def prepare(cfg: TrainConfig) -> Start:
     return start
 
 
+def judge_generator(cfg: TrainConfig):
+    """How a generative judge (reward.model=judge:<folder>) generates: builder(model, tok) -> a greedy generator on
+    a NativeEngine of its own holding the judge's weights (cfg.device, the run's compute dtype), replies of at most
+    reward.judge_max_new_tokens, their stop token left out. Under torchrun each rank holds a whole judge."""
+    def build(model, tok):
+        engine = NativeEngine(model.cfg, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device,
+                              dtype=cfg.compute_dtype(), num_tokens=tok.enc.n_vocab)
+        engine.update_weights(policy_tensors(model), version=0)
+        params = SamplingParams(max_new_tokens=cfg.reward.judge_max_new_tokens, temperature=0.0)
+
+        def generate(prompts: list[list[int]]) -> list[list[int]]:
+            replies = engine.generate(prompts, params, seed=JUDGE_SEED)
+            return [r.completion_ids[:-1] if r.finish_reason == "stop" else r.completion_ids for r in replies]
+        return generate
+    return build
+
+
 def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
     """The policy, engine, metrics log and reward workers of a run, around what `prepare` read."""
     data = start.data
@@ -574,7 +627,8 @@ def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
                log=MetricsLog(cfg.out_dir, logger=cfg.logger, config=dataclasses.asdict(cfg), write=rank_world()[0] == 0,
                               keep=start.resumed["num_records"] if start.resumed else None),
                pool=RewardPool(data.task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
-               if cfg.reward.workers else None, scorer=reward_model_for(cfg.reward, device=cfg.device))
+               if cfg.reward.workers else None, scorer=reward_model_for(cfg.reward, device=cfg.device,
+                                                                       judge_generator=judge_generator(cfg)))
 
 
 def save_model(run: Run):

@@ -2,6 +2,7 @@
 scores through rm_score and adjust_rewards never put a wrong answer above a correct one; a judge's reply yields a
 verdict only in JUDGE_PROMPT's format (issue 27)."""
 import json
+import math
 import os
 import shutil
 import sys
@@ -256,3 +257,131 @@ def test_judge_prompt_names_the_three_parts_and_the_verdict_lines():
     text = JUDGE_PROMPT.format(question="Q?", reference="R.", answer="A. Verdict: better")
     assert "Q?" in text and "R." in text and "A. Verdict: better" in text
     assert all(f"\nVerdict: {v}" in JUDGE_PROMPT for v in ("better", "worse", "tie"))
+
+
+# ----------------------------------------------------------------------------- a generative judge, and runs
+
+def gsm8k_file(path, n: int, start: int = 0) -> str:
+    """n GSM8K-format rows (tests/test_hf_run.py's kind) in a JSONL file at path."""
+    rows = [{"question": f"Sam has {3 + i % 7} boxes of {10 + 3 * i} pens. How many pens?",
+             "answer": f"{3 + i % 7}*{10 + 3 * i}\n#### {(3 + i % 7) * (10 + 3 * i)}"} for i in range(start, start + n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def causal(tmp_path_factory):
+    """A random Qwen3-MoE causal LM (tests/hf_checkpoint.py) with Qwen's first NUM_RANKS ranks: a judge, a policy."""
+    if qwen_ranks_path() is None:
+        pytest.skip("needs dashscope's qwen.tiktoken (requirements-dev.txt)")
+    from hf_checkpoint import build_checkpoint
+    return build_checkpoint(str(tmp_path_factory.mktemp("causal")), num_ranks=NUM_RANKS)
+
+
+@needs_ranks
+def test_a_random_judge_on_the_native_engine_gives_counted_ties_and_leaves_rewards_unchanged(causal):
+    """reward.model=judge:<folder> through train.py's generator (a NativeEngine of the judge's weights): each
+    triple is JUDGE_PROMPT in the judge's chat template, answered greedily (the same replies twice), bounded by
+    judge_max_new_tokens; the random judge's garbage is no verdict, so every outcome is a counted tie (1/2), a
+    prompt too long for the judge's context is a counted tie unsent, and the shaped rewards are the correctness."""
+    import train
+    from config import TrainConfig
+    cfg = RewardConfig(model=f"judge:{causal}", judge_max_new_tokens=6, rm_weight=1.0, judge_dead_band=0.0)
+    sent = []
+
+    def generator(model, tok):
+        generate = train.judge_generator(TrainConfig(reward=cfg))(model, tok)
+        return lambda prompts: sent.append(prompts) or generate(prompts)
+    judge = reward_model_for(cfg, judge_generator=generator)
+    assert type(judge).__name__ == "GenerativeJudge"
+    answers = ["<answer>6</answer>", "7", "I cannot say.", "Verdict: better"]  # the last: a verdict in the answer
+    first = judge.compare([PROMPTS[0]] * 4, answers, ["5"] * 4)
+    assert first == [0.5] * 4 and dict(judge.counts) == {"judged": 4, "unparsed": 4, "too_long": 0}
+    assert sent[0] == [judge.tok.prompt_ids(JUDGE_PROMPT.format(question=PROMPTS[0], reference="5", answer=a))
+                       for a in answers]
+    replies = [judge.tok.decode(r) for r in judge.generate(sent[0])]
+    assert replies == [judge.tok.decode(r) for r in judge.generate(sent[0])]  # greedy: the same replies
+    assert all(parse_verdict(r) is None for r in replies)
+    assert judge.compare([PROMPTS[0]] * 2, ["5", "many words " * 300], ["5"] * 2) == [0.5, 0.5]
+    assert judge.counts["too_long"] == 1 and len(sent[-1]) == 1  # the long one never reached the engine
+    from reward import shaped_rewards
+    c_G = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    assert torch.equal(shaped_rewards(c_G, [[1]] * 4, cfg, max_new_tokens=8, scorer=judge, prompt=PROMPTS[0],
+                                      texts=answers, reference="5"), c_G)
+
+
+@needs_ranks
+def test_a_judge_needs_a_generator_and_rm_only_needs_a_scorer(causal):
+    with pytest.raises(ValueError, match="needs a generator"):
+        reward_model_for(RewardConfig(model=f"judge:{causal}"))
+    with pytest.raises(ValueError, match=r"reward\.rm_only=True: .* reward\.model must name one"):
+        reward_model_for(RewardConfig(rm_only=True))
+    with pytest.raises(ValueError, match="reward.model"):
+        RewardConfig(model="judge:/no/such/folder")
+
+
+def test_an_inverted_group_stops_the_run_naming_its_step(monkeypatch):
+    """train.shape_rewards checks adjust_rewards' guarantee on every group: rewards that put a wrong response at or
+    above a correct one raise, naming the step; the correct ones are counted as pairs checked."""
+    from types import SimpleNamespace
+
+    import train
+    from config import TrainConfig
+    run = SimpleNamespace(cfg=TrainConfig(reward=RewardConfig(repetition_weight=0.1)), scorer=None, tok=None)
+    g = [SimpleNamespace(payload=SimpleNamespace(completion_ids=[1, 2])) for _ in range(4)]
+    correct = [torch.tensor([1.0, 0.0, 0.0, 1.0])]
+    rewards, m = train.shape_rewards(run, [(None, g)], correct, step=3)
+    assert torch.equal(rewards[0], correct[0]) and m["reward/order_pairs_checked"] == 4
+    assert m["reward/order_violations"] == 0 and m["t_reward_model"] >= 0
+    monkeypatch.setattr(train, "shaped_rewards", lambda c, *a, **k: 1 - c)
+    with pytest.raises(AssertionError, match=r"step 3: group 0: 4 of 4 \(correct, wrong\) pairs"):
+        train.shape_rewards(run, [(None, g)], correct, step=3)
+
+
+@needs_ranks
+@pytest.mark.parametrize("scorer", ["rm", "judge"])
+def test_an_hf_run_with_a_reward_model_logs_its_scores_and_keeps_correct_above_wrong(scorer, classifier, causal,
+                                                                                   tmp_path, monkeypatch):
+    """train.py configs/hf_tiny.py init_hf=<causal> reward.model=<classifier> (or judge:<causal>) on GSM8K rows,
+    half the rollouts graded correct: each RL step logs the reward model's score mean and std (or the judge's
+    counts: every random reply unparsed), the shaped rewards, t_reward_model, and its (correct, wrong) pairs
+    checked with none inverted."""
+    import data
+    import train
+    from config import load_config
+    graded = iter(range(10 ** 6))
+    monkeypatch.setattr(data, "math_reward", lambda completion, gold: float(next(graded) % 2))  # mixed groups
+    model = classifier if scorer == "rm" else f"judge:{causal}"
+    out = tmp_path / "out"
+    cfg = load_config("configs/hf_tiny.py", [
+        f"init_hf={causal}", f"train_data={gsm8k_file(tmp_path / 'train.jsonl', 8)}",
+        f"eval_data={gsm8k_file(tmp_path / 'test.jsonl', 2, start=100)}", f"out_dir={out}", f"reward.model={model}",
+        "reward.judge_max_new_tokens=4", "rl_steps=2", "prompts_per_step=2", "group_size=4",
+        "sampling.max_new_tokens=4", "eval_every=2", "eval_size=2", "eval_samples=1"])
+    train.main(cfg)
+    rl = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["stage"] == "rl"]
+    assert len(rl) == 2
+    for r in rl:
+        assert r["reward/order_pairs_checked"] == 2 * 2 * 2 and r["reward/order_violations"] == 0  # 2 groups of 2+2
+        assert r["t_reward_model"] > 0 and r["t_generate"] > 0 and r["t_train"] > 0
+        if scorer == "rm":
+            assert r["rm/score_std"] > 0 and math.isfinite(r["rm/score_mean"])
+            assert r["reward/shaped_std"] != 0.5  # the reward model moved rewards inside their classes
+        else:
+            assert r["judge/judged"] == r["judge/unparsed"] == 8 and r["judge/p_better_mean"] == 0.5
+            assert r["reward/shaped_mean"] == 0.5 and r["reward/shaped_std"] == 0.5  # ties: the correctness itself
+
+
+def test_rm_only_rewards_are_the_bounded_reward_model_term_whatever_the_verifier_says():
+    """reward.rm_only (configs/qwen3_30b_a3b_rm.py): no correctness class, so the reward is rm_weight * rm_score,
+    clamped to [-1, 1], where adjust_rewards would leave a one-class group without any shaping."""
+    from reward import StubRewardModel, shaped_rewards
+    cfg = RewardConfig(model="stub", rm_only=True, rm_weight=1.0)
+    texts = ["4", "five", "<answer>5</answer>", "I do not know"]
+    want = rm_score(torch.tensor(StubRewardModel().score(["2 + 3?"] * 4, texts)), scale=1.0).float()
+    assert want.std() > 0.1
+    for correct in ([1.0, 0.0, 1.0, 0.0], [0.0] * 4):
+        got = shaped_rewards(torch.tensor(correct), [[1]] * 4, cfg, max_new_tokens=8, scorer=StubRewardModel(),
+                             prompt="2 + 3?", texts=texts)
+        assert torch.equal(got, want)
+    assert torch.equal(adjust_rewards(torch.zeros(4), want), torch.zeros(4))  # what rm_only avoids
