@@ -96,7 +96,7 @@ RESUMABLE = (
     # micro-batches, recompute and compile change how a step is computed, not what it computes
     "device", "gpus_per_node", "ep", "dist_timeout_s", "activation_checkpoint", "compile", "gen_batch_rows",
     "microbatch_tokens", "rollout_threads", "trainer_threads", "engine.sglang_urls", "engine.sglang_mem_fraction",
-    "reward.workers",
+    "engine.slots", "reward.workers",
 )
 """The settings (section fields dotted) that may differ between a run and its resume without making it another run;
 every other setting is the run's identity (choice 6)."""

@@ -117,18 +117,32 @@ class EngineConfig:
     fp8: bool = False
     """Rollouts with blockwise-FP8 weights (DeepSeek-V3's recipe): SGLang's FP8 serving, or the native engine in
     one process; the trainer stays bf16/fp32."""
+    slots: int = 0
+    """name='native': continuous batching (rollout.ContinuousBatch). 0 = static calls: a step's rows go to the
+    engine in generate calls of gen_batch_rows rows (eval_batch_rows for an eval), each decoding until its longest
+    row stops, batched by predicted length (scheduler.generation_batches). N > 0 = each generate round of a step,
+    and each eval pass, is one call per rank holding all of its rows, of which N decode at once, a stopped row's
+    slot taking the next: N replaces gen_batch_rows and eval_batch_rows as the bound on live rows (the KV cache
+    holds N rows; the dry run's plan sizes it so), and the length buckets have nothing left to do (the scheduler
+    only deals the prompts over the ranks, longest-first round-robin, for balance). Reward workers then start
+    scoring when the call returns. Under torchrun the ranks decode in lockstep, each MoE layer's all-to-all on
+    fixed buffers of N tokens (model.capacity_dispatch): no host sync per layer."""
 
     RULES = {  # each field's type and range (rules.py); not a field: no annotation
         "name": text("an engine's name in rollout.ENGINES ('native', 'sglang')", lambda v: bool(v.strip())),
         "sglang_urls": text("comma-separated http://host:port base URLs ('' = colocated)"),
         "sglang_mem_fraction": number(0, 1, high_open=True, why="0 = from the plan, else a fraction below 1"),
         "fp8": FLAG,
+        "slots": integer(0, why="0 = static generate calls, else how many rows decode at once"),
     }
 
     def __post_init__(self):
         check_fields(self)
         if self.urls and self.name != "sglang":
             raise ValueError(f"sglang_urls={self.sglang_urls!r} is read only with name='sglang' (name={self.name!r})")
+        if self.slots and self.name != "native":
+            raise ValueError(f"slots={self.slots}: continuous batching is the native engine's (name={self.name!r}: "
+                             f"SGLang batches continuously on its own); use slots=0 or name='native'")
 
     @property
     def urls(self) -> list[str]:

@@ -8,8 +8,9 @@ fake process group of the run's world size, runs two training steps of one micro
 (forward with the chunked logprobs, backward, AdamW) and reads the peak from torch's memory
 tracker (FSDPMemTracker; MemTracker for a plain one-process model). The rollout engine's part
 (`engine_memory`, `engine_bytes`) adds up what NativeEngine allocates: its weights (choice 4)
-and, while it generates, the KV cache and routes of gen_batch_rows rows of max_prompt_tokens +
-max_new_tokens tokens, the prefill, and the sampler's [rows, V] buffers.
+and, while it generates, the KV cache and routes of gen_batch_rows rows (engine.slots rows when it
+batches continuously, choice 7) of max_prompt_tokens + max_new_tokens tokens, the prefill, and the
+sampler's [rows, V] buffers.
 bench/memory.py and tests/test_plan.py check both against measured peaks of real runs on CPU.
 Shapes: B, T, V, D, E, K, L, J, d, S (letters of the README's legend).
 
@@ -48,6 +49,13 @@ Notable choices:
    fraction that fits leaves room for it, the margins and the graphs; its KV pool is what the
    fraction leaves after the trainer's parameters and the served weights (the checkpoint's
    bf16, or FP8, over tensor parallel ranks). A training step runs with the server asleep.
+7. Continuous batching (engine.slots = N > 0): a step's generate round, or an eval pass, is one call per rank
+   of all its rows (X), N of them live (rollout.ContinuousBatch), so the KV cache, the decode routes and the
+   sampler hold N rows whatever gen_batch_rows and eval_batch_rows say; an admission round prefills the new
+   prompts of at most N rows (one round's cache may stay alive beside the next's while its last prompt has
+   rows queued), and the call keeps the X rows' tokens, logprobs and routes until it returns. X per rank is
+   the largest round's: prompts_per_step (a round of over-sampling draws no more) over the ranks, times the
+   round's rows per prompt.
 """
 
 from __future__ import annotations
@@ -193,7 +201,7 @@ def engine_bytes(cfg, world: int) -> dict[str, int]:
     dtype, except where expert parallelism alone splits them (ep = world, no efsdp mesh): then they
     sit outside FSDP and the engine decodes the trainer's own fp32 shards (model.GroupedExperts
     casts a layer at a time), 4 bytes each.
-    kv_cache: model.KVCache's k and v, [n_layers, gen_batch_rows, J, S, d] each in the compute
+    kv_cache: model.KVCache's k and v, [n_layers, live_rows(cfg), J, S, d] each in the compute
     dtype, S = prompt_limit() + max_new_tokens - 1 columns. One process (world == 1): the
     replica's. Raises ValueError if ep does not divide world and num_experts.
     """
@@ -201,7 +209,13 @@ def engine_bytes(cfg, world: int) -> dict[str, int]:
     parts = _engine_weights(cfg, world)
     S = cfg.prompt_limit() + cfg.sampling.max_new_tokens - 1  # the last sampled token is never fed back
     return {"dense": parts["dense"], "experts": parts["experts"],
-            "kv_cache": 2 * m.n_layers * cfg.gen_batch_rows * m.n_kv_heads * S * m.head_dim * dt}
+            "kv_cache": 2 * m.n_layers * live_rows(cfg) * m.n_kv_heads * S * m.head_dim * dt}
+
+
+def live_rows(cfg) -> int:
+    """Rows a step's generate call decodes at once, what its KV cache holds: engine.slots when the engine batches
+    continuously (choice 7), else gen_batch_rows."""
+    return cfg.engine.slots or cfg.gen_batch_rows
 
 
 def _experts_are_trainer_shards(cfg, world: int) -> bool:
@@ -243,7 +257,8 @@ def _engine_weights(cfg, world: int) -> dict[str, int]:
 
 def engine_memory(cfg, world: int = 1) -> dict[str, int]:
     """Bytes one rank's NativeEngine adds while it generates: its weights and the peak of a generate call
-    of gen_batch_rows rows whose prompts are max_prompt_tokens long (rollout.py `_prefill`, `_decode`).
+    of gen_batch_rows rows whose prompts are max_prompt_tokens long (rollout.py `_prefill`, `_decode`), or
+    with engine.slots the largest continuously batched call's (`continuous_peak`, choice 7).
 
     One process: a replica of the policy in the run's dtype (choice 4). world > 1: no replica; the
     dense weights gathered for the rollout phase and the rank's experts (`engine_bytes`), whose
@@ -254,20 +269,27 @@ def engine_memory(cfg, world: int = 1) -> dict[str, int]:
     """
     own = _engine_weights(cfg, world)
     weights = own["dense"] + (0 if _experts_are_trainer_shards(cfg, world) else own["experts"])
-    # the run's generate calls, (rows, samples per prompt): a step's groups and its probes, and the evals' sampled
-    # and greedy passes; a call prefills rows / samples distinct prompts, a greedy eval one per row
-    n_rows = [(cfg.gen_batch_rows, cfg.group_size), (cfg.gen_batch_rows, cfg.filter.probe_size or cfg.group_size),
-              (cfg.eval_batch_rows, cfg.eval_samples), (cfg.eval_batch_rows, 1)]
-    generate = max(generate_peak(cfg, world, rows, max(1, rows // n)) for rows, n in n_rows)
+    if cfg.engine.slots:  # one call per round and rank, `slots` rows live (choice 7)
+        step, evals = -(-cfg.prompts_per_step // world), -(-cfg.eval_size // world)  # prompts per rank
+        rest = max(cfg.group_size, cfg.filter.enlarged_group_size) - cfg.filter.probe_size  # 0 probes: a whole group
+        n_prompts = [(step, rest), (step, cfg.filter.probe_size or rest), (evals, cfg.eval_samples), (evals, 1)]
+        generate = max(continuous_peak(cfg, world, p * n, n) for p, n in n_prompts)
+    else:
+        # the run's generate calls, (rows, samples per prompt): a step's groups and its probes, and the evals'
+        # sampled and greedy passes; a call prefills rows / samples distinct prompts, a greedy eval one per row
+        n_rows = [(cfg.gen_batch_rows, cfg.group_size), (cfg.gen_batch_rows, cfg.filter.probe_size or cfg.group_size),
+                  (cfg.eval_batch_rows, cfg.eval_samples), (cfg.eval_batch_rows, 1)]
+        generate = max(generate_peak(cfg, world, rows, max(1, rows // n)) for rows, n in n_rows)
     if world > 1:  # gathering unit by unit: one unit's all-gather buffer beside its copy, before the call
         generate = max(generate, own["largest_unit"])
     return {"dense": own["dense"], "experts": own["experts"], "weights": weights,
             "kv_cache": engine_bytes(cfg, world)["kv_cache"], "generate": generate, "total": weights + generate}
 
 
-def generate_peak(cfg, world: int, B: int, U: int) -> int:
+def generate_peak(cfg, world: int, B: int, U: int, *, cache_first: bool = False) -> int:
     """The peak bytes of one generate call of B rows and U distinct prompts, max_prompt_tokens each (beyond
-    the engine's weights): its prefill, the copy into the decode cache, or decoding, whichever is largest."""
+    the engine's weights): its prefill, the copy into the decode cache, or decoding, whichever is largest.
+    cache_first: the decode cache and routes exist before the prefill (a continuous batch's, choice 7)."""
     m, dt = cfg.model, torch.tensor([], dtype=cfg.compute_dtype()).element_size()
     own, ep, aliased = _engine_weights(cfg, world), cfg.ep if world > 1 else 1, _experts_are_trainer_shards(cfg, world)
     P, C = cfg.prompt_limit(), cfg.sampling.max_new_tokens
@@ -291,7 +313,32 @@ def generate_peak(cfg, world: int, B: int, U: int) -> int:
     # decoding: the cache and routes, the sampler's [B, V] buffers (logits, tempered logits, log-softmax and
     # probabilities fp32, their cumulative sum fp64), the row mask, and the sampled ids and logprobs
     decode = kv + routes + B * m.vocab_size * (4 * 4 + 8) + B * S * 4 + B * C * (8 + 4) + B * a2a + cast
+    if cache_first:
+        prefill += kv + routes
     return max(prefill, copy, decode + routes)  # the end: the rollouts' own copies of their routes
+
+
+def continuous_peak(cfg, world: int, X: int, n: int) -> int:
+    """The peak bytes of one continuously batched generate call (engine.slots, choice 7) of X rows, n per prompt,
+    max_prompt_tokens each (beyond the engine's weights): an admission round's prefill, the copy or decoding
+    with min(slots, X) rows live (`generate_peak` of those rows and the round's distinct prompts, the slots'
+    cache allocated first), beside the previous round's prefill cache and the call's X rows of tokens,
+    logprobs and routes. An upper bound."""
+    m, dt = cfg.model, torch.tensor([], dtype=cfg.compute_dtype()).element_size()
+    P, C = cfg.prompt_limit(), cfg.sampling.max_new_tokens
+    B = min(cfg.engine.slots, X)
+    U = min(-(-X // n), -(-(B + n - 1) // n))  # B consecutive rows of a prompt-major queue span at most U prompts
+    # a round's cache stays alive while its last prompt has rows queued: beside the next round's (n > 1 rows a prompt)
+    earlier = m.n_layers * U * P * 2 * m.n_kv_heads * m.head_dim * dt if n > 1 and X > B else 0
+    route = torch.tensor([], dtype=route_dtype(m.num_experts)).element_size()
+    # (X + 1, C) ids int64 and logprobs fp32, and each finished row's routes [P + C - 1, L, K]
+    outputs = (X + 1) * C * (8 + 4) + X * (P + C - 1) * m.num_moe_layers * m.top_k * route
+    ep = cfg.ep if world > 1 else 1
+    # expert parallel: a decode step's fixed-size buffers (model.capacity_experts), ep blocks of slots * min(K, E/ep)
+    # rows whatever the routes: sent, received, sorted, returned rows of D and the experts' [2I] and [I] outputs
+    rows = ep * cfg.engine.slots * min(m.top_k, m.num_experts // ep)
+    capacity = rows * (4 * m.dim + 3 * m.moe_inter_dim) * dt if ep > 1 else 0
+    return generate_peak(cfg, world, B, U, cache_first=True) + earlier + outputs + capacity
 
 
 def memory_plan(cfg, world: int) -> dict[str, int]:
@@ -394,8 +441,10 @@ def print_plan(cfg, nodes=NODES) -> list[dict]:
           f"({n(counts['active'] - counts['embed_lm_head'])} without embedding and lm_head), "
           f"{n(counts['experts'])} in routed experts")
     dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+    rows = (f"{cfg.engine.slots} rows per GPU at once (engine.slots: continuous batching, whatever gen_batch_rows)"
+            if cfg.engine.slots else f"{cfg.gen_batch_rows} rows per GPU")
     print(f"per GPU (GiB): {cfg.microbatch_tokens}-token micro-batches in {dtype}, activation checkpointing "
-          f"{'on' if cfg.activation_checkpoint else 'off'}; the engine generating {cfg.gen_batch_rows} rows per GPU "
+          f"{'on' if cfg.activation_checkpoint else 'off'}; the engine generating {rows} "
           f"of {cfg.prompt_limit()} + {cfg.sampling.max_new_tokens} tokens, on one GPU from a full copy of the weights kept "
           f"through training, on several from the policy's own: dense weights gathered for the rollout phase, "
           f"experts E/ep per GPU")
@@ -429,8 +478,8 @@ def print_plan(cfg, nodes=NODES) -> list[dict]:
 
 def _print_what_fits(cfg, plans: dict[int, dict]):
     """Per node count: which phase sets the peak and its parts, and for each GPU type it does not fit what
-    would: fewer rows per generate call (gen_batch_rows, eval_batch_rows) where the rollout phase sets the peak
-    (its KV cache and prefill shrink), else more nodes."""
+    would: fewer rows per generate call (gen_batch_rows, eval_batch_rows; engine.slots when the engine batches
+    continuously) where the rollout phase sets the peak (its KV cache and prefill shrink), else more nodes."""
     bf16 = dataclasses.replace(cfg, dtype="bfloat16") if cfg.dtype == "auto" else cfg
     for k, p in plans.items():
         world = k * cfg.gpus_per_node
@@ -448,15 +497,20 @@ def _print_what_fits(cfg, plans: dict[int, dict]):
             if with_margins(cfg, world, p["train step"]) / GB > gib:
                 needs.append(f"{name}: more nodes")
                 continue
-            rows = max(bf16.gen_batch_rows, bf16.eval_batch_rows) // 2
+            slots = bf16.engine.slots  # continuous batching: its slots bound the live rows (choice 7)
+            rows = (slots if slots else max(bf16.gen_batch_rows, bf16.eval_batch_rows)) // 2
             while rows >= 1:  # the rollout phase sets this peak, the training step fits: fewer rows per call
-                smaller = dataclasses.replace(bf16, gen_batch_rows=min(rows, bf16.gen_batch_rows),
-                                              eval_batch_rows=min(rows, bf16.eval_batch_rows))
+                if slots:
+                    smaller = dataclasses.replace(bf16, engine=dataclasses.replace(bf16.engine, slots=rows))
+                    change = f"engine.slots={rows}"
+                else:
+                    smaller = dataclasses.replace(bf16, gen_batch_rows=min(rows, bf16.gen_batch_rows),
+                                                  eval_batch_rows=min(rows, bf16.eval_batch_rows))
+                    change = f"gen_batch_rows={smaller.gen_batch_rows} eval_batch_rows={smaller.eval_batch_rows}"
                 rollout = p["params"] + p["adam"] + engine_memory(smaller, world)["total"]
                 total = with_margins(cfg, world, max(rollout, p["train step"]))
                 if total / GB <= gib:
-                    needs.append(f"{name}: gen_batch_rows={smaller.gen_batch_rows} eval_batch_rows="
-                                 f"{smaller.eval_batch_rows} ({total / GB:.1f})")
+                    needs.append(f"{name}: {change} ({total / GB:.1f})")
                     break
                 rows //= 2
             else:

@@ -47,27 +47,31 @@ Notable choices:
 6. Weight sync in buckets of at most DEFAULT_BUCKET_BYTES (`weight_buckets`), each staged as one
    flat copy per dtype (`_stage`): staging memory stays bounded and a sync is a few large
    transfers, not one per tensor.
-7. Continuous batching, off by default (`NativeEngine(slots=N)`, `ContinuousBatch`): at most N
-   rows decode at once, each slot at its own cache column (`KVCache.update_rows`), and a stopped
+7. Continuous batching, off by default (engine.slots, `NativeEngine(slots=N)`, `ContinuousBatch`): at
+   most N rows decode at once, each slot at its own cache column (`KVCache.update_rows`), and a stopped
    row's slot takes the next row of the call, its prompt's prefill copied in. The same sampling
    streams, so the same tokens and routes as one static call; a long-tailed call then runs its
-   rows in far fewer decode row-steps than static calls of N rows (bench/continuous.py).
+   rows in far fewer decode row-steps than static calls of N rows (bench/continuous.py). On the
+   sharded policy the ranks keep lockstep: one collective per admission round or decode step picks
+   the same next forward on every rank (a rank with nothing to admit prefills a placeholder, one
+   whose rows are done steps idle slots) until every rank's rows are done, and the decode steps run
+   under `model.capacity_dispatch(model, slots)`: fixed-size all-to-alls, no host sync per MoE layer.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import deque
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 
-from distributed import (all_ranks, collective_group, gathered, load_shards, own_meshes, rank_world, reference_copy,
-                         set_group_timeouts)
-from model import KVCache, ModelConfig, Transformer, route_dtype
+from distributed import (all_ranks, all_reduce_float, collective_group, gathered, load_shards, own_meshes, rank_world,
+                         reference_copy, set_group_timeouts)
+from model import KVCache, ModelConfig, Transformer, capacity_dispatch, route_dtype
 from sampler import _GOLDEN, Rollout, SamplingParams, row_keys, row_uniforms, sample
 from sglang_engine import build_sglang_engine, stop_launched_servers
 from weights import (DEFAULT_BUCKET_BYTES, FP8, FP8GroupedExperts, FP8Linear, Named, full_tensor, local,
@@ -134,8 +138,8 @@ class NativeEngine:
     group: the process group of the phase's collectives (None: the default one); the async producer's
     engine, on a sharded copy of the policy, has groups of its own (`producer_engine`).
     slots: 0 (the default) decodes every row of a call in one static batch until the last one stops;
-    N > 0 decodes at most N rows at once and refills a stopped row's slot (`ContinuousBatch`; one
-    process only: ValueError with `policy`). `batch_stats` then holds the last call's counts.
+    N > 0 decodes at most N rows at once and refills a stopped row's slot (`ContinuousBatch`), on the
+    sharded policy in lockstep with the other ranks. `batch_stats` then holds the last call's counts.
     """
 
     def __init__(self, cfg: ModelConfig, *, eos_id: int | Sequence[int], pad_id: int, device="cpu",
@@ -155,9 +159,6 @@ class NativeEngine:
         # batching (`ContinuousBatch`): at most N rows decode at once and a stopped row's slot takes the next
         if slots < 0:
             raise ValueError(f"slots={slots}: need 0 (one static batch per call) or how many rows decode at once")
-        if slots and policy is not None:
-            raise ValueError(f"slots={slots}: continuous batching runs on a one-process engine; on the sharded policy "
-                             "ranks decode in lockstep, which it does not do yet (use slots=0)")
         self.slots = slots
         self.batch_stats: dict[str, int] = {}  # the last continuous call's counts (ContinuousBatch.stats)
         if policy is not None:  # no FP8 on the sharded policy (config.RELATIONS refuses engine.fp8 on several ranks)
@@ -420,6 +421,8 @@ class NativeEngine:
 
 IDLE = -1
 """slot_row of a slot holding no row: it keeps stepping with padding (no shape depends on data), its output dropped."""
+DONE, STEP, ADMIT = 0, 1, 2
+"""ContinuousBatch's next move, ordered so that the largest over ranks is the one every rank takes."""
 
 
 def row_uniforms_at(keys_B: torch.Tensor, step_B: torch.Tensor) -> torch.Tensor:
@@ -476,6 +479,13 @@ class ContinuousBatch:
        batch-mates, so logprobs differ by float rounding.
     4. The host reads the stop flags after every step (one sync), so a freed slot waits no step; a stopped
        row's slot with nothing left to take keeps stepping on padding, its output dropped.
+    5. On the sharded policy every forward is a collective (the experts' all-to-all), so the ranks run the same
+       sequence of forwards: before each admission round or decode step one all-reduce takes the largest of
+       the ranks' next moves (ADMIT while any rank has a free slot and a queued row, else STEP while any has a
+       live row, else DONE). A rank with nothing to admit prefills a one-token placeholder; a rank whose rows
+       are done steps its idle slots on padding, as the static engine's placeholder row does. The decode
+       steps run under `capacity_dispatch(model, slots)`, the same bound on every rank (a rank's batch has at
+       most `slots` rows), so no MoE layer waits for the host; a prefill (many tokens) keeps the dispatcher.
     The decode step runs eagerly (the engine's compile option is for the static step).
 
     Letters beside the legend's: B is a slot (a row of the decode batch), X the call's rollouts (its rows,
@@ -507,15 +517,18 @@ class ContinuousBatch:
         for p in prompts:
             rows_of[tuple(p)] = rows_of.get(tuple(p), 0) + n  # a repeated prompt shares one prefill
         self.rows_of, self.prefilled = rows_of, {}
-        self.stats = {"rows": X, "slots": B, "admissions": 0, "prefills": 0, "decode_steps": 0, "decode_row_steps": 0,
-                      "useful_row_steps": 0}
+        # rounds: admission rounds, each one prefill forward (a placeholder's on a sharded rank with no new prompt)
+        self.stats = {"rows": X, "slots": B, "admissions": 0, "prefills": 0, "rounds": 0, "decode_steps": 0,
+                      "decode_row_steps": 0, "useful_row_steps": 0}
 
     def run(self, groups: list[int]) -> list[Rollout]:
-        """Admit, step and refill until every row has stopped; the Rollouts in row order (prompt-major)."""
-        self.admit()
-        while any(r != IDLE for r in self.slot_row):
-            self.step()
-            self.admit()
+        """Admit, step and refill until every row has stopped (on the sharded policy, every rank's); the
+        Rollouts in row order (prompt-major)."""
+        while (move := self.next_move()) != DONE:
+            if move == ADMIT:
+                self.admit()
+            else:
+                self.step()
         engine, n = self.engine, self.n
         ids, logp_XC = self.ids_XC.tolist(), self.logp_XC.float().cpu()  # one device-to-host copy each
         return [Rollout(prompt_ids=list(self.prompts[r // n]), completion_ids=ids[r][:c],
@@ -523,40 +536,59 @@ class ContinuousBatch:
                         group_id=groups[r // n], weight_version=engine.weight_version)
                 for r, c in enumerate(self.length)]
 
+    def next_move(self) -> int:
+        """ADMIT while a free slot can take a queued row (a row stopping at its first token frees its slot at
+        once: another round), else STEP while a row is live, else DONE; on the sharded policy the largest
+        of every rank's (choice 5: one collective)."""
+        if self.queue and IDLE in self.slot_row:
+            move = ADMIT
+        else:
+            move = STEP if any(r != IDLE for r in self.slot_row) else DONE
+        if self.engine.sharded:
+            move = int(all_reduce_float(float(move), "max"))
+        return move
+
     def admit(self):
-        """Fill free slots from the queue: copy each row's prompt prefill in and sample its first token."""
+        """One admission round: fill the free slots from the queue, copy each row's prompt prefill in and
+        sample its first token. On the sharded policy a rank with no row to admit only joins the prefill."""
         dev = self.engine.device
-        while self.queue and IDLE in self.slot_row:  # a row stopping at its first token frees its slot at once
-            free = [s for s, r in enumerate(self.slot_row) if r == IDLE]
-            rows = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
-            slots = free[:len(rows)]
-            self.prefill([tuple(self.prompts[r // self.n]) for r in rows])
-            logits = []
-            for s, r in zip(slots, rows):
-                p = tuple(self.prompts[r // self.n])
-                pre, T = self.prefilled[p], len(p)
-                # (n_layers, J, T, d): the prompt's real columns, its round's left padding dropped
-                self.cache.k[:, s, :, :T] = pre.cache.k[:, pre.u, :, pre.pad:]
-                self.cache.v[:, s, :, :T] = pre.cache.v[:, pre.u, :, pre.pad:]
-                self.routes_BSLK[s, :T] = pre.routes_TLK[pre.pad:]  # (T, L, K)
-                logits.append(pre.logits_V)
-                pre.rows_left -= 1
-                if not pre.rows_left:
-                    del self.prefilled[p]  # its last row is in: the round's cache goes with its last prompt
-                self.slot_row[s], self.slot_step[s], self.slot_col[s] = r, 1, T  # token 0 is fed at column T
-            rows_A, slots_A = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
-            self.keys_B[slots_A] = self.keys_X[rows_A]
-            ids_A, logp_A = sample(self.vocab(torch.stack(logits)), self.params, row_uniforms(self.keys_X[rows_A], 0))
-            self.ids_XC[rows_A, 0], self.logp_XC[rows_A, 0], self.last_B[slots_A] = ids_A, logp_A, ids_A
-            self.stats["admissions"] += len(rows)
-            for s, stop in zip(slots, torch.isin(ids_A, self.stops).tolist()):
-                if stop or self.params.max_new_tokens == 1:
-                    self.finish(s, stop)
+        free = [s for s, r in enumerate(self.slot_row) if r == IDLE]
+        rows = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
+        slots = free[:len(rows)]
+        self.prefill([tuple(self.prompts[r // self.n]) for r in rows])
+        if not rows:
+            return
+        logits = []
+        for s, r in zip(slots, rows):
+            p = tuple(self.prompts[r // self.n])
+            pre, T = self.prefilled[p], len(p)
+            # (n_layers, J, T, d): the prompt's real columns, its round's left padding dropped
+            self.cache.k[:, s, :, :T] = pre.cache.k[:, pre.u, :, pre.pad:]
+            self.cache.v[:, s, :, :T] = pre.cache.v[:, pre.u, :, pre.pad:]
+            self.routes_BSLK[s, :T] = pre.routes_TLK[pre.pad:]  # (T, L, K)
+            logits.append(pre.logits_V)
+            pre.rows_left -= 1
+            if not pre.rows_left:
+                del self.prefilled[p]  # its last row is in: the round's cache goes with its last prompt
+            self.slot_row[s], self.slot_step[s], self.slot_col[s] = r, 1, T  # token 0 is fed at column T
+        rows_A, slots_A = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
+        self.keys_B[slots_A] = self.keys_X[rows_A]
+        ids_A, logp_A = sample(self.vocab(torch.stack(logits)), self.params, row_uniforms(self.keys_X[rows_A], 0))
+        self.ids_XC[rows_A, 0], self.logp_XC[rows_A, 0], self.last_B[slots_A] = ids_A, logp_A, ids_A
+        self.stats["admissions"] += len(rows)
+        for s, stop in zip(slots, torch.isin(ids_A, self.stops).tolist()):
+            if stop or self.params.max_new_tokens == 1:
+                self.finish(s, stop)
 
     def prefill(self, prompts: list[tuple]):
-        """Prefill, in one forward, the distinct prompts among these that have none yet."""
+        """Prefill, in one forward, the distinct prompts among these that have none yet. On the sharded policy
+        the forward runs even when there are none (a one-token placeholder, dropped): every rank's round has one."""
         new = list(dict.fromkeys(p for p in prompts if p not in self.prefilled))  # first-seen order
-        if not new:
+        if not new and not self.engine.sharded:
+            return
+        self.stats["rounds"] += 1
+        if not new:  # joins the other ranks' prefill forward (its all-to-alls)
+            self.engine._prefill_prompts([(self.engine.pad_id,)])
             return
         cache, logits_UV, routes_UTLK, pad_U = self.engine._prefill_prompts(new)
         for u, (p, pad) in enumerate(zip(new, pad_U.tolist())):
@@ -567,13 +599,16 @@ class ContinuousBatch:
         """One decode step of every slot, then sample each live row's next token and retire stopped rows."""
         engine, dev, B = self.engine, self.engine.device, self.num_slots
         live = [r != IDLE for r in self.slot_row]
-        W = max(c for c, on in zip(self.slot_col, live) if on) + 1  # the columns any live row attends
+        # the columns any live row attends (a sharded rank whose rows are all done steps with idle slots only)
+        W = max((c for c, on in zip(self.slot_col, live) if on), default=0) + 1
         # an idle slot steps at its next column, as a stopped row of the static engine does, kept inside [0, W)
         col_B = torch.tensor([c if on else min(c, W - 1) for c, on in zip(self.slot_col, live)], device=dev)
         # (B, 1, 1, W), broadcast over heads: each slot attends its own columns only
         bias_B11W = torch.zeros(B, 1, 1, W, device=dev).masked_fill_(
             (torch.arange(W, device=dev)[None] > col_B[:, None])[:, None, None], float("-inf"))
-        logits_BV = decode_rows(engine.model, self.last_B, self.cache, self.routes_BSLK, col_B, bias_B11W)
+        # sharded: fixed-size all-to-alls bounded by `slots` on every rank (choice 5), no host sync per MoE layer
+        with capacity_dispatch(engine.model, engine.slots) if engine.sharded else nullcontext():
+            logits_BV = decode_rows(engine.model, self.last_B, self.cache, self.routes_BSLK, col_B, bias_B11W)
         step_B = torch.tensor([t if on else 0 for t, on in zip(self.slot_step, live)], device=dev)
         ids_B, logp_B = sample(self.vocab(logits_BV), self.params, row_uniforms_at(self.keys_B, step_B))
         ids_B = ids_B.masked_fill_(~torch.tensor(live, device=dev), engine.pad_id)  # idle slots feed padding
@@ -652,10 +687,12 @@ class Engine(Protocol):
 
 def build_native_engine(cfg: TrainConfig, tok: Tokenizer, policy: nn.Module) -> NativeEngine:
     """The native engine of a run: under torchrun on the sharded policy itself (no replica), in one process
-    a copy of the policy's weights (FP8 with engine.fp8), filled by the first update_weights."""
+    a copy of the policy's weights (FP8 with engine.fp8), filled by the first update_weights; engine.slots > 0
+    batches continuously."""
     on_policy = policy if rank_world()[1] > 1 else None
     return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device, dtype=cfg.compute_dtype(),
-                        compile=cfg.compile, num_tokens=tok.enc.n_vocab, fp8=cfg.engine.fp8, policy=on_policy)
+                        compile=cfg.compile, num_tokens=tok.enc.n_vocab, fp8=cfg.engine.fp8, policy=on_policy,
+                        slots=cfg.engine.slots)
 
 
 ENGINES: dict[str, Callable[[TrainConfig, Tokenizer, nn.Module], Engine]] = {
@@ -695,6 +732,7 @@ def producer_engine(engine: Engine, cfg: TrainConfig, policy: nn.Module) -> Engi
     set_group_timeouts(cfg.dist_timeout_s)  # the new groups too
     producer = NativeEngine(cfg.model, eos_id=engine.stop_ids, pad_id=engine.pad_id, device=cfg.device,
                             dtype=cfg.compute_dtype(), compile=cfg.compile, num_tokens=engine.num_tokens,
-                            policy=reference_copy(policy, cfg, meshes), group=meshes.fsdp.get_group())
+                            policy=reference_copy(policy, cfg, meshes), group=meshes.fsdp.get_group(),
+                            slots=engine.slots)
     producer.weight_version = engine.weight_version  # the version its copy holds (a resumed run's, say)
     return producer

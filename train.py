@@ -246,7 +246,8 @@ def sample_groups(run: Run, items: list[Item], n: int, step: int, stream: int) -
 
 def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: int) -> list[Rollout]:
     """n rollouts of each item from the engine, in batches of similar predicted length (scheduler.py);
-    with reward workers each batch is handed to them as soon as it is generated.
+    with reward workers each batch is handed to them as soon as it is generated. With continuous batching
+    (engine.slots) one batch holds every item: one call per rank, the engine keeping `slots` rows live.
 
     stream: which of the step's generate rounds this is (probes, the rest, over-sampling), so each
     draws its own random numbers. A rollout's random stream is keyed by (step, stream, group id,
@@ -259,8 +260,11 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
     rank, world = rank_world()
     seed = (cfg.seed + step) * 1000 + stream * STREAM_SEED_STRIDE
     rollouts = []
+    # prompts per batch and rank: gen_batch_rows' worth, or with engine.slots all of them (the engine bounds the
+    # rows live at once; the scheduler only deals the prompts over the ranks, longest first, for balance)
+    per_call = max(1, len(items)) if cfg.engine.slots else max(1, cfg.gen_batch_rows // n)
     for share in generation_batches(run.predictor, [(it.question, it.task, len(p)) for it, p in zip(items, prompts)],
-                                    max(1, cfg.gen_batch_rows // n), num_workers=world, worker=rank):
+                                    per_call, num_workers=world, worker=rank):
         # share: this rank's indices into items (maybe none), which become the rollouts' group ids
         generated = run.engine.generate([prompts[i] for i in share], cfg.sampling, n=n, group_ids=share, seed=seed)
         if run.pool is not None:  # rollouts of a prompt come out in order, so (stream, group, j) names each one
@@ -479,8 +483,9 @@ def evaluate(run: Run, *, samples: int, temperature: float) -> tuple[torch.Tenso
     """
     cfg, items, task = run.cfg, run.eval_items, run.held_out
     params = dataclasses.replace(cfg.sampling, temperature=temperature)
-    rows = max(1, cfg.eval_batch_rows // samples)
     rank, world = rank_world()
+    # items per call and rank: eval_batch_rows' worth, or with engine.slots all of this rank's (one call, `slots` live)
+    rows = max(1, -(-len(items) // world)) if cfg.engine.slots else max(1, cfg.eval_batch_rows // samples)
     mine = list(range(rank, len(items), world))  # multi-rank: rank r takes items r, r + world, ...
     calls = -(-len(items) // (rows * world))  # as many on every rank (the sharded engine's calls are collectives)
     pool = None

@@ -78,11 +78,9 @@ def test_one_new_token_is_sampled_from_the_prefill_alone(tiny_cfg):
     assert all(r.routes.shape[0] == r.prompt_len for r in b) and continuous.batch_stats["decode_steps"] == 0
 
 
-def test_slots_are_refused_below_zero_and_on_the_sharded_policy(tiny_cfg):
+def test_slots_are_refused_below_zero(tiny_cfg):
     with pytest.raises(ValueError, match="slots=-1"):
         NativeEngine(tiny_cfg, eos_id=1, pad_id=0, slots=-1)
-    with pytest.raises(ValueError, match="lockstep"):
-        NativeEngine(tiny_cfg, eos_id=1, pad_id=0, slots=4, policy=Transformer(tiny_cfg))
 
 
 def test_a_per_row_draw_index_gives_each_rows_own_stream_draw():

@@ -1,7 +1,9 @@
 """The native engine on the sharded policy (several gloo processes): no replica, and the rollouts one
-process's replica engine samples, token for token, with the same logprobs and routes."""
+process's replica engine samples, token for token, with the same logprobs and routes; batching
+continuously (slots), the static sharded engine's rollouts, the ranks in lockstep."""
 import os
 import socket
+from functools import partial
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.multiprocessing as mp
 
 import distributed
 from config import load_config
+from model import MoE
 from plan import engine_bytes
 from rollout import NativeEngine, weight_bytes
 from sampler import SamplingParams
@@ -88,3 +91,53 @@ def test_sharded_engine_samples_the_one_process_rollouts_and_holds_no_replica(tm
     assert 0 < mem["kv_cache"] <= plan["kv_cache"]
     if ep > 1:
         assert mem["dense"] + mem["experts"] < replica_bytes
+
+
+# continuous batching on the sharded policy: two slots, rows of ragged lengths (32 stop ids of 320: about a tenth
+# of the rows stop at each token), and uneven shares: rank 0's rows are done long before rank 1's
+SLOTS, STOPS = 2, tuple(range(2, 34))
+SHARES = [[2], [0, 1, 3, 4]]  # each rank's prompts (indices into PROMPTS, the rollouts' group ids)
+
+
+def continuous_worker(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = load_config(None, MODEL + ["ep=2"])
+        torch.manual_seed(cfg.seed)
+        policy = distributed.build_model(cfg, distributed.build_meshes(world, 2))
+        static, continuous = (NativeEngine(cfg.model, eos_id=STOPS, pad_id=0, policy=policy, slots=s)
+                              for s in (0, SLOTS))
+        mine = SHARES[rank]
+        calls = [([PROMPTS[i] for i in mine], N, mine), ([PROMPTS[1]] if rank else [], 1, [1] if rank else None)]
+        with static.phase():
+            want = [static.generate(p, PARAMS, n=n, seed=SEED, group_ids=g) for p, n, g in calls]
+        moes = [m for m in policy.modules() if isinstance(m, MoE)]
+        count = {"forwards": 0, "exchanges": 0}
+        for m in moes:  # every MoE forward, and the fixed-size all-to-alls of capacity_dispatch's path
+            m.register_forward_hook(lambda *_: count.update(forwards=count["forwards"] + 1))
+            m.exchange = partial(lambda f, t: count.update(exchanges=count["exchanges"] + 1) or f(t), m.exchange)
+        got, stats = [], []
+        with continuous.phase():
+            for p, n, g in calls:
+                got.append(continuous.generate(p, PARAMS, n=n, seed=SEED, group_ids=g))
+                stats.append(dict(continuous.batch_stats))
+        for a, b in zip(sum(want, []), sum(got, []), strict=True):
+            assert (a.group_id, a.completion_ids, a.finish_reason) == (b.group_id, b.completion_ids, b.finish_reason)
+            assert torch.equal(a.routes, b.routes)
+            torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-5)
+        if rank == 1:  # ragged lengths, so slots were refilled mid-call
+            assert len({len(r.completion_ids) for r in got[0]}) > 1 and stats[0]["admissions"] == 12
+        # lockstep: both ranks ran as many decode steps and admission rounds (rank 0's idle slots and placeholder
+        # prefills), until the last row of either rank stopped
+        assert distributed.all_gather_list([(s["decode_steps"], s["rounds"]) for s in stats]) == \
+            [(s["decode_steps"], s["rounds"]) for s in stats] * 2
+        # every decode step's MoE layers went through the fixed-size all-to-alls (three each), the prefills' not
+        steps, rounds = sum(s["decode_steps"] for s in stats), sum(s["rounds"] for s in stats)
+        assert count["exchanges"] == 3 * len(moes) * steps and count["forwards"] == len(moes) * (steps + rounds)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_continuous_sharded_engine_samples_the_static_sharded_rollouts_in_lockstep():  # about 10 s on 2 cores
+    mp.start_processes(continuous_worker, args=(2, free_port()), nprocs=2, join=True, start_method="spawn")
