@@ -1,6 +1,8 @@
-"""A train.Run for tests: a micro model, a byte tokenizer, a stand-in task and a fresh engine."""
+"""A train.Run for tests: a micro model, a byte tokenizer, a stand-in task and a fresh engine; and a free port
+for the multi-process tests' rendezvous."""
 
 import random
+import socket
 
 import torch
 
@@ -13,6 +15,14 @@ from rollout import NativeEngine
 from scheduler import LengthPredictor
 from scoring import RewardPool
 from tokenizer import build_tokenizer, demo_tokenizer
+
+
+def free_port() -> int:
+    """A TCP port nothing on this machine listens on now (for MASTER_PORT)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
 
 MICRO = """
 model = dict(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=4, top_k=2,

@@ -9,7 +9,6 @@ seen by no one: on CUDA in bf16 it takes them on the device (model.grouped_mm), 
 to one matmul per expert, which syncs. Capturing a decode step in a CUDA graph needs a GPU: not here.
 """
 import os
-import socket
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ import distributed
 from config import load_config
 from model import capacity_dispatch, capacity_experts
 from rollout import NativeEngine
+from runs import free_port
 from sampler import SamplingParams
 
 # num_experts=8, top_k=3: at ep=4 each rank holds 2 experts, fewer than K (the capacity's min(K, e))
@@ -152,11 +152,6 @@ def worker(rank, world, port, ep):
     finally:
         dist.destroy_process_group()
 
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # each case spawns its ranks afresh (15-30 s on 2 cores): ep=2 in the default run, ep=4 `slow`

@@ -1,6 +1,5 @@
 """Several CPU processes (gloo): one training step under FSDP, EP and expert FSDP equals the 1-process step."""
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from hf import load_hf, save_hf
 from distributed import unwrapped
 from model import ModelConfig, Transformer
+from runs import free_port
 
 CFG = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
            moe_inter_dim=16, num_shared_experts=1, first_k_dense_replace=1, dense_inter_dim=24, router="sigmoid",
@@ -53,11 +53,6 @@ def worker(rank, world, port, ep, ac, ckpt, out):
     finally:
         dist.destroy_process_group()
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 process's replica engine samples, token for token, with the same logprobs and routes; batching
 continuously (slots), the static sharded engine's rollouts, the ranks in lockstep."""
 import os
-import socket
 from functools import partial
 
 import pytest
@@ -15,6 +14,7 @@ from config import load_config
 from model import MoE
 from plan import engine_bytes
 from rollout import NativeEngine, weight_bytes
+from runs import free_port
 from sampler import SamplingParams
 from weights import policy_tensors
 
@@ -53,11 +53,6 @@ def worker(rank, world, port, ep, out):
     finally:
         dist.destroy_process_group()
 
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # each case spawns its ranks afresh (30-50 s on 2 cores): one in the default run, the others `slow`

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import time
 
@@ -10,12 +9,8 @@ import torch
 import torch.multiprocessing as mp
 
 from config import load_config
+from runs import free_port
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def timeouts_worker(rank, world, port, out):
