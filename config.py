@@ -118,7 +118,7 @@ class EngineConfig:
     """Rollouts with blockwise-FP8 weights (DeepSeek-V3's recipe): SGLang's FP8 serving, or the native engine in
     one process; the trainer stays bf16/fp32."""
     slots: int = 0
-    """name='native': continuous batching (rollout.ContinuousBatch). 0 = static calls: a step's rows go to the
+    """name='native': continuous batching (batching.ContinuousBatch). 0 = static calls: a step's rows go to the
     engine in generate calls of gen_batch_rows rows (eval_batch_rows for an eval), each decoding until its longest
     row stops, batched by predicted length (scheduler.generation_batches). N > 0 = each generate round of a step,
     and each eval pass, is one call per rank holding all of its rows, of which N decode at once, a stopped row's

@@ -50,7 +50,7 @@ Notable choices:
    fraction leaves after the trainer's parameters and the served weights (the checkpoint's
    bf16, or FP8, over tensor parallel ranks). A training step runs with the server asleep.
 7. Continuous batching (engine.slots = N > 0): a step's generate round, or an eval pass, is one call per rank
-   of all its rows (X), N of them live (rollout.ContinuousBatch), so the KV cache, the decode routes and the
+   of all its rows (X), N of them live (batching.ContinuousBatch), so the KV cache, the decode routes and the
    sampler hold N rows whatever gen_batch_rows and eval_batch_rows say; an admission round prefills the new
    prompts of at most N rows (one round's cache may stay alive beside the next's while its last prompt has
    rows queued), and the call keeps the X rows' tokens, logprobs and routes until it returns. X per rank is

@@ -166,3 +166,12 @@ def row_uniforms(keys_B: torch.Tensor, step: int) -> torch.Tensor:
     offset = ((step + 1) * _GOLDEN + (1 << 63)) % (1 << 64) - (1 << 63)  # wrapped to int64 like the tensor sum
     # the top 53 bits over 2^53, as Java's SplittableRandom.nextDouble: a multiple of 2^-53 in [0, 1), never 1.0
     return (_srl(mix64(keys_B + offset), 11) & _MANTISSA).double() * 2.0 ** -53
+
+
+def row_uniforms_at(keys_B: torch.Tensor, step_B: torch.Tensor) -> torch.Tensor:
+    """`row_uniforms` with a draw index per row, step_B [B] int64: float64 [B] in [0, 1).
+
+    splitmix64's counter is additive (draw t of key k hashes k + (t + 1) * golden, wrapping mod 2^64), so
+    draw t of key k is draw 0 of key k + t * golden: the same bits as row_uniforms(keys, t) row by row.
+    """
+    return row_uniforms(keys_B + step_B * _GOLDEN, 0)  # int64 products and sums wrap, as the stream's own

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from model import Transformer
-from rollout import NativeEngine, row_uniforms_at
+from rollout import NativeEngine
+from sampler import row_uniforms_at
 from sampler import SamplingParams, row_keys, row_uniforms
 
 STOPS, PAD = [1, 2, 3], 0  # three stop ids of 64: rows stop after a few to a few tens of tokens, lengths vary

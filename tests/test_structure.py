@@ -28,13 +28,13 @@ LAYERS = {
     # 5: files in and out, several ranks
     "hf": 5, "data": 5, "distributed": 6,
     # 7: engines, trainer, checkpoints, the dry-run plan
-    "sglang_engine": 7, "trainer": 7, "checkpoint": 7, "plan": 7, "reward_model": 7, "rollout": 8,
+    "sglang_engine": 7, "batching": 7, "trainer": 7, "checkpoint": 7, "plan": 7, "reward_model": 7, "rollout": 8,
     # 9: the entry point and the RL step
     "train": 9,
 }
-MAX_ARROWS = 66  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
+MAX_ARROWS = 70  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
 # reward_model -> reward, hf, hf_config, tokenizer and train -> reward_model (issue 27: a reward model read
-# from an HF checkpoint)
+# from an HF checkpoint); batching's three and rollout -> batching (continuous batching in a file of its own)
 
 
 def import_graph() -> dict[str, set[str]]:
