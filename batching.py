@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from distributed import all_reduce_float
-from model import KVCache, Transformer, capacity_dispatch, route_dtype
+from ep_decode import capacity_dispatch
+from model import KVCache, Transformer, route_dtype
 from sampler import Rollout, SamplingParams, row_uniforms, row_uniforms_at, sample
 
 if TYPE_CHECKING:

@@ -126,7 +126,7 @@ class EngineConfig:
     holds N rows; the dry run's plan sizes it so), and the length buckets have nothing left to do (the scheduler
     only deals the prompts over the ranks, longest-first round-robin, for balance). Reward workers then start
     scoring when the call returns. Under torchrun the ranks decode in lockstep, each MoE layer's all-to-all on
-    fixed buffers of N tokens (model.capacity_dispatch): no host sync per layer."""
+    fixed buffers of N tokens (ep_decode.capacity_dispatch): no host sync per layer."""
 
     RULES = {  # each field's type and range (rules.py); not a field: no annotation
         "name": text("an engine's name in rollout.ENGINES ('native', 'sglang')", lambda v: bool(v.strip())),

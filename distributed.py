@@ -434,7 +434,7 @@ def parallelize(model: Transformer, meshes: Meshes, *, param_dtype: torch.dtype 
                 num_experts=model.cfg.num_experts, top_k=model.cfg.top_k))
             dispatcher.wire_meshes(ep_mesh=meshes.ep)
             block.mlp.dispatcher = dispatcher
-            # equal splits (None): no split sizes read on the host, for model.capacity_dispatch's fixed-shape path
+            # equal splits (None): no split sizes read on the host, for ep_decode.capacity_dispatch's fixed-shape path
             block.mlp.exchange = lambda t, mesh=meshes.ep: all_to_all_single(t, None, None, mesh)
             # the experts' tokens come from all ep ranks of their group: 1 / ep makes the summed gradient
             # the data-parallel mean (FSDP's reduction over efsdp divides by efsdp, no more)

@@ -334,7 +334,7 @@ def continuous_peak(cfg, world: int, X: int, n: int) -> int:
     # (X + 1, C) ids int64 and logprobs fp32, and each finished row's routes [P + C - 1, L, K]
     outputs = (X + 1) * C * (8 + 4) + X * (P + C - 1) * m.num_moe_layers * m.top_k * route
     ep = cfg.ep if world > 1 else 1
-    # expert parallel: a decode step's fixed-size buffers (model.capacity_experts), ep blocks of slots * min(K, E/ep)
+    # expert parallel: a decode step's fixed-size buffers (ep_decode.capacity_experts), ep blocks of slots * min(K, E/ep)
     # rows whatever the routes: sent, received, sorted, returned rows of D and the experts' [2I] and [I] outputs
     rows = ep * cfg.engine.slots * min(m.top_k, m.num_experts // ep)
     capacity = rows * (4 * m.dim + 3 * m.moe_inter_dim) * dt if ep > 1 else 0

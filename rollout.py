@@ -55,7 +55,7 @@ Notable choices:
    sharded policy the ranks keep lockstep: one collective per admission round or decode step picks
    the same next forward on every rank (a rank with nothing to admit prefills a placeholder, one
    whose rows are done steps idle slots) until every rank's rows are done, and the decode steps run
-   under `model.capacity_dispatch(model, slots)`: fixed-size all-to-alls, no host sync per MoE layer.
+   under `ep_decode.capacity_dispatch(model, slots)`: fixed-size all-to-alls, no host sync per MoE layer.
 """
 
 from __future__ import annotations

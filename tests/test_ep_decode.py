@@ -1,4 +1,4 @@
-"""Fixed-capacity expert-parallel dispatch (model.capacity_dispatch): the same numbers as torchtitan's
+"""Fixed-capacity expert-parallel dispatch (ep_decode.capacity_dispatch): the same numbers as torchtitan's
 dispatcher, bitwise in fp32, and no host sync in a one-token (decode-step) forward, on 2 and 4 gloo ranks.
 
 Host syncs are counted device-agnostically, on CPU: the ops that make the host wait for a CUDA device
@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import distributed
 from config import load_config
-from model import capacity_dispatch, capacity_experts
+from ep_decode import capacity_dispatch, capacity_experts
 from rollout import NativeEngine
 from runs import free_port
 from sampler import SamplingParams
