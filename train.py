@@ -44,9 +44,10 @@ from tqdm import tqdm
 from checkpoint import (CKPT_BYTES_PER_PARAM, check_run_folder, config_dict, latest_checkpoint, read_checkpoint,
                         resume_checkpoint, rng_state, run_id, set_rng_state, take_lock, write_checkpoint)
 from config import ConfigError, TrainConfig, parse_args
-from data import Item, ItemList, Prompts, RunData, load_run_data, prompt_ids
+from data import Item, ItemList, Prompts, RunData, load_run_data
 from distributed import Meshes, all_gather_list, build_model, rank_world, reference_copy, setup_distributed
 from espo import ragged_group_advantages
+from evaluation import completion_text, mean_se, run_eval
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, PromptHistory, Scored, is_informative, oversample_size,
                     post_rollout_filter, pre_rollout_filter, probe_decisions)
 from hf import check_weights, save_hf
@@ -301,12 +302,6 @@ def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int,
     return [scored[i * n:(i + 1) * n] for i in range(len(items))]
 
 
-def completion_text(tok: Tokenizer, r: Rollout) -> str:
-    """The completion as text, without its stop token."""
-    ids = r.completion_ids[:-1] if r.finish_reason == "stop" else r.completion_ids
-    return tok.decode(ids)
-
-
 def kept_batch(run: Run, groups, keep_P: torch.Tensor, zero_var_P: torch.Tensor, adv: torch.Tensor):
     """The rollouts of the kept groups as a TrainBatch (None if none is kept); zero-variance groups kept
     for RL-ZVP are marked with their correctness (the trainer makes their token advantages)."""
@@ -465,80 +460,6 @@ def sft_optimizer(model, cfg: TrainConfig):
 def rl_optimizer(model, cfg: TrainConfig):
     """The RL AdamW (betas as the SFT's; its learning rate is set every step by trainer.lr_at)."""
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-
-
-# ----------------------------------------------------------------------------- eval
-
-@torch.no_grad()
-def evaluate(run: Run, *, samples: int, temperature: float) -> tuple[torch.Tensor, Counter]:
-    """Per held-out item, the mean binary reward of `samples` completions at `temperature`, [n] fp32, and how
-    their scoring went over every rank (a count per reason: "ok", "timeout", "error: <type>").
-
-    Scored as the RL step scores (score_rollouts): each completion within reward.timeout_s, by reward
-    workers beside generation when the run has them (a RewardPool of the held-out task's verifier: the
-    run's own pool is bound to the training task's), else on this thread (scoring.score_inline). A
-    completion that cannot be scored (math-verify on 9^{9^{9^{9}}}, a verifier that raises) counts as
-    wrong and is counted; it never ends the run. temperature 0 is greedy (use samples=1). Sampling is
-    seeded by cfg.seed, so every eval of a run draws from the same random stream.
-    """
-    cfg, items, task = run.cfg, run.eval_items, run.held_out
-    params = dataclasses.replace(cfg.sampling, temperature=temperature)
-    rank, world = rank_world()
-    # items per call and rank: eval_batch_rows' worth, or with engine.slots all of this rank's (one call, `slots` live)
-    rows = max(1, -(-len(items) // world)) if cfg.engine.slots else max(1, cfg.eval_batch_rows // samples)
-    mine = list(range(rank, len(items), world))  # multi-rank: rank r takes items r, r + world, ...
-    calls = -(-len(items) // (rows * world))  # as many on every rank (the sharded engine's calls are collectives)
-    pool = None
-    if run.pool is not None:  # the run scores on workers: so does its eval, with the same number and limit
-        pool = RewardPool(task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
-    group_ids, results = [], []  # per completion: its item, and its (reward, reason)
-    try:
-        with run.engine.phase():
-            for c in range(calls):
-                chunk = mine[c * rows:(c + 1) * rows]
-                # item i's stream is keyed by (cfg.seed, i, sample): the same whichever rank and call generate it
-                outs = run.engine.generate([prompt_ids(run.tok, task, items[i], cfg.system_prompt) for i in chunk],
-                                           params, n=samples, seed=cfg.seed, group_ids=chunk)
-                for r in outs:  # a completion's key is its position among this rank's completions
-                    text, item = completion_text(run.tok, r), items[r.group_id]
-                    if pool is not None:
-                        pool.submit(len(group_ids), text, item)
-                    else:
-                        results.append(score_inline(task.score, text, item, timeout_s=cfg.reward.timeout_s))
-                    group_ids.append(r.group_id)
-        if pool is not None:
-            rewards, reasons = pool.gather(list(range(len(group_ids))))
-            results = list(zip(rewards, reasons))
-    finally:
-        if pool is not None:
-            pool.close()
-    # sorted by item, stable: each item's samples stay in order
-    scored = sorted(all_gather_list([(g, w, why) for g, (w, why) in zip(group_ids, results)]), key=lambda s: s[0])
-    reward = torch.tensor([w for _, w, _ in scored], dtype=torch.float32)
-    return reward.view(len(items), samples).mean(dim=1), Counter(why for _, _, why in scored)  # (items, samples) -> [n]
-
-
-def run_eval(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampled (mean of eval_samples at the rollout temperature) and greedy accuracy per held-out prompt, logged
-    with `eval/unscored`: the completions of both that could not be scored (timeout or error), counted wrong."""
-    sampled, reasons = evaluate(run, samples=run.cfg.eval_samples, temperature=run.cfg.sampling.temperature)
-    greedy, greedy_reasons = evaluate(run, samples=1, temperature=0.0)
-    reasons.update(greedy_reasons)
-    unscored = sum(n for why, n in reasons.items() if why != "ok")
-    (acc, se), (g_acc, g_se) = mean_se(sampled), mean_se(greedy)
-    run.log({"stage": "eval", "step": step, "eval_acc": acc, "eval_se": se, "eval_greedy_acc": g_acc,
-             "eval_greedy_se": g_se, "eval/unscored": unscored, "time": time.perf_counter() - run.t_start})
-    if rank_world()[0] == 0:
-        tqdm.write(f"step {step}: eval accuracy {acc:.3f} +- {se:.3f} sampled, {g_acc:.3f} +- {g_se:.3f} greedy")
-        if unscored:
-            causes = ", ".join(f"{n} {why}" for why, n in sorted(reasons.items()) if why != "ok")
-            tqdm.write(f"step {step}: eval: {unscored} completions could not be scored ({causes}), counted wrong")
-    return sampled, greedy
-
-
-def mean_se(x: torch.Tensor) -> tuple[float, float]:
-    """Mean and its standard error std/sqrt(n) (population std: sqrt(p(1-p)/n) for 0/1 data)."""
-    return x.mean().item(), (x.var(correction=0) / len(x)).sqrt().item()
 
 
 # ----------------------------------------------------------------------------- a run: build, resume, finish

@@ -28,14 +28,15 @@ LAYERS = {
     # 5: files in and out, several ranks
     "hf": 5, "data": 5, "distributed": 6,
     # 7: engines, trainer, checkpoints, the dry-run plan
-    "sglang_engine": 7, "batching": 7, "trainer": 7, "checkpoint": 7, "plan": 7, "reward_model": 7, "rollout": 8,
+    "sglang_engine": 7, "batching": 7, "evaluation": 7, "trainer": 7, "checkpoint": 7, "plan": 7, "reward_model": 7, "rollout": 8,
     # 9: the entry point and the RL step
     "train": 9,
 }
-MAX_ARROWS = 72  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
+MAX_ARROWS = 77  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
 # reward_model -> reward, hf, hf_config, tokenizer and train -> reward_model (issue 27: a reward model read
 # from an HF checkpoint); batching's four and rollout -> batching, ep_decode -> model (continuous batching
-# and expert-parallel decode in files of their own)
+# and expert-parallel decode in files of their own); evaluation's four and train -> evaluation (the evals
+# out of train.py)
 
 
 def import_graph() -> dict[str, set[str]]:

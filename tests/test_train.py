@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 import train
 from config import TrainConfig, load_config
+from data import prompt_ids
 from hf import load_hf
 from metrics import MetricsLog
 from runs import MICRO, make_run, micro_config
@@ -315,7 +316,7 @@ def test_prompts_longer_than_max_prompt_tokens_leave_the_order_counted(tmp_path)
     tok = make_run(cfg).tok
     task = ParityTask(size=4)
     task.items[2] = Item("question " + "long " * 40, "0", 0, 2)
-    limit = len(train.prompt_ids(tok, task, task.items[0]))
+    limit = len(prompt_ids(tok, task, task.items[0]))
     prompts = train.Prompts(task, [3, 2, 1, 0], tok, limit)
     assert prompts.skipped == 1 and prompts.order == [3, 1, 0]
     assert [it.index for it in prompts.draw(4)] == [3, 1, 0, 3]
