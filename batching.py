@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,9 +15,6 @@ from distributed import all_reduce_float
 from ep_decode import capacity_dispatch
 from model import KVCache, Transformer, route_dtype
 from sampler import Rollout, SamplingParams, row_uniforms, row_uniforms_at, sample
-
-if TYPE_CHECKING:
-    from rollout import NativeEngine
 
 IDLE = -1
 """slot_row of a slot holding no row: it keeps stepping with padding (no shape depends on data), its output dropped."""
@@ -82,9 +78,10 @@ class ContinuousBatch:
 
     Letters beside the legend's: B is a slot (a row of the decode batch), X the call's rollouts (its rows,
     prompt x sample, prompt-major), W the cache columns a step attends, A the rows an admission round takes in.
+    engine: the rollout.NativeEngine whose call this is (its model, cfg, device, dtype, slots, stop ids).
     """
 
-    def __init__(self, engine: NativeEngine, prompts: list[list[int]], n: int, params: SamplingParams,
+    def __init__(self, engine, prompts: list[list[int]], n: int, params: SamplingParams,
                  keys_X: torch.Tensor):
         cfg, dev, C = engine.cfg, engine.device, params.max_new_tokens
         self.engine, self.prompts, self.n, self.params, self.keys_X = engine, prompts, n, params, keys_X

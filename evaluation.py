@@ -19,7 +19,6 @@ from scoring import RewardPool, score_inline
 
 if TYPE_CHECKING:
     from tokenizer import Tokenizer
-    from train import Run
 
 
 def completion_text(tok: Tokenizer, r: Rollout) -> str:
@@ -30,9 +29,9 @@ def completion_text(tok: Tokenizer, r: Rollout) -> str:
 
 
 @torch.no_grad()
-def evaluate(run: Run, *, samples: int, temperature: float) -> tuple[torch.Tensor, Counter]:
-    """Per held-out item, the mean binary reward of `samples` completions at `temperature`, [n] fp32, and how
-    their scoring went over every rank (a count per reason: "ok", "timeout", "error: <type>").
+def evaluate(run, *, samples: int, temperature: float) -> tuple[torch.Tensor, Counter]:
+    """Per held-out item of run (a train.Run), the mean binary reward of `samples` completions at `temperature`,
+    [n] fp32, and how their scoring went over every rank (a count per reason: "ok", "timeout", "error: <type>").
 
     Scored as the RL step scores (score_rollouts): each completion within reward.timeout_s, by reward
     workers beside generation when the run has them (a RewardPool of the held-out task's verifier: the
@@ -78,7 +77,7 @@ def evaluate(run: Run, *, samples: int, temperature: float) -> tuple[torch.Tenso
     return reward.view(len(items), samples).mean(dim=1), Counter(why for _, _, why in scored)  # (items, samples) -> [n]
 
 
-def run_eval(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def run_eval(run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled (mean of eval_samples at the rollout temperature) and greedy accuracy per held-out prompt, logged
     with `eval/unscored`: the completions of both that could not be scored (timeout or error), counted wrong."""
     sampled, reasons = evaluate(run, samples=run.cfg.eval_samples, temperature=run.cfg.sampling.temperature)
