@@ -5,7 +5,7 @@ own cache column (`decode_rows`), a stopped row's slot taken by the next. Shapes
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -13,7 +13,9 @@ import torch
 
 from distributed import all_reduce_float
 from ep_decode import capacity_dispatch
+from graph_decode import decode_step
 from model import KVCache, Transformer, route_dtype
+from paged_kv import PagedKVCache, pages_for, pool_pages, too_few_pages
 from sampler import Rollout, SamplingParams, row_uniforms, row_uniforms_at, sample
 
 IDLE = -1
@@ -22,7 +24,7 @@ DONE, STEP, ADMIT = 0, 1, 2
 """ContinuousBatch's next move, ordered so that the largest over ranks is the one every rank takes."""
 
 
-def decode_rows(model: Transformer, tokens_B: torch.Tensor, cache: KVCache, routes_BSLK: torch.Tensor,
+def decode_rows(model: Transformer, tokens_B: torch.Tensor, cache: KVCache | PagedKVCache, routes_BSLK: torch.Tensor,
                 col_B: torch.Tensor, bias_B11W: torch.Tensor) -> torch.Tensor:
     """`decode_step` with a cache column per row, col_B [B] int64: logits [B, V] fp32 after feeding tokens_B.
 
@@ -40,25 +42,24 @@ def decode_rows(model: Transformer, tokens_B: torch.Tensor, cache: KVCache, rout
 @dataclass
 class Prefilled:
     """A distinct prompt's prefill, kept from its first row's admission until its last row's."""
-    cache: KVCache  # the admission round's prefill, [layers, U, J, T, d]; this prompt is row u, after `pad` columns
-    u: int
-    pad: int
+    pages: list[int]  # its T columns of keys and values (paged_kv: the prompt's own hold on them)
     logits_V: torch.Tensor  # fp32: the first completion token's
-    routes_TLK: torch.Tensor  # the prompt's routes (with the round's left padding first)
-    rows_left: int  # rows of this prompt still in the queue
+    routes_TLK: torch.Tensor  # the prompt's routes
 
 
 class ContinuousBatch:
     """One generate call of `NativeEngine(slots=...)`, continuous batching (Orca, OSDI 2022, iteration-level
-    scheduling): the call's rows (prompt x sample, prompt-major) wait in a queue and at most `slots` decode at once,
-    each in a slot of its own; when a row stops, its slot takes the next row in the queue, until it is empty.
+    scheduling) over a paged KV cache (paged_kv.PagedKVCache): the call's rows (prompt x sample, prompt-major)
+    wait in a queue and at most `slots` decode at once, each in a slot of its own; when a row stops, its slot
+    and its pages take the next row in the queue, until it is empty.
 
     1. Prefill once per distinct prompt, when its first row is admitted (the prompts new in one admission
-       round are prefilled together, left-padded as the static engine does); each admitted row copies its
-       prompt's real columns into its slot and samples its first token from the prefill's logits.
+       round are prefilled together, left-padded as the static engine does, and written into pages at once);
+       each admitted row shares its prompt's full pages, copies the partial last one (paged_kv's choice 3) and
+       samples its first token from the prefill's logits.
     2. A slot's columns: its prompt's T tokens at [0, T), completion token t fed at column T + t with RoPE position
        T + t (the static engine's position for it). Each decode step writes every slot at its own column
-       (`KVCache.update_rows`) and attends over [0, W), W - 1 the highest column a live row feeds, masked
+       (`PagedKVCache.update_rows`) and attends over [0, W), W - 1 the highest column a live row feeds, masked
        per slot past its own column.
     3. Sampling as the static engine's: draw t of row (seed, group, sample) for its t-th token, t the row's
        own step, so a row's tokens depend on its own stream only. Where every row of a call fits in a slot
@@ -74,11 +75,26 @@ class ContinuousBatch:
        are done steps its idle slots on padding, as the static engine's placeholder row does. The decode
        steps run under `capacity_dispatch(model, slots)`, the same bound on every rank (a rank's batch has at
        most `slots` rows), so no MoE layer waits for the host; a prefill (many tokens) keeps the dispatcher.
-    The decode step runs eagerly (the engine's compile option is for the static step).
+    6. Pages (engine.kv_tokens // engine.page_size of them; by default enough for every slot at full length
+       beside one prompt's, so nothing is ever preempted): a row is admitted only when the pages it needs at
+       once are free (its prompt's, if not prefilled yet, and its own copy of the last one), and takes one more
+       each time it crosses into a new page. When none is free the youngest other live row is preempted
+       (vLLM's recompute preemption): its pages return, it goes back to the head of the queue and is generated
+       again from its first token. Its tokens come from its own stream (choice 3), so the redo samples them
+       again, up to the float rounding of other batch-mates. If no other row is live, the prompts held for
+       queued rows give their pages back (and are prefilled again when their rows come up). The smallest pool
+       holds one row at full length beside its prompt's pages; a smaller one is refused before any step.
+    7. An admission round prefills new prompts of engine.prefill_tokens tokens at most, left padding counted
+       (one prompt whatever its length), which bounds its activations; the rows it leaves out are admitted by the next round, before the
+       next decode step (slots stay free no longer than the prefills take).
+    The decode step runs eagerly, or with engine.cuda_graph replays a CUDA graph captured at the call's first step
+    (graph_decode.GraphedDecode: it attends all S columns every step; needs CUDA and bf16, and has not run on a
+    GPU). The engine's compile option is for the static step.
 
     Letters beside the legend's: B is a slot (a row of the decode batch), X the call's rollouts (its rows,
     prompt x sample, prompt-major), W the cache columns a step attends, A the rows an admission round takes in.
-    engine: the rollout.NativeEngine whose call this is (its model, cfg, device, dtype, slots, stop ids).
+    engine: the rollout.NativeEngine whose call this is (its model, cfg, device, dtype, slots, page_size,
+    kv_tokens, stop ids).
     """
 
     def __init__(self, engine, prompts: list[list[int]], n: int, params: SamplingParams,
@@ -87,28 +103,35 @@ class ContinuousBatch:
         self.engine, self.prompts, self.n, self.params, self.keys_X = engine, prompts, n, params, keys_X
         X = len(prompts) * n
         B = self.num_slots = min(engine.slots, X)  # more slots than rows would only step padding
-        S = max(len(p) for p in prompts) + C - 1  # the last sampled token is never fed back
-        self.cache = KVCache(cfg, B, S, dtype=engine.dtype, device=dev)  # (n_layers, B, J, S, d)
+        T = max(len(p) for p in prompts)
+        S = T + C - 1  # the last sampled token is never fed back
+        P = self.page_size = engine.page_size
+        pages = pool_pages(B, T, C, P, engine.kv_tokens)
+        if engine.kv_tokens and (why := too_few_pages(engine.kv_tokens, T, C, P)):
+            raise ValueError(why)
+        self.cache = PagedKVCache(cfg, B, pages, P, S, dtype=engine.dtype, device=dev)  # (L, pages + 1, J, P, d)
         engine.kv_bytes = max(engine.kv_bytes, 2 * self.cache.k.numel() * self.cache.k.element_size())
         # the Rollout's dtype (route_dtype); a slot's columns past its row's last fed token are never read
         self.routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=route_dtype(cfg.num_experts),
                                        device=dev)
+        # the decode step: decode_rows eagerly, or captured in a CUDA graph at its first call (engine.cuda_graph)
+        self.decode = decode_step(decode_rows, engine.model, self.cache, self.routes_BSLK, cuda_graph=engine.cuda_graph)
         # (X + 1, C): rollout X is where idle slots write, so a step's writes need no host-side selection
         self.ids_XC = torch.full((X + 1, C), engine.pad_id, dtype=torch.long, device=dev)
         self.logp_XC = torch.zeros(X + 1, C, device=dev)
         self.stops = torch.tensor(engine.stop_ids, dtype=torch.long, device=dev)
         self.queue = deque(range(X))  # the rollouts (rows) not yet admitted, in row order
         self.slot_row, self.slot_step, self.slot_col = [IDLE] * B, [0] * B, [0] * B  # step: tokens sampled so far
+        self.slot_age = [0] * B  # when the slot's row was admitted: the youngest is preempted first (choice 6)
         self.last_B = torch.full((B,), engine.pad_id, dtype=torch.long, device=dev)  # what each slot feeds next
         self.keys_B = torch.zeros(B, dtype=torch.long, device=dev)  # the stream key of each slot's row
         self.length, self.stopped, self.routes = [0] * X, [False] * X, [None] * X
-        rows_of: dict[tuple, int] = {}
-        for p in prompts:
-            rows_of[tuple(p)] = rows_of.get(tuple(p), 0) + n  # a repeated prompt shares one prefill
-        self.rows_of, self.prefilled = rows_of, {}
+        self.queued = Counter(tuple(prompts[r // n]) for r in self.queue)  # a repeated prompt shares one prefill
+        self.prefilled: dict[tuple, Prefilled] = {}
         # rounds: admission rounds, each one prefill forward (a placeholder's on a sharded rank with no new prompt)
         self.stats = {"rows": X, "slots": B, "admissions": 0, "prefills": 0, "rounds": 0, "decode_steps": 0,
-                      "decode_row_steps": 0, "useful_row_steps": 0}
+                      "decode_row_steps": 0, "useful_row_steps": 0, "pages": pages, "page_size": P,
+                      "peak_pages": 0, "preemptions": 0}
 
     def run(self, groups: list[int]) -> list[Rollout]:
         """Admit, step and refill until every row has stopped (on the sharded policy, every rank's); the
@@ -126,23 +149,49 @@ class ContinuousBatch:
                 for r, c in enumerate(self.length)]
 
     def next_move(self) -> int:
-        """ADMIT while a free slot can take a queued row (a row stopping at its first token frees its slot at
-        once: another round), else STEP while a row is live, else DONE; on the sharded policy the largest
+        """ADMIT while a free slot can take the queue's next row (a row stopping at its first token frees its slot
+        at once: another round), else STEP while a row is live, else DONE; on the sharded policy the largest
         of every rank's (choice 5: one collective)."""
-        if self.queue and IDLE in self.slot_row:
+        live = any(r != IDLE for r in self.slot_row)
+        if self.queue and IDLE in self.slot_row and not live and not self.fits(self.queue[0]):
+            self.give_back_prompts()  # nothing live will free a page: the held prompts' go (choice 6)
+        if self.queue and IDLE in self.slot_row and self.fits(self.queue[0]):
             move = ADMIT
         else:
-            move = STEP if any(r != IDLE for r in self.slot_row) else DONE
+            move = STEP if live else DONE
         if self.engine.sharded:
             move = int(all_reduce_float(float(move), "max"))
+        self.stats["peak_pages"] = self.cache.peak
+        page_bytes = 2 * self.cache.k[:, 0].numel() * self.cache.k.element_size()  # k and v, every layer
+        self.engine.kv_live_bytes = max(self.engine.kv_live_bytes, self.cache.peak * page_bytes)
         return move
 
+    def pages_needed(self, r: int, new: set) -> int:
+        """Pages row r takes at admission: its prompt's, unless prefilled (or in `new`, this round's), and its
+        own copy of the prompt's partial last page (paged_kv's choice 3)."""
+        p = tuple(self.prompts[r // self.n])
+        shared = 0 if p in self.prefilled or p in new else pages_for(len(p), self.page_size)
+        return shared + (len(p) % self.page_size > 0)
+
+    def fits(self, r: int) -> bool:
+        return self.pages_needed(r, set()) <= len(self.cache.free)
+
     def admit(self):
-        """One admission round: fill the free slots from the queue, copy each row's prompt prefill in and
-        sample its first token. On the sharded policy a rank with no row to admit only joins the prefill."""
+        """One admission round: fill the free slots from the queue while pages last, attach each row to its
+        prompt's pages and sample its first token. On the sharded policy a rank with no row to admit only joins
+        the prefill."""
         dev = self.engine.device
         free = [s for s, r in enumerate(self.slot_row) if r == IDLE]
-        rows = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
+        rows, new, pages, longest = [], set(), len(self.cache.free), 0
+        while self.queue and len(rows) < len(free) and (need := self.pages_needed(self.queue[0], new)) <= pages:
+            p = tuple(self.prompts[self.queue[0] // self.n])
+            if p not in self.prefilled and p not in new:  # a prompt this round prefills (choice 7)
+                longest = max(longest, len(p))
+                if new and (len(new) + 1) * longest > self.engine.prefill_tokens:  # its tokens, left-padded
+                    break
+                new.add(p)
+            pages -= need
+            rows.append(self.queue.popleft())
         slots = free[:len(rows)]
         self.prefill([tuple(self.prompts[r // self.n]) for r in rows])
         if not rows:
@@ -151,27 +200,26 @@ class ContinuousBatch:
         for s, r in zip(slots, rows):
             p = tuple(self.prompts[r // self.n])
             pre, T = self.prefilled[p], len(p)
-            # (n_layers, J, T, d): the prompt's real columns, its round's left padding dropped
-            self.cache.k[:, s, :, :T] = pre.cache.k[:, pre.u, :, pre.pad:]
-            self.cache.v[:, s, :, :T] = pre.cache.v[:, pre.u, :, pre.pad:]
-            self.routes_BSLK[s, :T] = pre.routes_TLK[pre.pad:]  # (T, L, K)
+            self.cache.attach(s, pre.pages, T)
+            self.routes_BSLK[s, :T] = pre.routes_TLK  # (T, L, K)
             logits.append(pre.logits_V)
-            pre.rows_left -= 1
-            if not pre.rows_left:
-                del self.prefilled[p]  # its last row is in: the round's cache goes with its last prompt
+            self.queued[p] -= 1
+            if not self.queued[p]:  # its last row is in: the prompt's own hold on its pages goes
+                self.cache.release(self.prefilled.pop(p).pages)
             self.slot_row[s], self.slot_step[s], self.slot_col[s] = r, 1, T  # token 0 is fed at column T
+            self.slot_age[s] = self.stats["admissions"] = self.stats["admissions"] + 1
         rows_A, slots_A = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
         self.keys_B[slots_A] = self.keys_X[rows_A]
         ids_A, logp_A = sample(self.vocab(torch.stack(logits)), self.params, row_uniforms(self.keys_X[rows_A], 0))
         self.ids_XC[rows_A, 0], self.logp_XC[rows_A, 0], self.last_B[slots_A] = ids_A, logp_A, ids_A
-        self.stats["admissions"] += len(rows)
         for s, stop in zip(slots, torch.isin(ids_A, self.stops).tolist()):
             if stop or self.params.max_new_tokens == 1:
                 self.finish(s, stop)
 
     def prefill(self, prompts: list[tuple]):
-        """Prefill, in one forward, the distinct prompts among these that have none yet. On the sharded policy
-        the forward runs even when there are none (a one-token placeholder, dropped): every rank's round has one."""
+        """Prefill, in one forward, the distinct prompts among these that have none yet, and write each into
+        pages (the round's left-padded cache is dropped). On the sharded policy the forward runs even when there
+        are none (a one-token placeholder, dropped): every rank's round has one."""
         new = list(dict.fromkeys(p for p in prompts if p not in self.prefilled))  # first-seen order
         if not new and not self.engine.sharded:
             return
@@ -181,12 +229,19 @@ class ContinuousBatch:
             return
         cache, logits_UV, routes_UTLK, pad_U = self.engine._prefill_prompts(new)
         for u, (p, pad) in enumerate(zip(new, pad_U.tolist())):
-            self.prefilled[p] = Prefilled(cache, u, pad, logits_UV[u], routes_UTLK[u], self.rows_of[p])
+            # (L, J, T, d): the prompt's real columns, the round's left padding dropped
+            pages = self.cache.write_prompt(cache.k[:, u, :, pad:], cache.v[:, u, :, pad:])
+            self.prefilled[p] = Prefilled(pages, logits_UV[u], routes_UTLK[u, pad:])
         self.stats["prefills"] += len(new)
 
     def step(self):
-        """One decode step of every slot, then sample each live row's next token and retire stopped rows."""
+        """Give each live row the page its next column needs, then one decode step of every slot; sample each
+        live row's next token and retire stopped rows."""
         engine, dev, B = self.engine, self.engine.device, self.num_slots
+        for s in sorted(range(B), key=self.slot_age.__getitem__):  # the oldest first: the youngest is preempted
+            while self.slot_row[s] != IDLE and self.slot_col[s] // self.page_size >= len(self.cache.tables[s]):
+                if not self.cache.grow(s):
+                    self.make_room(s)
         live = [r != IDLE for r in self.slot_row]
         # the columns any live row attends (a sharded rank whose rows are all done steps with idle slots only)
         W = max((c for c, on in zip(self.slot_col, live) if on), default=0) + 1
@@ -197,7 +252,7 @@ class ContinuousBatch:
             (torch.arange(W, device=dev)[None] > col_B[:, None])[:, None, None], float("-inf"))
         # sharded: fixed-size all-to-alls bounded by `slots` on every rank (choice 5), no host sync per MoE layer
         with capacity_dispatch(engine.model, engine.slots) if engine.sharded else nullcontext():
-            logits_BV = decode_rows(engine.model, self.last_B, self.cache, self.routes_BSLK, col_B, bias_B11W)
+            logits_BV = self.decode(self.last_B, col_B, bias_B11W)  # a CUDA graph's: sampled before the next
         step_B = torch.tensor([t if on else 0 for t, on in zip(self.slot_step, live)], device=dev)
         ids_B, logp_B = sample(self.vocab(logits_BV), self.params, row_uniforms_at(self.keys_B, step_B))
         ids_B = ids_B.masked_fill_(~torch.tensor(live, device=dev), engine.pad_id)  # idle slots feed padding
@@ -214,12 +269,38 @@ class ContinuousBatch:
                 if stop_B[s] or self.slot_step[s] == self.params.max_new_tokens:
                     self.finish(s, stop_B[s])
 
+    def make_room(self, s: int):
+        """Free a page for slot s (choice 6): preempt the youngest other live row, or, with none, give back the
+        pages of prompts held for queued rows."""
+        others = [o for o, r in enumerate(self.slot_row) if r != IDLE and o != s]
+        if others:
+            o = max(others, key=self.slot_age.__getitem__)
+            r = self.slot_row[o]
+            self.cache.detach(o)
+            self.slot_row[o] = IDLE
+            self.queue.appendleft(r)  # generated again from its first token, when pages allow
+            self.queued[tuple(self.prompts[r // self.n])] += 1
+            self.stats["preemptions"] += 1
+            self.engine.preemptions += 1
+        elif self.prefilled:
+            self.give_back_prompts()
+        else:  # the pool holds one row at full length beside its prompt's (checked in __init__)
+            raise RuntimeError(f"no page for slot {s} with nothing to free: {self.cache.num_pages} pages")
+
+    def give_back_prompts(self):
+        """Release the pages of every prompt held for queued rows; they are prefilled again when admitted."""
+        for pre in self.prefilled.values():
+            self.cache.release(pre.pages)
+        self.prefilled.clear()
+
     def finish(self, s: int, stop: bool):
-        """Retire slot s's row: record its length and routes [T + C - 1, L, K] (the tokens it fed) and free the slot."""
+        """Retire slot s's row: record its length and routes [T + C - 1, L, K] (the tokens it fed), and free the
+        slot and its pages."""
         r, c = self.slot_row[s], self.slot_step[s]
         T = len(self.prompts[r // self.n])
         self.length[r], self.stopped[r] = c, stop
         self.routes[r] = self.routes_BSLK[s, :T + c - 1].clone()  # before the slot's next row overwrites them
+        self.cache.detach(s)
         self.slot_row[s] = IDLE
 
     def vocab(self, logits_BV: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ import re
 import runpy
 import traceback
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 from urllib.parse import urlsplit
@@ -47,6 +48,7 @@ from espo import LossConfig
 from filter import FilterConfig
 from hf_config import read_config, shape_differences
 from model import ModelConfig
+from paged_kv import PAGE_SIZE, PREFILL_TOKENS, too_few_pages
 from reward import RewardConfig
 from rules import FLAG, NON_NEGATIVE, PATH, POSITIVE, Rule, check_fields, integer, kind, number, one_of, section, text
 from sampler import SamplingParams
@@ -127,6 +129,25 @@ class EngineConfig:
     only deals the prompts over the ranks, longest-first round-robin, for balance). Reward workers then start
     scoring when the call returns. Under torchrun the ranks decode in lockstep, each MoE layer's all-to-all on
     fixed buffers of N tokens (ep_decode.capacity_dispatch): no host sync per layer."""
+    cuda_graph: bool = False
+    """slots > 0: capture each generate call's decode step in a CUDA graph (graph_decode.GraphedDecode) at its first
+    step and replay it at every later one, the step's kernel launches in one. Needs device='cuda' and bf16 (the
+    experts' fp32 grouped GEMMs read their offsets on the host, which a capture refuses); every step then attends
+    all of the call's cache columns, so logprobs differ from the eager step's by float rounding. Not yet run on a GPU."""
+    page_size: int = PAGE_SIZE
+    """With slots: the KV cache's page, in columns (paged_kv.PagedKVCache): memory goes to rows a page at a time,
+    as they grow, and comes back when they stop; a row wastes under one page."""
+    prefill_tokens: int = PREFILL_TOKENS
+    """With slots: the most prompt tokens one admission round prefills (its new prompts; one prompt whatever its
+    length), SGLang's max_prefill_tokens: it bounds a round's prefill activations (the dry run's plan sizes them
+    so); the rows it leaves wait for the next round, before the next decode step."""
+    kv_tokens: int = 0
+    """With slots: the KV pages' columns in all, per rank (what the dry run's plan sizes the cache by). 0 = enough
+    for every slot at full length (slots x (max_prompt_tokens + max_new_tokens) and one prompt's pages): no row
+    is ever preempted. Fewer: a call keeps `slots` rows live while their tokens fit, and when a growing row finds
+    no free page the youngest row is preempted and generated again later (batching.ContinuousBatch's choice 6);
+    each step logs the most of the pool its rows held (engine/kv_live_bytes) and its preemptions
+    (engine/preemptions), to size this by."""
 
     RULES = {  # each field's type and range (rules.py); not a field: no annotation
         "name": text("an engine's name in rollout.ENGINES ('native', 'sglang')", lambda v: bool(v.strip())),
@@ -134,15 +155,28 @@ class EngineConfig:
         "sglang_mem_fraction": number(0, 1, high_open=True, why="0 = from the plan, else a fraction below 1"),
         "fp8": FLAG,
         "slots": integer(0, why="0 = static generate calls, else how many rows decode at once"),
+        "cuda_graph": FLAG,
+        "page_size": integer(1, why="columns a KV page holds"),
+        "prefill_tokens": integer(1, why="prompt tokens one admission round prefills"),
+        "kv_tokens": integer(0, why="0 = every slot at full length, else the KV pages' columns in all"),
     }
 
     def __post_init__(self):
         check_fields(self)
         if self.urls and self.name != "sglang":
             raise ValueError(f"sglang_urls={self.sglang_urls!r} is read only with name='sglang' (name={self.name!r})")
+        # the native engine's continuous batching, which a recipe may set: with SGLang (which batches on its own) or
+        # slots=0 (static calls) they are left unread, said at start, so switching engines is one setting
         if self.slots and self.name != "native":
-            raise ValueError(f"slots={self.slots}: continuous batching is the native engine's (name={self.name!r}: "
-                             f"SGLang batches continuously on its own); use slots=0 or name='native'")
+            warnings.warn(f"engine.slots={self.slots} (and page_size, kv_tokens, prefill_tokens, cuda_graph): the "
+                          f"native engine's continuous batching, not read with name={self.name!r} (SGLang batches "
+                          "continuously on its own)")
+        elif self.kv_tokens and not self.slots:
+            warnings.warn(f"engine.kv_tokens={self.kv_tokens}: the pages of continuous batching, not read with "
+                          "engine.slots=0 (static generate calls hold gen_batch_rows rows at full length)")
+        if self.cuda_graph and not self.slots:
+            raise ValueError("cuda_graph=True captures the continuous-batching decode step: set slots > 0 (the "
+                             "static engine's step has compile for its launch cost)")
 
     @property
     def urls(self) -> list[str]:
@@ -430,6 +464,13 @@ RELATIONS: list[tuple[Callable[[TrainConfig], Any], Callable[[TrainConfig], str]
     (lambda c: c.engine.name != "sglang" or torch.device(c.device).type == "cuda",
      lambda c: f"device={c.device!r}: engine.name='sglang' needs device='cuda' (SGLang runs on CUDA GPUs only, and "
                f"its weight sync uses CUDA IPC or NCCL)"),
+    (lambda c: not (c.engine.slots and c.engine.kv_tokens and too_few_pages(c.engine.kv_tokens, c.prompt_limit(),
+                                                          c.sampling.max_new_tokens, c.engine.page_size)),
+     lambda c: "engine." + too_few_pages(c.engine.kv_tokens, c.prompt_limit(), c.sampling.max_new_tokens,
+                                         c.engine.page_size)),
+    (lambda c: not c.engine.cuda_graph or (torch.device(c.device).type, c.compute_dtype()) == ("cuda", torch.bfloat16),
+     lambda c: f"engine.cuda_graph=True: a CUDA graph needs device='cuda' and dtype='bfloat16' or 'auto' (the experts' "
+               f"fp32 grouped GEMMs read their offsets on the host); got device={c.device!r}, dtype={c.dtype!r}"),
     (lambda c: c.engine.name != "sglang" or c.max_staleness == 0,
      lambda c: f"max_staleness={c.max_staleness}: engine.name='sglang' runs synchronous steps for now (a colocated "
                f"engine sleeps while the trainer trains); use max_staleness=0"),

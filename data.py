@@ -1,5 +1,5 @@
 """A run's prompts: the tasks (`Item`, `ItemList`; reasoning-gym's `TaskMix`, and the datasets a user
-brings as JSONL or parquet files of GSM8K, MATH or HumanEval rows: `load_task`, `load_tasks`), and
+brings as JSONL or parquet files of GSM8K, MATH, HumanEval or prompt-only rows: `load_task`, `load_tasks`), and
 the training prompts tokenized once, in a fixed random order (`Prompts`; `prompt_ids`: an item in
 the tokenizer's chat template). Each task scores with a verifier of reward.py.
 
@@ -22,6 +22,10 @@ Formats, tried in this order on the first row; every row must then have that for
    (reward.outer_boxes). Scored by reward.math_reward.
 3. GSM8K (arXiv 2110.14168): question and answer, whose last `####` line holds the gold
    (thousands commas removed: "1,600" -> "1600"). Scored by reward.math_reward.
+4. Prompt-only: prompt and none of the gold-bearing fields (answer, solution, test,
+   entry_point, canonical_solution); other fields are ignored. No gold: a `PromptTask`, whose
+   verifier pays 0, loaded only for a run whose reward reads no gold (reward.rm_only with a
+   scalar reward model: RewardConfig.reads_gold False), checked in `load_tasks`.
 
 Notable choices:
 1. A math row whose gold math-verify cannot read as an expression, or a GSM8K gold that is
@@ -41,6 +45,11 @@ Notable choices:
    HumanEval row without a canonical_solution is an error at load, naming its line.
 6. One answer, one value: reward.math_reward pays nothing for an answer with more than one
    candidate (reward.final_answer), so neither do the tasks here.
+7. A prompt-only row is `{"prompt": ...}` and no answer-bearing field: "prompt" is HumanEval's
+   field too, so a HumanEval row that lost its test is an unknown format rather than a prompt,
+   and a prompt-only file whose later row carries a gold is refused (a mixed file is a mistake).
+   Its items' answer is "" (Item.answer is always a str); nothing reads it, as `load_tasks`
+   allows such a file only when the reward reads no gold, and refuses SFT on it (no demonstration).
 """
 
 from __future__ import annotations
@@ -66,6 +75,8 @@ if TYPE_CHECKING:
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 CODE_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a ```python code block."
 CHECK_RE = re.compile(r"^def check\s*\(", re.MULTILINE)  # HumanEval's test defines check(candidate)
+# fields that carry or imply a gold answer: a row with any of them is not prompt-only (choice 7)
+GOLD_FIELDS = ("answer", "solution", "test", "entry_point", "canonical_solution")
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -195,8 +206,24 @@ class HumanEvalTask(ItemList):
         return f"```python\n{problem.prompt}{problem.canonical_solution.rstrip()}\n```"
 
 
-def load_task(path: str, *, size: int | None = None, sft_steps: int = 0) -> MathTask | HumanEvalTask:
-    """The task of a JSONL or parquet file of GSM8K, MATH or HumanEval rows (module docstring).
+class PromptTask(ItemList):
+    """Prompt-only rows (choice 7): no gold, so no verifier. Its score is 0.0 for every completion: a run on it
+    rewards by its reward model alone (reward.rm_only), and its eval accuracy is 0 by construction."""
+
+    def __init__(self, items: list[Item]):
+        self.items = items
+
+    def score(self, completion: str, item: Item) -> float:
+        return 0.0
+
+    def demonstration(self, item: Item) -> str:
+        """Raises ValueError: a prompt-only row has no answer to imitate (load_tasks refuses SFT on one first)."""
+        raise ValueError(f"prompt-only row {item.index} has no answer to make a demonstration of")
+
+
+def load_task(path: str, *, size: int | None = None,
+              sft_steps: int = 0) -> MathTask | HumanEvalTask | PromptTask:
+    """The task of a JSONL or parquet file of GSM8K, MATH, HumanEval or prompt-only rows (module docstring).
 
     size: keep the first `size` usable rows (None: all). sft_steps: the SFT warm-up's steps
     on these rows; with any, each HumanEval row needs a canonical_solution to imitate.
@@ -213,8 +240,10 @@ def load_task(path: str, *, size: int | None = None, sft_steps: int = 0) -> Math
     kind = _detect(rows[0][1])
     if kind is None:
         raise ValueError(f"{where}: unknown row format, fields {sorted(rows[0][1])}; expected HumanEval "
-                         f"(prompt, test, entry_point), MATH (problem, answer or solution) or GSM8K (question, answer)")
-    parse_row = {"HumanEval": _humaneval_row, "MATH": _math_row, "GSM8K": _gsm8k_row}[kind]
+                         f"(prompt, test, entry_point), MATH (problem, answer or solution), GSM8K (question, answer) "
+                         f"or prompt-only (prompt and none of {', '.join(GOLD_FIELDS)})")
+    parse_row = {"HumanEval": _humaneval_row, "MATH": _math_row, "GSM8K": _gsm8k_row,
+                 "prompt-only": _prompt_row}[kind]
     parsed = []
     for line, row in rows:  # every row, before any work: a bad one anywhere stops the run here
         try:
@@ -230,6 +259,8 @@ def load_task(path: str, *, size: int | None = None, sft_steps: int = 0) -> Math
                              f"sft_steps={sft_steps} needs (SFT imitates each row's; {len(bare)} of {len(parsed)} "
                              f"rows lack one): add them, or set sft_steps=0")
         return HumanEvalTask([problem for _, problem in parsed])
+    if kind == "prompt-only":
+        return PromptTask([Item(prompt, "", 0, i) for i, (_, prompt) in enumerate(parsed[:size])])
     # a GSM8K gold is a number: any other text math-verify reads as symbols, and an anagram of a word multiplies
     # out to the same product
     usable = PLAIN_NUMBER_RE.fullmatch if kind == "GSM8K" else math_gold_readable
@@ -298,6 +329,8 @@ def _detect(row: dict) -> str | None:
         return "MATH"
     if {"question", "answer"} <= row.keys():
         return "GSM8K"
+    if "prompt" in row and not row.keys() & set(GOLD_FIELDS):
+        return "prompt-only"
     return None
 
 
@@ -341,6 +374,12 @@ def _math_row(row: dict, _name: str) -> tuple[str, str]:
     return problem, boxes[-1].strip()
 
 
+def _prompt_row(row: dict, _name: str) -> str:
+    if gold := sorted(row.keys() & set(GOLD_FIELDS)):
+        raise _RowError(f"has {', '.join(gold)}: a prompt-only file's rows carry no gold answer (choice 7)")
+    return _text(row, "prompt")
+
+
 def _humaneval_row(row: dict, name: str) -> CodeTask:
     prompt, test, entry_point = _text(row, "prompt"), _text(row, "test"), _text(row, "entry_point")
     if not entry_point.isidentifier():
@@ -356,7 +395,9 @@ def _humaneval_row(row: dict, name: str) -> CodeTask:
 def load_tasks(cfg: TrainConfig) -> tuple[ItemList, ItemList]:
     """The training task and the held-out one: the dataset files (train_data, eval_data, every row read
     once), else reasoning-gym's tasks, held out by a seed far from the training one (and 4x eval_size
-    of them, as some repeat a training question). Raises ValueError naming the field and the file."""
+    of them, as some repeat a training question). Raises ValueError naming the field and the file, and for a
+    prompt-only file (PromptTask) the setting that refuses it: a reward that reads golds (reward.rm_only off, or a
+    judge), or sft_steps (nothing to imitate). The one check of prompt-only data, before any work."""
     if not cfg.train_data:
         return (TaskMix(cfg.tasks, seed=cfg.train_seed, size=cfg.train_size),
                 TaskMix(cfg.tasks, seed=cfg.eval_seed, size=4 * cfg.eval_size))
@@ -370,6 +411,14 @@ def load_tasks(cfg: TrainConfig) -> tuple[ItemList, ItemList]:
             tasks.append(load_task(path, sft_steps=cfg.sft_steps if key == "train_data" else 0))
         except (OSError, ValueError) as e:  # the message names the file and line
             raise ValueError(f"{key}={path!r}: {e}") from None
+        if isinstance(tasks[-1], PromptTask) and cfg.reward.reads_gold:
+            why = (f"reward.model={cfg.reward.model!r} is a judge, which compares each answer with the gold"
+                   if cfg.reward.rm_only else "reward.rm_only=False: the verifier grades against each row's gold")
+            raise ValueError(f"{key}={path!r}: prompt-only rows (no gold answer) need a reward that reads none, "
+                             f"reward.rm_only=True with a scalar reward model; {why}")
+        if isinstance(tasks[-1], PromptTask) and key == "train_data" and cfg.sft_steps:
+            raise ValueError(f"{key}={path!r}: prompt-only rows have no answer for sft_steps={cfg.sft_steps} to "
+                             f"imitate; set sft_steps=0")
     return tasks[0], tasks[1]
 
 

@@ -406,7 +406,8 @@ def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tenso
     expert, which reads the offsets on the host. Rows past offs_E[-1] belong to no expert: their
     output rows are unspecified (torch._grouped_mm leaves them unwritten; the fallback gives zeros).
     """
-    if is_fake(x_Nin):
+    # is_fake is opaque to dynamo (a graph break); compiled code is never plan.py's, which runs eagerly
+    if not torch.compiler.is_compiling() and is_fake(x_Nin):
         # plan.py's fake tensors hold no routes to split by: an even split stands in, saving what _grouped_mm
         # saves for its backward (x and w), so the planned memory is the real one
         E = w_Ein_out.shape[0]
@@ -414,7 +415,11 @@ def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tenso
     aligned = all((s * x_Nin.element_size()) % 16 == 0 for s in w_Ein_out.shape[1:])
     if (x_Nin.device.type == "cpu" or x_Nin.dtype == torch.bfloat16) and aligned:
         if x_Nin.dtype != torch.bfloat16 and torch.compiler.is_compiling():
-            return _grouped_mm_eager(x_Nin, w_Ein_out, offs_E)  # torch compiles _grouped_mm for bf16 only
+            # torch compiles _grouped_mm for bf16 only. Without autograd (a decode step) an op the compiler
+            # keeps whole, so the graph holds; recording autograd, a graph break to the eager op and its backward
+            if torch.is_grad_enabled() and (x_Nin.requires_grad or w_Ein_out.requires_grad):
+                return _grouped_mm_eager(x_Nin, w_Ein_out, offs_E)
+            return grouped_mm_opaque(x_Nin, w_Ein_out, offs_E)
         return torch._grouped_mm(x_Nin, w_Ein_out, offs=offs_E)
     outs, start = [], 0
     for e, end in enumerate(offs_E.tolist()):  # rows start..end belong to expert e (empty when equal)
@@ -423,6 +428,18 @@ def grouped_mm(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tenso
     # rows past the last offset belong to no expert (capacity_experts' padding): zeros, so the output keeps N rows
     outs.append(x_Nin.new_zeros(x_Nin.shape[0] - start, w_Ein_out.shape[2]))
     return torch.cat(outs)
+
+
+@torch.library.custom_op("everyprompt::grouped_mm", mutates_args=())
+def grouped_mm_opaque(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm as one op opaque to torch.compile (no autograd): a no-grad compiled forward in fp32
+    keeps one graph where _grouped_mm's own meta function takes bf16 only."""
+    return torch._grouped_mm(x_Nin, w_Ein_out, offs=offs_E)
+
+
+@grouped_mm_opaque.register_fake
+def _grouped_mm_opaque_shape(x_Nin: torch.Tensor, w_Ein_out: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    return x_Nin.new_empty(x_Nin.shape[0], w_Ein_out.shape[2])  # (N, out)
 
 
 @torch.compiler.disable
@@ -505,7 +522,8 @@ class GroupedExperts(nn.Module):
         same order."""
         # under EP the weights are DTensors sharded on the expert dim: this rank's experts as plain tensors; in the
         # rows' dtype (EP-only experts sit outside FSDP's mixed precision, which casts every other weight)
-        w13, w2 = ((w.to_local() if hasattr(w, "to_local") else w).to(x_RD.dtype) for w in (self.w13, self.w2))
+        # (asked of the class: dynamo answers hasattr on a DTensor instance False, and the graph would get the DTensor)
+        w13, w2 = ((w.to_local() if hasattr(type(w), "to_local") else w).to(x_RD.dtype) for w in (self.w13, self.w2))
         if self.grad_scale != 1.0:
             # under EP an expert's gradient sums the tokens of every rank of its group: the scale (1 / ep) makes it
             # the same data-parallel mean as the dense weights'

@@ -50,12 +50,24 @@ Notable choices:
    fraction leaves after the trainer's parameters and the served weights (the checkpoint's
    bf16, or FP8, over tensor parallel ranks). A training step runs with the server asleep.
 7. Continuous batching (engine.slots = N > 0): a step's generate round, or an eval pass, is one call per rank
-   of all its rows (X), N of them live (batching.ContinuousBatch), so the KV cache, the decode routes and the
-   sampler hold N rows whatever gen_batch_rows and eval_batch_rows say; an admission round prefills the new
-   prompts of at most N rows (one round's cache may stay alive beside the next's while its last prompt has
-   rows queued), and the call keeps the X rows' tokens, logprobs and routes until it returns. X per rank is
-   the largest round's: prompts_per_step (a round of over-sampling draws no more) over the ranks, times the
-   round's rows per prompt.
+   of all its rows (X), N of them live (batching.ContinuousBatch), so the decode routes and the sampler hold
+   N rows whatever gen_batch_rows and eval_batch_rows say, and the KV cache is a pool of pages
+   (paged_kv.PagedKVCache) of engine.kv_tokens columns: the engine's KV memory is what the user sizes by live
+   tokens, not rows x max length (0 = N rows at full length, the bound that never preempts). The call holds the
+   pool from its start; an admission round prefills the new prompts of at most N rows into a left-padded cache
+   of their own, written into pages and dropped; a decode step gathers one layer's window of N rows x S
+   columns at a time (paged_kv's choice 2); the call keeps the X rows' tokens, logprobs and routes until it
+   returns. X per rank is the largest round's: prompts_per_step (a round of over-sampling draws no more) over
+   the ranks, times the round's rows per prompt.
+8. A reward model or judge (reward.model=<folder> or judge:<folder>; `scorer_memory`, from its config.json's
+   ModelConfig, which the caller reads: reward_model.scorer_model_config) is whole on every GPU (each rank
+   scores its own rollouts) and held through the run: its weights add to every phase, and its scoring peak
+   comes after the rollouts are generated, beside the trainer's parameters, AdamW and the engine's weights. A
+   reward model: bf16 on CUDA (fp32 elsewhere, as reward_model.HFRewardModel picks) with its score head,
+   scoring min(rm_batch_size, group) rows of the prompt + completion + SCORER_EXTRA_TOKENS without grad,
+   roughly a prefill's largest tensors. A judge: a NativeEngine replica in the run's dtype, one generate call
+   per group (a row per rollout) of judge_max_new_tokens beyond a prompt of the question, answer and
+   SCORER_EXTRA_TOKENS (`generate_peak`).
 """
 
 from __future__ import annotations
@@ -68,6 +80,7 @@ import torch
 
 from logprobs import LOGITS_CHUNK_TOKENS
 from model import ModelConfig, Transformer, route_dtype
+from paged_kv import pool_pages
 
 GB = 1024 ** 3
 # what PyTorch can allocate on each (torch.cuda.get_device_properties(0).total_memory, as its out-of-memory
@@ -85,6 +98,9 @@ FRAGMENTATION = 0.05
 # sizes and the forward's workspace (SGLang leaves 1 - mem_fraction_static of the GPU for them), an allowance
 SGLANG_OUTSIDE_POOL_GIB = 5.0
 NODES = (1, 2, 4, 8)
+# a scorer's input beyond the policy's prompt and completion (choice 8): a reward model's chat template, or
+# JUDGE_PROMPT's instructions, the template and the reference answer; an allowance, not a bound
+SCORER_EXTRA_TOKENS = 512
 
 
 def param_counts(cfg: ModelConfig) -> dict:
@@ -201,20 +217,30 @@ def engine_bytes(cfg, world: int) -> dict[str, int]:
     dtype, except where expert parallelism alone splits them (ep = world, no efsdp mesh): then they
     sit outside FSDP and the engine decodes the trainer's own fp32 shards (model.GroupedExperts
     casts a layer at a time), 4 bytes each.
-    kv_cache: model.KVCache's k and v, [n_layers, live_rows(cfg), J, S, d] each in the compute
-    dtype, S = prompt_limit() + max_new_tokens - 1 columns. One process (world == 1): the
-    replica's. Raises ValueError if ep does not divide world and num_experts.
+    kv_cache: model.KVCache's k and v, [n_layers, gen_batch_rows, J, S, d] each in the compute
+    dtype, S = prompt_limit() + max_new_tokens - 1 columns; with engine.slots the pages'
+    (`kv_columns`, choice 7). One process (world == 1): the replica's. Raises ValueError if ep does
+    not divide world and num_experts.
     """
     m, dt = cfg.model, torch.tensor([], dtype=cfg.compute_dtype()).element_size()
     parts = _engine_weights(cfg, world)
-    S = cfg.prompt_limit() + cfg.sampling.max_new_tokens - 1  # the last sampled token is never fed back
     return {"dense": parts["dense"], "experts": parts["experts"],
-            "kv_cache": 2 * m.n_layers * live_rows(cfg) * m.n_kv_heads * S * m.head_dim * dt}
+            "kv_cache": 2 * m.n_layers * kv_columns(cfg) * m.n_kv_heads * m.head_dim * dt}
+
+
+def kv_columns(cfg) -> int:
+    """Columns of keys and values (each of n_layers x J x d) a rank's engine holds while it generates: gen_batch_rows
+    rows x S in a static call; with engine.slots the page pool's (paged_kv.pool_pages, its scratch page with it)."""
+    P, C = cfg.prompt_limit(), cfg.sampling.max_new_tokens
+    if not cfg.engine.slots:
+        return cfg.gen_batch_rows * (P + C - 1)
+    page = cfg.engine.page_size
+    return (pool_pages(cfg.engine.slots, P, C, page, cfg.engine.kv_tokens) + 1) * page
 
 
 def live_rows(cfg) -> int:
-    """Rows a step's generate call decodes at once, what its KV cache holds: engine.slots when the engine batches
-    continuously (choice 7), else gen_batch_rows."""
+    """Rows a step's generate call decodes at once: engine.slots when the engine batches continuously (choice 7),
+    else gen_batch_rows."""
     return cfg.engine.slots or cfg.gen_batch_rows
 
 
@@ -286,17 +312,19 @@ def engine_memory(cfg, world: int = 1) -> dict[str, int]:
             "kv_cache": engine_bytes(cfg, world)["kv_cache"], "generate": generate, "total": weights + generate}
 
 
-def generate_peak(cfg, world: int, B: int, U: int, *, cache_first: bool = False) -> int:
+def generate_peak(cfg, world: int, B: int, U: int, *, pages: int = 0) -> int:
     """The peak bytes of one generate call of B rows and U distinct prompts, max_prompt_tokens each (beyond
     the engine's weights): its prefill, the copy into the decode cache, or decoding, whichever is largest.
-    cache_first: the decode cache and routes exist before the prefill (a continuous batch's, choice 7)."""
+    pages: a continuous batch's (choice 7): the decode cache is a pool of that many columns, alive with the
+    routes before the prefill, and a decode step gathers one layer's window of B rows x S columns."""
     m, dt = cfg.model, torch.tensor([], dtype=cfg.compute_dtype()).element_size()
     own, ep, aliased = _engine_weights(cfg, world), cfg.ep if world > 1 else 1, _experts_are_trainer_shards(cfg, world)
     P, C = cfg.prompt_limit(), cfg.sampling.max_new_tokens
     S = P + C - 1  # cache columns: the prompt and every sampled token but the last
     LK, kv_token = m.num_moe_layers * m.top_k, 2 * m.n_kv_heads * m.head_dim * dt  # k and v of a token, one layer
     prefill_cache = m.n_layers * U * P * kv_token
-    kv = m.n_layers * B * S * kv_token  # engine_bytes' kv_cache, at B rows
+    kv = m.n_layers * (pages or B * S) * kv_token  # engine_bytes' kv_cache, at B rows or a pool of `pages` columns
+    window = B * S * kv_token if pages else 0  # paged_kv.update_rows: k and v of one layer, gathered
     routes = B * S * LK * torch.tensor([], dtype=route_dtype(m.num_experts)).element_size()  # model.route_dtype
     # under EP a forward sends each token's K routed rows to their experts' ranks and receives as many back
     # (balanced routing): send and receive buffers of N * K rows of D, as the trainer's (choice 1)
@@ -304,32 +332,34 @@ def generate_peak(cfg, world: int, B: int, U: int, *, cache_first: bool = False)
     # EP-only experts are the trainer's fp32 shards, cast to the compute dtype one layer at a time
     cast = own["experts"] // max(1, m.num_moe_layers) * dt // 4 if aliased and dt != 4 else 0
     # the prefill: its U-row cache and one forward over U x P tokens, whose largest per-layer tensors are the
-    # routed rows (x, the expert GEMMs' [2I] and [I] outputs, the result: K copies of every token) and the mask
-    acts = U * P * (4 * m.dim + m.top_k * (2 * m.dim + 3 * m.moe_inter_dim)) * dt + U * P * P
+    # routed rows (x, the expert GEMMs' [2I] and [I] outputs, the result: K copies of every token), or a dense
+    # block's SwiGLU ([2I] out of w13, silu(gate) and the product, [I] each), and the mask
+    ffn = max(m.top_k * (2 * m.dim + 3 * m.moe_inter_dim), 4 * m.dense_inter_dim if m.first_k_dense_replace else 0)
+    acts = U * P * (4 * m.dim + ffn) * dt + U * P * P
     prefill = prefill_cache + acts + U * P * LK * 8 + U * P * a2a + cast
     # the copy of each row's prompt into the decode cache: both caches, one layer's gathered rows, the routes,
     # and still alive from the prefill its mask and hidden states
-    copy = prefill_cache + kv + B * P * kv_token // 2 + U * P * LK * 8 + routes + U * P * (P + m.dim * dt)
+    copy = prefill_cache + kv + (0 if pages else B * P * kv_token // 2) + U * P * LK * 8 + routes + U * P * (P + m.dim * dt)
     # decoding: the cache and routes, the sampler's [B, V] buffers (logits, tempered logits, log-softmax and
     # probabilities fp32, their cumulative sum fp64), the row mask, and the sampled ids and logprobs
-    decode = kv + routes + B * m.vocab_size * (4 * 4 + 8) + B * S * 4 + B * C * (8 + 4) + B * a2a + cast
-    if cache_first:
+    decode = kv + window + routes + B * m.vocab_size * (4 * 4 + 8) + B * S * 4 + B * C * (8 + 4) + B * a2a + cast
+    if pages:
         prefill += kv + routes
     return max(prefill, copy, decode + routes)  # the end: the rollouts' own copies of their routes
 
 
 def continuous_peak(cfg, world: int, X: int, n: int) -> int:
     """The peak bytes of one continuously batched generate call (engine.slots, choice 7) of X rows, n per prompt,
-    max_prompt_tokens each (beyond the engine's weights): an admission round's prefill, the copy or decoding
-    with min(slots, X) rows live (`generate_peak` of those rows and the round's distinct prompts, the slots'
-    cache allocated first), beside the previous round's prefill cache and the call's X rows of tokens,
-    logprobs and routes. An upper bound."""
+    max_prompt_tokens each (beyond the engine's weights): an admission round's prefill, the copy into pages or
+    decoding with min(slots, X) rows live (`generate_peak` of those rows, the round's distinct prompts and the
+    call's page pool, allocated first), beside the call's X rows of tokens, logprobs and routes. An upper bound."""
     m, dt = cfg.model, torch.tensor([], dtype=cfg.compute_dtype()).element_size()
     P, C = cfg.prompt_limit(), cfg.sampling.max_new_tokens
     B = min(cfg.engine.slots, X)
-    U = min(-(-X // n), -(-(B + n - 1) // n))  # B consecutive rows of a prompt-major queue span at most U prompts
-    # a round's cache stays alive while its last prompt has rows queued: beside the next round's (n > 1 rows a prompt)
-    earlier = m.n_layers * U * P * 2 * m.n_kv_heads * m.head_dim * dt if n > 1 and X > B else 0
+    # B consecutive rows of a prompt-major queue span at most U prompts, and a round prefills prefill_tokens at most
+    U = min(-(-X // n), -(-(B + n - 1) // n), max(1, cfg.engine.prefill_tokens // P))
+    page = cfg.engine.page_size
+    pages = (pool_pages(B, P, C, page, cfg.engine.kv_tokens) + 1) * page  # columns, the scratch page with them
     route = torch.tensor([], dtype=route_dtype(m.num_experts)).element_size()
     # (X + 1, C) ids int64 and logprobs fp32, and each finished row's routes [P + C - 1, L, K]
     outputs = (X + 1) * C * (8 + 4) + X * (P + C - 1) * m.num_moe_layers * m.top_k * route
@@ -338,13 +368,38 @@ def continuous_peak(cfg, world: int, X: int, n: int) -> int:
     # rows whatever the routes: sent, received, sorted, returned rows of D and the experts' [2I] and [I] outputs
     rows = ep * cfg.engine.slots * min(m.top_k, m.num_experts // ep)
     capacity = rows * (4 * m.dim + 3 * m.moe_inter_dim) * dt if ep > 1 else 0
-    return generate_peak(cfg, world, B, U, cache_first=True) + earlier + outputs + capacity
+    return generate_peak(cfg, world, B, U, pages=pages) + outputs + capacity
 
 
-def memory_plan(cfg, world: int) -> dict[str, int]:
+def scorer_memory(cfg, scorer: ModelConfig | None) -> dict[str, int]:
+    """Bytes one GPU holds for the run's reward model or judge whose ModelConfig is `scorer` (None: none, or a
+    stand-in; zeros): weights (held through the run) and peak (of scoring one group, beyond the weights), choice 8."""
+    if scorer is None:
+        return {"weights": 0, "peak": 0}
+    G = max(cfg.group_size, cfg.filter.enlarged_group_size)  # a group's rollouts: what one scoring call takes
+    tokens = cfg.prompt_limit() + cfg.sampling.max_new_tokens + SCORER_EXTRA_TOKENS  # what a scorer reads of a rollout
+    if cfg.reward.judges:  # one greedy generate call per group, a row per rollout
+        new = cfg.reward.judge_max_new_tokens
+        judge = dataclasses.replace(cfg, model=scorer, max_prompt_tokens=min(tokens, scorer.max_seq_len - new), ep=1,
+                                    sampling=dataclasses.replace(cfg.sampling, max_new_tokens=new),
+                                    engine=dataclasses.replace(cfg.engine, slots=0))
+        own = _engine_weights(judge, 1)
+        return {"weights": own["dense"] + own["experts"], "peak": generate_peak(judge, 1, G, G)}
+    dt = 2 if torch.device(cfg.device).type == "cuda" else 4  # reward_model.HFRewardModel's default dtype
+    with torch.device("meta"):
+        model = Transformer(scorer)
+    weights = (sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()) + scorer.dim) * dt
+    m, N = scorer, min(G, cfg.reward.rm_batch_size) * tokens  # a batch's tokens
+    # its forward's largest tensors, as generate_peak's prefill, the final hidden states and every layer's routes
+    acts = N * (4 * m.dim + m.top_k * (2 * m.dim + 3 * m.moe_inter_dim)) * dt + N * m.dim * dt
+    return {"weights": weights, "peak": acts + N * m.num_moe_layers * m.top_k * 8}
+
+
+def memory_plan(cfg, world: int, scorer: ModelConfig | None = None) -> dict[str, int]:
     """Per-GPU bytes of a run of `world` ranks: the trainer's state, activations and peak, the
     engine's weights (dense, experts: what it holds beyond the trainer's state) and KV cache, the
-    rollout phase's peak and the run's peak (choice 4). dtype 'auto' plans a GPU's: bf16."""
+    rollout phase's peak, a reward model's or judge's (scorer: its ModelConfig, `scorer_memory`) and the
+    run's peak (choice 4). dtype 'auto' plans a GPU's: bf16."""
     if cfg.dtype == "auto":
         cfg = dataclasses.replace(cfg, dtype="bfloat16")
     trainer = trainer_memory(cfg, world, activation_checkpoint=cfg.activation_checkpoint)
@@ -356,13 +411,15 @@ def memory_plan(cfg, world: int) -> dict[str, int]:
     # one process: the replica persists through training; several: the engine's weights are gathered for the
     # rollout phase and freed after it (distributed.gathered), so a training step holds none of them
     train_step = trainer["total"] + (engine["weights"] if world == 1 else 0)
-    peak = max(train_step, rollout)
+    s = scorer_memory(cfg, scorer)  # held through the run; scoring after generating (choice 8)
+    peak = max(train_step, rollout, state["params"] + state["adam"] + engine["weights"] + s["peak"]) + s["weights"]
     margins = with_margins(cfg, world, peak) - peak
     return {**state, "gathered": trainer["gathered"], "activations": trainer["activations"],
             "logits chunk": LOGITS_CHUNK_TOKENS * cfg.model.vocab_size * 4, "trainer peak": trainer["total"],
             "engine weights": engine["weights"], "engine dense": engine["dense"],
             "engine experts": engine["weights"] - engine["dense"], "engine KV": engine["kv_cache"],
-            "rollout peak": rollout, "train step": train_step, "margins": margins, "total": peak + margins}
+            "rollout peak": rollout, "train step": train_step, "scorer weights": s["weights"],
+            "scorer peak": s["peak"], "margins": margins, "total": peak + margins}
 
 
 def nccl_communicators(cfg, world: int) -> int:
@@ -429,9 +486,10 @@ def colocated_sglang(cfg, world: int, capacity: int) -> dict[str, float]:
             "rows": min(rows, cfg.gen_batch_rows * tp), "node_rows": cfg.gen_batch_rows * tp}
 
 
-def print_plan(cfg, nodes=NODES) -> list[dict]:
-    """Print parameter counts and the per-GPU plan for each node count; return the plan rows (GiB).
-    Raises ValueError if ep divides none of the GPU counts."""
+def print_plan(cfg, nodes=NODES, scorer: ModelConfig | None = None) -> list[dict]:
+    """Print parameter counts and the per-GPU plan for each node count, with a reward model's or judge's line
+    (scorer: its ModelConfig, counted in the totals); return the plan rows (GiB). Raises ValueError if ep
+    divides none of the GPU counts."""
     counts = param_counts(cfg.model)
 
     def n(x):
@@ -457,7 +515,7 @@ def print_plan(cfg, nodes=NODES) -> list[dict]:
         if world % cfg.ep or cfg.model.num_experts % cfg.ep:
             print(f"{k:>5} {world:>5}  ep={cfg.ep} does not divide {world} GPUs and {cfg.model.num_experts} experts")
             continue
-        plan = memory_plan(cfg, world)
+        plan = memory_plan(cfg, world, scorer)
         fits = [name for name, gib in GPU_MEMORY_GIB.items() if plan["total"] / GB <= gib]
         print(f"{k:>5} {world:>5} {cfg.ep:>3}  " + "  ".join(f"{plan[c] / GB:>{max(9, len(c))}.1f}" for c in cols)
               + f"  {', '.join(fits) or 'no'}")
@@ -466,6 +524,11 @@ def print_plan(cfg, nodes=NODES) -> list[dict]:
         plans[k] = plan
     if not rows:
         raise ValueError(f"ep={cfg.ep} divides none of the GPU counts {[k * cfg.gpus_per_node for k in nodes]}")
+    if scorer is not None:  # the same on every GPU and node count: whole on each rank (choice 8)
+        s = scorer_memory(cfg, scorer)
+        print(f"reward.model={cfg.reward.model}: {n(param_counts(scorer)['total'])} parameters, whole on every GPU; "
+              f"weights {s['weights'] / GB:.1f} GiB held through the run, scoring peak {s['peak'] / GB:.1f} GiB after "
+              f"generating; both in each total above")
     _print_what_fits(cfg, plans)
     if cfg.engine.name == "sglang" and not cfg.engine.urls:
         _print_colocated_sglang(cfg, plans)
@@ -494,7 +557,7 @@ def _print_what_fits(cfg, plans: dict[int, dict]):
         for name, gib in GPU_MEMORY_GIB.items():
             if p["total"] / GB <= gib:
                 continue
-            if with_margins(cfg, world, p["train step"]) / GB > gib:
+            if with_margins(cfg, world, p["train step"] + p["scorer weights"]) / GB > gib:
                 needs.append(f"{name}: more nodes")
                 continue
             slots = bf16.engine.slots  # continuous batching: its slots bound the live rows (choice 7)
@@ -508,7 +571,8 @@ def _print_what_fits(cfg, plans: dict[int, dict]):
                                                   eval_batch_rows=min(rows, bf16.eval_batch_rows))
                     change = f"gen_batch_rows={smaller.gen_batch_rows} eval_batch_rows={smaller.eval_batch_rows}"
                 rollout = p["params"] + p["adam"] + engine_memory(smaller, world)["total"]
-                total = with_margins(cfg, world, max(rollout, p["train step"]))
+                scoring = p["params"] + p["adam"] + p["engine weights"] + p["scorer peak"]  # choice 8
+                total = with_margins(cfg, world, max(rollout, p["train step"], scoring) + p["scorer weights"])
                 if total / GB <= gib:
                     needs.append(f"{name}: {change} ({total / GB:.1f})")
                     break

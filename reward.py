@@ -514,7 +514,8 @@ class RewardConfig:
     rm_only: bool = False
     """The reward is the shaping score alone (reward model or judge, and penalties), the verifier's correctness
     unread: RL on prompts without trusted gold answers. Every response is then in one correctness class, so
-    adjust_rewards' ordering guarantee holds vacuously. Needs reward.model (checked when the run builds its scorer)."""
+    adjust_rewards' ordering guarantee holds vacuously. Needs reward.model (checked when the run builds its scorer).
+    With a scalar reward model (not a judge) the run may read prompt-only data (`reads_gold`, data.PromptTask)."""
     shaping_margin: float = 0.4
     """Shaping scale m < 1/2 in r = correct + m min(p, 1 - p) s."""
     workers: int = 0
@@ -545,6 +546,17 @@ class RewardConfig:
     def shapes(self) -> bool:
         """Whether any shaping applies (otherwise the reward is the correctness itself)."""
         return bool(self.overlong_buffer or self.repetition_weight or self.model or self.rm_only)
+
+    @property
+    def judges(self) -> bool:
+        """Whether the scorer is a pairwise judge ('stub-judge', 'judge:<folder>') rather than a reward model."""
+        return self.model == "stub-judge" or self.model.startswith(JUDGE_PREFIX)
+
+    @property
+    def reads_gold(self) -> bool:
+        """Whether the reward reads each row's gold answer: the verifier's correctness (unless rm_only), or a
+        judge's reference. Prompt-only rows (data.PromptTask) need it False."""
+        return not self.rm_only or self.judges
 
 
 

@@ -72,6 +72,7 @@ from batching import ContinuousBatch
 from distributed import (all_ranks, collective_group, gathered, load_shards, own_meshes, rank_world,
                          reference_copy, set_group_timeouts)
 from model import KVCache, ModelConfig, Transformer, route_dtype
+from paged_kv import PAGE_SIZE, PREFILL_TOKENS
 from sampler import Rollout, SamplingParams, row_keys, row_uniforms, sample
 from sglang_engine import build_sglang_engine, stop_launched_servers
 from weights import (DEFAULT_BUCKET_BYTES, FP8, FP8GroupedExperts, FP8Linear, Named, full_tensor, local,
@@ -140,11 +141,17 @@ class NativeEngine:
     slots: 0 (the default) decodes every row of a call in one static batch until the last one stops;
     N > 0 decodes at most N rows at once and refills a stopped row's slot (`ContinuousBatch`), on the
     sharded policy in lockstep with the other ranks. `batch_stats` then holds the last call's counts.
+    page_size, kv_tokens: with slots, the KV cache's pages (paged_kv.PagedKVCache) of page_size columns, kv_tokens
+    columns of them in all (0 = every slot at full length beside one prompt's: no row is ever preempted).
+    prefill_tokens: with slots, the most prompt tokens an admission round prefills (one prompt at least).
+    cuda_graph: with slots, each call's decode step in a CUDA graph (graph_decode.py; CUDA and bf16 only, never
+    run on a GPU yet).
     """
 
     def __init__(self, cfg: ModelConfig, *, eos_id: int | Sequence[int], pad_id: int, device="cpu",
                  dtype=torch.float32, fp8: bool = False, compile: bool = False, num_tokens: int | None = None,
-                 policy: nn.Module | None = None, group=None, slots: int = 0):
+                 policy: nn.Module | None = None, group=None, slots: int = 0, page_size: int = PAGE_SIZE,
+                 kv_tokens: int = 0, prefill_tokens: int = PREFILL_TOKENS, cuda_graph: bool = False):
         # eos_id: one id or several (a chat model stops at <|im_end|> and at <|endoftext|>).
         # num_tokens: the tokenizer's ids, 0..num_tokens - 1; a checkpoint's embedding may have more rows (Qwen3:
         # 151,936 for 151,665 tokens), which are never sampled: no id the tokenizer cannot decode. Their
@@ -154,12 +161,19 @@ class NativeEngine:
         self.device, self.dtype, self.fp8, self.group = torch.device(device), dtype, fp8, group
         self.weight_version, self.sharded, self._phase = 0, policy is not None, None
         self.kv_bytes = 0  # the largest KV cache a generate call of this phase allocated (the run logs it)
+        self.kv_live_bytes = 0  # with slots: the most of its pages the rows of a call in this phase held at once
+        self.preemptions = 0  # with slots: rows preempted for pages in this phase (ContinuousBatch's choice 6)
         self._decode_step = torch.compile(decode_step, dynamic=True) if compile else decode_step
         # slots: 0 = one static batch per call (every row decodes until the last one stops); N > 0 = continuous
         # batching (`ContinuousBatch`): at most N rows decode at once and a stopped row's slot takes the next
         if slots < 0:
             raise ValueError(f"slots={slots}: need 0 (one static batch per call) or how many rows decode at once")
-        self.slots = slots
+        if page_size < 1 or kv_tokens < 0 or prefill_tokens < 1:
+            raise ValueError(f"page_size={page_size}, kv_tokens={kv_tokens}, prefill_tokens={prefill_tokens}: need "
+                             "page_size >= 1, kv_tokens >= 0 (0 = enough for every slot at full length) and "
+                             "prefill_tokens >= 1")
+        self.slots, self.page_size, self.kv_tokens, self.cuda_graph = slots, page_size, kv_tokens, cuda_graph
+        self.prefill_tokens = prefill_tokens
         self.batch_stats: dict[str, int] = {}  # the last continuous call's counts (ContinuousBatch.stats)
         if policy is not None:  # no FP8 on the sharded policy (config.RELATIONS refuses engine.fp8 on several ranks)
             self.model = policy  # the trainer's own module: nothing to copy, nothing to sync
@@ -189,7 +203,7 @@ class NativeEngine:
         if self._phase is not None:  # already inside one
             yield
             return
-        self.kv_bytes = 0
+        self.kv_bytes = self.kv_live_bytes = self.preemptions = 0
         if not self.sharded:
             self._phase = {}
             try:
@@ -212,13 +226,16 @@ class NativeEngine:
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank's engine holds: its weights (dense and routed experts; on the sharded policy
-        the gathered ones, which live only during a rollout phase) and its largest KV cache in this phase."""
+        the gathered ones, which live only during a rollout phase), its largest KV cache in this phase and,
+        with slots, kv_live: the most of a call's pages its rows (and held prompts) used at once, what to size
+        engine.kv_tokens by."""
         if self.sharded:
             with self.phase():
                 weights = dict(self._phase)
         else:
             weights = weight_bytes(self.model)
-        return {**weights, "kv_cache": self.kv_bytes}
+        live = {"kv_live": self.kv_live_bytes} if self.slots else {}
+        return {**weights, "kv_cache": self.kv_bytes, **live}
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Named, version: int):
@@ -468,7 +485,8 @@ def build_native_engine(cfg: TrainConfig, tok: Tokenizer, policy: nn.Module) -> 
     on_policy = policy if rank_world()[1] > 1 else None
     return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device, dtype=cfg.compute_dtype(),
                         compile=cfg.compile, num_tokens=tok.enc.n_vocab, fp8=cfg.engine.fp8, policy=on_policy,
-                        slots=cfg.engine.slots)
+                        slots=cfg.engine.slots, page_size=cfg.engine.page_size, kv_tokens=cfg.engine.kv_tokens,
+                        prefill_tokens=cfg.engine.prefill_tokens, cuda_graph=cfg.engine.cuda_graph)
 
 
 ENGINES: dict[str, Callable[[TrainConfig, Tokenizer, nn.Module], Engine]] = {
@@ -509,6 +527,7 @@ def producer_engine(engine: Engine, cfg: TrainConfig, policy: nn.Module) -> Engi
     producer = NativeEngine(cfg.model, eos_id=engine.stop_ids, pad_id=engine.pad_id, device=cfg.device,
                             dtype=cfg.compute_dtype(), compile=cfg.compile, num_tokens=engine.num_tokens,
                             policy=reference_copy(policy, cfg, meshes), group=meshes.fsdp.get_group(),
-                            slots=engine.slots)
+                            slots=engine.slots, page_size=engine.page_size, kv_tokens=engine.kv_tokens,
+                            prefill_tokens=engine.prefill_tokens, cuda_graph=engine.cuda_graph)
     producer.weight_version = engine.weight_version  # the version its copy holds (a resumed run's, say)
     return producer

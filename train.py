@@ -54,7 +54,7 @@ from hf import check_weights, save_hf
 from metrics import MetricsLog, WriteError, check_logger, plot, read_records, write_atomic, write_error
 from plan import param_counts
 from reward import order_violations, scorer_outputs, shaped_rewards
-from reward_model import reward_model_for
+from reward_model import reward_model_for, scorer_model_config
 from rollout import Engine, NativeEngine, build_engine, engine_builder, producer_engine, stop_engine_servers
 from sampler import Rollout, SamplingParams
 from scheduler import LengthPredictor, Pipeline, generation_batches
@@ -63,6 +63,7 @@ from trainer import NonFiniteError, TrainBatch, lr_at, sft_step, train_on_rollou
 from weights import full_tensor, policy_tensors
 
 if TYPE_CHECKING:
+    from model import ModelConfig
     from tokenizer import Tokenizer
 
 STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds (probes, the rest, over-sampling)
@@ -181,6 +182,8 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     m = rollout_metrics(step, groups, correct, lengths, {**filtered, **counts}, t_generate)
     m.update(shaping)
     m.update({f"engine/{k}_bytes": v for k, v in run.engine.memory().items()})  # this rank's: no replica if sharded
+    if cfg.engine.slots:  # rows preempted for pages (engine.kv_tokens too small for the step's live tokens)
+        m["engine/preemptions"] = run.engine.preemptions
     return m, kept_batch(run, groups, keep_P, zero_var_P, adv)
 
 
@@ -190,11 +193,23 @@ def shape_rewards(run: Run, groups, correct: list[torch.Tensor], step: int) -> t
     judge/unparsed, judge/too_long), the rewards' mean and std, the (correct, wrong) pairs checked and
     t_reward_model (the scorer's seconds). Every group is checked to keep each correct response's reward above
     each wrong one's (reward.adjust_rewards' guarantee): an AssertionError naming the step if one ever is not.
-    With reward.rm_only the verifier's correctness is unread: each group is one class, the check vacuous."""
+    With reward.rm_only the verifier's correctness is unread: each group is one class, the check vacuous.
+    Multi-rank: each rank's whole scorer scores the groups it generated (a group is generated on one rank), and
+    every rank learns every group's scores and the judge's counts (summed), so all shape alike; t_reward_model
+    is this rank's, the wait for the slowest rank's scoring included."""
     cfg, scorer = run.cfg.reward, run.scorer
     t0 = time.perf_counter()
-    scores = [scorer_outputs(scorer, item.question, [completion_text(run.tok, s.payload) for s in g], item.answer)
-              if scorer is not None else None for item, g in groups]
+    scores = [None] * len(groups)
+    if scorer is not None:
+        world = rank_world()[1]
+        # this rank's groups: their rollouts are whole here (Rollout), the others' are summaries
+        mine = [p for p, (_, g) in enumerate(groups) if world == 1 or isinstance(g[0].payload, Rollout)]
+        own = [(p, scorer_outputs(scorer, groups[p][0].question,
+                                  [completion_text(run.tok, s.payload) for s in groups[p][1]], groups[p][0].answer))
+               for p in mine]
+        for p, x in all_gather_list(own):  # every rank's, rank order; one process: its own
+            scores[p] = x
+        counts = all_gather_list([dict(scorer.counts)]) if hasattr(scorer, "counts") else []
     m = {"t_reward_model": time.perf_counter() - t0}
     classes = [torch.zeros_like(c) for c in correct] if cfg.rm_only else correct
     rewards = [shaped_rewards(c, [s.payload.completion_ids for s in g], cfg, scorer=scorer, scores=x,
@@ -218,8 +233,8 @@ def shape_rewards(run: Run, groups, correct: list[torch.Tensor], step: int) -> t
             m["judge/p_better_mean"] = x.mean().item()
         else:
             m.update({"rm/score_mean": x.mean().item(), "rm/score_std": x.std(correction=0).item()})
-    if hasattr(scorer, "counts"):  # a GenerativeJudge's: this step's, then reset
-        m.update({f"judge/{k}": v for k, v in scorer.counts.items()})
+    if hasattr(scorer, "counts"):  # a GenerativeJudge's: this step's over every rank, then reset
+        m.update({f"judge/{k}": sum(c[k] for c in counts) for k in scorer.counts})
         scorer.counts.subtract(dict(scorer.counts))
     return rewards, m
 
@@ -490,14 +505,16 @@ class Start:
     offline_rates: int = 0  # rows of filter.pass_rate_file read into history
     ckpt: str | None = None  # the checkpoint folder the run resumes from (None: afresh) and its trainer state
     resumed: dict | None = None
+    scorer_model: ModelConfig | None = None  # the reward model's or judge's shape (reward_model.scorer_model_config)
 
 
 def prepare(cfg: TrainConfig) -> Start:
     """Every file the run reads, read once and checked before any work (a dry run's too): out_dir (writable,
     room for a checkpoint, apart from the init checkpoint, no live run in it, no other run's checkpoints:
     checkpoint.check_run_folder), the logger (its package, a wandb login), the metrics.jsonl a resume continues,
-    the checkpoint's weights (headers), data and tokenizer (data.load_run_data), the offline pass rates.
-    Leaves nothing written. Raises ValueError naming the field (and the file)."""
+    the checkpoint's weights (headers), data and tokenizer (data.load_run_data), the offline pass rates, and
+    reward.model's config.json (reward_model.scorer_model_config: the plan sizes it). Leaves nothing written.
+    Raises ValueError naming the field (and the file)."""
     # a dry run plans for another machine: this one's free space says nothing of that one's
     needed = 0 if cfg.dry_run or not cfg.ckpt_every else CKPT_BYTES_PER_PARAM * param_counts(cfg.model)["total"]
     check_run_folder(cfg, needed, lock=os.environ.get("RANK", "0") == "0")  # rank 0 takes the lock (main)
@@ -514,7 +531,7 @@ def prepare(cfg: TrainConfig) -> Start:
         world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
         share = colocated_sglang(cfg, world, torch.cuda.get_device_properties(local).total_memory)
         cfg.engine = dataclasses.replace(cfg.engine, sglang_mem_fraction=share["fraction"])
-    start = Start(data=load_run_data(cfg), history=PromptHistory())
+    start = Start(data=load_run_data(cfg), history=PromptHistory(), scorer_model=scorer_model_config(cfg.reward))
     if cfg.filter.pass_rate_file:
         try:
             start.offline_rates = start.history.load_offline(cfg.filter.pass_rate_file)
@@ -526,7 +543,8 @@ def prepare(cfg: TrainConfig) -> Start:
 def judge_generator(cfg: TrainConfig):
     """How a generative judge (reward.model=judge:<folder>) generates: builder(model, tok) -> a greedy generator on
     a NativeEngine of its own holding the judge's weights (cfg.device, the run's compute dtype), replies of at most
-    reward.judge_max_new_tokens, their stop token left out. Under torchrun each rank holds a whole judge."""
+    reward.judge_max_new_tokens, their stop token left out. Under torchrun each rank holds a whole judge, which
+    judges the groups that rank generated (shape_rewards)."""
     def build(model, tok):
         engine = NativeEngine(model.cfg, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device,
                               dtype=cfg.compute_dtype(), num_tokens=tok.enc.n_vocab)
@@ -684,7 +702,7 @@ def main(cfg: TrainConfig) -> dict:
     if cfg.dry_run:
         print(json.dumps(dataclasses.asdict(cfg), default=str))
         from plan import print_plan
-        return {"plan": print_plan(cfg)}
+        return {"plan": print_plan(cfg, scorer=start.scorer_model)}
     if torch.device(cfg.device).type == "cuda":
         # before CUDA's first allocation, which reads it: segments that grow in place instead of new blocks, so the
         # rollout phase's and the training step's differently shaped tensors leave little fragmentation (plan.py's

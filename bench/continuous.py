@@ -70,6 +70,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (the group size)")
     ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--paged-slots", type=int, default=96,
+                    help="slots of the paged engine given the static batches' KV memory (kv_tokens)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--stop-ids", type=int, default=8, help="ids 1..k stop a row: the higher, the shorter")
     ap.add_argument("--repeats", type=int, default=5)
@@ -84,14 +86,19 @@ def main():
     prompts = [torch.randint(args.stop_ids + 1, cfg.vocab_size, (int(length),), generator=g).tolist()
                for length in torch.randint(PROMPT_LENS[0], PROMPT_LENS[1] + 1, (args.prompts,), generator=g)]
     params, stops = SamplingParams(max_new_tokens=args.new_tokens), list(range(1, args.stop_ids + 1))
-    static = NativeEngine(cfg, eos_id=stops, pad_id=PAD)
-    continuous = NativeEngine(cfg, eos_id=stops, pad_id=PAD, slots=args.slots)
-    for engine in (static, continuous):
-        engine.update_weights(model.named_parameters(), version=0)
     per_call = max(1, args.slots // args.n)  # whole groups per static batch: slots rows at most
+    # the static batches' KV cache, in columns: what the paged engine gets at equal memory
+    equal_kv = per_call * args.n * (max(map(len, prompts)) + args.new_tokens - 1)
+    static_all, static = NativeEngine(cfg, eos_id=stops, pad_id=PAD), NativeEngine(cfg, eos_id=stops, pad_id=PAD)
+    continuous = NativeEngine(cfg, eos_id=stops, pad_id=PAD, slots=args.slots)
+    paged = NativeEngine(cfg, eos_id=stops, pad_id=PAD, slots=args.paged_slots, kv_tokens=equal_kv)
+    engines = {"static_one_call": static_all, f"static_batches_of_{per_call * args.n}": static,
+               f"continuous_{args.slots}_slots": continuous, f"paged_{args.paged_slots}_slots": paged}
+    for engine in engines.values():
+        engine.update_weights(model.named_parameters(), version=0)
 
     def one_call():
-        return static.generate(prompts, params, n=args.n, seed=0), None
+        return static_all.generate(prompts, params, n=args.n, seed=0), None
 
     def batches():
         out, row_steps = [], 0
@@ -102,12 +109,13 @@ def main():
             out += part
         return out, row_steps
 
-    def slots():
-        out = continuous.generate(prompts, params, n=args.n, seed=0)
-        return out, continuous.batch_stats["decode_row_steps"]
+    def slots(engine):
+        def run():
+            out = engine.generate(prompts, params, n=args.n, seed=0)
+            return out, engine.batch_stats["decode_row_steps"]
+        return run
 
-    ways = {"static_one_call": one_call, f"static_batches_of_{per_call * args.n}": batches,
-            f"continuous_{args.slots}_slots": slots}
+    ways = dict(zip(engines, (one_call, batches, slots(continuous), slots(paged))))
     times = {name: [] for name in ways}
     load_before = os.getloadavg()[0]
     for r in range(args.repeats + 1):  # round 0 warms up
@@ -138,12 +146,19 @@ def main():
                        "decode_row_steps": times[name + "/row_steps"],
                        "useful_per_row_step": times[name + "/useful"] / times[name + "/row_steps"],
                        "rows_differing_from_static_one_call": sum(
-                           a != b for a, b in zip(times.pop(name + "/rollouts", reference), reference))}
-    cont = f"continuous_{args.slots}_slots"
-    for name in ways:  # round by round: each round's three runs share the machine's load
-        ratios = [b / a for a, b in zip(times[cont], times[name])]
-        table[name]["continuous_speedup"] = {"median": statistics.median(ratios), "min": min(ratios),
-                                             "max": max(ratios)}
+                           a != b for a, b in zip(times.pop(name + "/rollouts", reference), reference)),
+                       # KV bytes the engine allocated (its largest call's; a paged pool whole) and, paged, the
+                       # most pages its rows held at once (their live tokens, in pages), and its preemptions
+                       "kv_bytes": engines[name].kv_bytes,
+                       "kv_bytes_live_peak": (engines[name].batch_stats["peak_pages"] * 16 * engines[name].kv_bytes
+                                              // ((engines[name].batch_stats["pages"] + 1) * 16)
+                                              if engines[name].slots else engines[name].kv_bytes),
+                       "preemptions": engines[name].batch_stats.get("preemptions", 0)}
+    cont, page = f"continuous_{args.slots}_slots", f"paged_{args.paged_slots}_slots"
+    for name in ways:  # round by round: each round's runs share the machine's load
+        for way, key in ((cont, "continuous_speedup"), (page, "paged_speedup")):
+            ratios = [b / a for a, b in zip(times[way], times[name])]
+            table[name][key] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
     rows = args.prompts * args.n
     print(f"configs/tiny.py model, random weights, fp32, {args.threads} threads; {rows} rows ({args.prompts} prompts "
@@ -152,12 +167,13 @@ def main():
     print(f"completion lengths: mean {dist['mean']:.1f}, p50 {dist['p50']:.0f}, p90 {dist['p90']}, max {dist['max']}, "
           f"{100 * dist['at_limit']:.1f}% reach the limit")
     print(f"{'engine':<24}{'wall s':>22}{'tokens/s':>10}{'useful/row-step':>17}{'row-steps':>11}{'differ':>8}"
-          f"{'continuous x':>20}")
+          f"{'KV MB':>8}{'live MB':>9}{'preempt':>9}{'paged x':>20}")
     for name, r in table.items():
-        s = r["continuous_speedup"]
+        s = r["paged_speedup"]
         print(f"{name:<24}{r['median_s']:>8.2f} ({r['min_s']:.2f}..{r['max_s']:.2f}){r['tokens_per_s']:>10.0f}"
               f"{r['useful_per_row_step']:>17.2f}{r['decode_row_steps']:>11}"
-              f"{r['rows_differing_from_static_one_call']:>8}"
+              f"{r['rows_differing_from_static_one_call']:>8}{r['kv_bytes'] / 1e6:>8.2f}"
+              f"{r['kv_bytes_live_peak'] / 1e6:>9.2f}{r['preemptions']:>9}"
               f"{s['median']:>9.2f} ({s['min']:.2f}..{s['max']:.2f})")
     out = os.path.join(ROOT, "bench", "results")
     os.makedirs(out, exist_ok=True)
@@ -171,12 +187,15 @@ def main():
                             "so the ratios are the numbers to read" if busy else "quiet machine"),
                    "lengths": dist, **table}, f, indent=1)
     per, one = table[f"static_batches_of_{per_call * args.n}"], table["static_one_call"]
-    print(f"{per['continuous_speedup']['median']:.2f}x tokens/s with continuous batching on a long-tailed length "
-          f"distribution ({args.slots} slots vs static generate calls of {per_call * args.n} rows, the same KV cache; "
-          f"useful tokens per decode row-step {table[cont]['useful_per_row_step']:.2f} vs "
-          f"{per['useful_per_row_step']:.2f}; {one['continuous_speedup']['median']:.2f}x vs one static call of all "
-          f"{rows} rows, {rows / args.slots:.0f}x the KV cache)")
-
+    print(f"{per['continuous_speedup']['median']:.2f}x tokens/s with continuous batching alone ({args.slots} slots vs "
+          f"static calls of {per_call * args.n} rows, the same KV cache; useful tokens per decode row-step "
+          f"{table[cont]['useful_per_row_step']:.2f} vs {per['useful_per_row_step']:.2f}); "
+          f"{one['paged_speedup']['median']:.2f}x for the paged engine vs one static call of all {rows} rows "
+          f"({one['kv_bytes'] / table[page]['kv_bytes']:.1f}x its KV memory)")
+    print(f"{per['paged_speedup']['median']:.2f}x tokens/s with continuous batching over a paged KV cache on a "
+          f"long-tailed length distribution at equal KV memory ({args.paged_slots} slots in "
+          f"{table[page]['kv_bytes'] / 1e6:.2f} MB of pages vs static generate calls of {per_call * args.n} rows in "
+          f"{per['kv_bytes'] / 1e6:.2f} MB; its rows held at most {table[page]['kv_bytes_live_peak'] / 1e6:.2f} MB)")
 
 if __name__ == "__main__":
     main()

@@ -14,4 +14,5 @@ model = dict(vocab_size=151552, dim=4096, n_layers=46, n_heads=96, n_kv_heads=8,
              partial_rotary_factor=0.5, rope_theta=1_000_000.0, norm_eps=1e-5, max_seq_len=131072,
              qk_norm=False, hf_model_type="glm4_moe")
 gen_batch_rows = 16  # rows per generate call: its static KV cache holds them at full length (1.9 GiB a row here)
+engine = dict(slots=48, kv_tokens=16 * 10240)  # 48 rows at once in the pages of 16 full-length rows (28.7 GiB)
 eval_batch_rows = 16

@@ -27,6 +27,11 @@ max_prompt_tokens = 2048  # longer prompts are skipped; the engine plan sizes it
 sampling = dict(max_new_tokens=8192)
 num_minibatches = 4
 gen_batch_rows = 32  # rows per generate call: its static KV cache holds them at full length (1 GiB a row here)
+# continuous batching over a paged KV cache: 96 rows decode at once in the pages of 32 full-length rows (320 Ki
+# columns, 30 GiB by the plan), a stopped row's slot and pages taken by the next; a step logs the most its rows
+# held (engine/kv_live_bytes) and rows preempted for pages (engine/preemptions): raise kv_tokens or lower slots
+# if they preempt often. slots=0 goes back to static calls of gen_batch_rows
+engine = dict(slots=96, kv_tokens=32 * 10240)
 filter = dict(probe_size=4)  # stage 2: 4 probes per prompt, the other 12 only where the probes disagree
 reward = dict(workers=8)  # math-verify scores while generation goes on
 eval_every = 25

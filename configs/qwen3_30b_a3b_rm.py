@@ -5,10 +5,12 @@
 # (reward.model=judge:/ckpt/<a causal LM> judges each rollout against the row's answer instead.)
 # The reward (reward.rm_only): rm_weight * tanh(score - the group's mean score) (reward.rm_score), in [-1, 1];
 # the verifier's correctness is not read, so a group is one correctness class, adjust_rewards' ordering
-# guarantee holds vacuously and the shaping is the reward. The files still need a format data.py reads (GSM8K,
-# MATH or HumanEval rows): a row without a gold answer takes a placeholder ("#### 0"), graded and then ignored;
-# a prompt-only format is not written yet. Eval accuracy is the verifier's, meaningful only on real gold answers.
-# Plan it (the plan leaves the reward model's memory out): python train.py configs/qwen3_30b_a3b_rm.py dry_run=True
+# guarantee holds vacuously and the shaping is the reward. The data is prompt-only: JSONL (or parquet) rows of
+# {"prompt": "..."} and no answer field (data.py's format 4; refused unless reward.rm_only with a scalar reward
+# model, which a judge is not). Eval accuracy is the verifier's: 0 on prompt-only rows, meaningful only on an
+# eval_data file with gold answers (GSM8K, MATH or HumanEval rows), which a prompt-only train_data allows.
+# Plan it (the reward model's weights and scoring peak are a line of it):
+#   python train.py configs/qwen3_30b_a3b_rm.py dry_run=True reward.model=/ckpt/<the reward model>
 from configs.qwen3_30b_a3b import *  # noqa: F403  the model, cluster and optimizer recipe of RL on math
 
 out_dir = "out/qwen3_30b_a3b_rm"

@@ -221,8 +221,6 @@ BAD = [
     over("logger=mlflow", names=("logger='mlflow':",), id="logger-unknown"),
     over("engine.name=vllm", names=("engine.name='vllm':",), id="engine-unknown"),
     over("engine.slots=-1", names=("engine.slots=-1:",), id="engine.slots<0"),
-    over("engine.slots=8", "engine.name=sglang", names=("engine.slots=8:", "engine.name='sglang'"),
-         id="engine.slots-with-sglang"),
     over("reward.model=gpt4", names=("reward.model='gpt4':",), id="reward.model-unknown"),
     over("ckpt_keep=0", names=("ckpt_keep=0:",), id="ckpt_keep=0"),
     over("ckpt_every=-1", names=("ckpt_every=-1:",), id="ckpt_every<0"),

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from config import load_config
-from data import HumanEvalTask, Item, MATH_INSTRUCTION, MathTask, TaskMix, load_task, load_tasks
+from data import HumanEvalTask, Item, MATH_INSTRUCTION, MathTask, PromptTask, TaskMix, load_task, load_tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.environ.get("EVERYPROMPT_DATA", os.path.join(REPO, "..", "shared", "data"))
@@ -81,6 +81,9 @@ def test_size_keeps_the_first_rows_but_every_row_is_checked(tmp_path):
     ([HUMANEVAL | {"entry_point": "not a name"}], r"line 1: entry_point 'not a name' is not a Python name"),
     ([HUMANEVAL | {"test": "assert True\n"}], r"line 1: test does not define check"),
     ([{"prompt": "1+1", "solution": "2"}], r"line 1: unknown row format, fields \['prompt', 'solution'\]"),
+    ([{"prompt": "def f():", "entry_point": "f"}], r"line 1: unknown row format.*or prompt-only"),
+    ([{"prompt": "Say hi."}, {"prompt": "2+2?", "answer": "4"}], r"line 2: has answer: a prompt-only file's rows"),
+    ([{"prompt": "Say hi."}, {"prompt": ""}], r"line 2: field 'prompt' is empty.*prompt-only format"),
 ])
 def test_bad_input_is_refused_naming_the_file_line_and_what_was_expected(tmp_path, rows, message):
     path = write_jsonl(tmp_path, rows)
@@ -124,6 +127,35 @@ def test_bad_task_specs_and_data_files_are_refused_naming_their_setting(tmp_path
         tasks(bad, good)
     with pytest.raises(ValueError, match=re.escape(f"eval_data={str(tmp_path / 'none.jsonl')!r}: no such file")):
         tasks(good, tmp_path / "none.jsonl")
+
+
+def test_prompt_only_rows_load_without_gold_only_for_a_reward_that_reads_none(tmp_path):
+    """Rows of just a prompt (extra fields ignored) are a PromptTask whose verifier pays 0, accepted by load_tasks
+    under reward.rm_only with a scalar reward model and refused naming the setting otherwise: rm_only off, a judge
+    (it reads the gold as its reference), or SFT (nothing to imitate)."""
+    prompts = write_jsonl(tmp_path, [{"prompt": "Write a haiku about rain.", "id": 7}, {"prompt": "Say hi."}],
+                          name="prompts.jsonl")
+    task = load_task(prompts)
+    assert isinstance(task, PromptTask) and [(it.question, it.answer) for it in task.items] == [
+        ("Write a haiku about rain.", ""), ("Say hi.", "")]
+    assert task.user_message(task[0]) == "Write a haiku about rain." and task.score("anything", task[0]) == 0.0
+    gold = write_jsonl(tmp_path, [MATH])
+
+    def tasks(train, evals, *more):
+        return load_tasks(load_config(None, [f"train_data={train}", f"eval_data={evals}", f"out_dir={tmp_path / 'run'}",
+                                             "sft_steps=0", *more]))
+    train, held_out = tasks(prompts, gold, "reward.rm_only=True", "reward.model=stub")
+    assert isinstance(train, PromptTask) and isinstance(held_out, MathTask)
+    assert all(isinstance(t, PromptTask) for t in tasks(prompts, prompts, "reward.rm_only=True", "reward.model=stub"))
+    with pytest.raises(ValueError, match=re.escape(f"train_data={prompts!r}: prompt-only rows") + ".*"
+                       + re.escape("reward.rm_only=False")):
+        tasks(prompts, gold)
+    with pytest.raises(ValueError, match=re.escape(f"eval_data={prompts!r}: prompt-only rows") + ".*rm_only=False"):
+        tasks(gold, prompts)
+    with pytest.raises(ValueError, match=r"reward.model='stub-judge' is a judge"):
+        tasks(prompts, gold, "reward.rm_only=True", "reward.model=stub-judge")
+    with pytest.raises(ValueError, match=r"no answer for sft_steps=3 to imitate; set sft_steps=0"):
+        tasks(prompts, gold, "reward.rm_only=True", "reward.model=stub", "sft_steps=3")
 
 
 def test_demonstrations_earn_the_full_reward(tmp_path):

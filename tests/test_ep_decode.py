@@ -66,22 +66,6 @@ class SyncCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-class StandInExperts:
-    """GroupedExperts' interface (w13 gives E; rows sorted by local expert, their counts) computing each row
-    times its expert's w13 in one batched matmul: dynamo traces it, where it stops at model.grouped_mm
-    on CPU (fp32 _grouped_mm runs outside the graph, and is_fake is not traced)."""
-
-    def __init__(self, experts):
-        self.w13 = experts.w13  # a DTensor: its global shape gives E
-        self.w_eDO = experts.w13.to_local().detach()  # (e, D, 2I) this rank's experts
-
-    def __call__(self, x_RD, counts_e):
-        end_e = counts_e.cumsum(0)  # (e,) where each expert's rows end
-        row_R = torch.arange(x_RD.shape[0], device=x_RD.device)
-        exp_R = torch.searchsorted(end_e, row_R, right=True).clamp(max=end_e.shape[0] - 1)  # each row's expert
-        return torch.bmm(x_RD[:, None], self.w_eDO[exp_R])[:, 0, :x_RD.shape[1]]  # (R, 1, 2I) -> (R, D)
-
-
 def tokens_of(rank: int, B: int, T: int) -> torch.Tensor:
     return torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(100 + rank))
 
@@ -130,7 +114,7 @@ def worker(rank, world, port, ep):
         moe, x_ND = model.layers[0].mlp, torch.randn(4 + rank, cfg.model.dim)
         with torch.no_grad():
             ids_NK, weights_NK = moe.route(x_ND, None)
-            args = (StandInExperts(moe.experts), x_ND, ids_NK, weights_NK)
+            args = (moe.experts, x_ND, ids_NK, weights_NK)  # fp32 grouped GEMMs: model.grouped_mm's opaque op
             kwargs = dict(exchange=moe.exchange, ep=ep, max_tokens=8)
             traced = torch.compile(capacity_experts, fullgraph=True, backend="eager")(*args, **kwargs)
             assert torch.equal(traced, capacity_experts(*args, **kwargs))

@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import glob
 import importlib.util
 import os
@@ -213,16 +214,22 @@ def test_colocated_sglang_that_cannot_fit_is_refused_naming_what_to_change():
 
 
 def test_a_continuous_engines_kv_cache_and_generate_peak_are_sized_by_its_slots(capsys):
-    """engine.slots: the KV cache holds `slots` rows whatever gen_batch_rows says, as the engine allocates it, a call
-    of many more rows peaks where plan.continuous_peak says (live tensors, bench/memory.py's tracker: the slots'
-    cache beside a round's prefill, the call's rows of outputs), and the dry run says which bound it used."""
+    """engine.slots: the KV cache is a pool of pages, `slots` rows at full length (and one prompt's pages) whatever
+    gen_batch_rows says, or engine.kv_tokens' worth, as the engine allocates it; a call of many more rows peaks
+    where plan.continuous_peak says (live tensors, bench/memory.py's tracker: the pool beside a round's prefill,
+    the call's rows of outputs), and the dry run says which bound it used."""
     from rollout import NativeEngine
     memory = _bench_memory()
     cfg = train.parse_args([CONFIGS[-1], "model.n_layers=3", "model.first_k_dense_replace=1",
                             "model.dense_inter_dim=384", "model.qk_norm=True", "gen_batch_rows=64",
                             "sampling.max_new_tokens=16", "max_prompt_tokens=128", "group_size=8", "engine.slots=4"])
     static = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, slots=0))
-    assert plan.engine_bytes(cfg, 1)["kv_cache"] * 16 == plan.engine_bytes(static, 1)["kv_cache"]  # 4 rows, not 64
+    column = 2 * cfg.model.n_layers * cfg.model.n_kv_heads * cfg.model.head_dim * 4  # k and v of a column, fp32
+    # 4 rows of 143 columns in 9 pages each, the prompt's 8 and the scratch page, not 64 rows of 143
+    assert plan.engine_bytes(cfg, 1)["kv_cache"] == (4 * 9 + 8 + 1) * 16 * column
+    assert plan.engine_bytes(static, 1)["kv_cache"] == 64 * 143 * column
+    sized = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, kv_tokens=400))
+    assert plan.engine_bytes(sized, 1)["kv_cache"] == (400 // 16 + 1) * 16 * column
     engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0, slots=4)  # no stop token: every row runs to the limit
     prompts = torch.randint(cfg.model.vocab_size, (4, cfg.prompt_limit()), generator=torch.Generator().manual_seed(0))
     engine.generate(prompts.tolist(), cfg.sampling, n=8, seed=0)  # warm-up, as bench/memory.py's
@@ -234,3 +241,56 @@ def test_a_continuous_engines_kv_cache_and_generate_peak_are_sized_by_its_slots(
     assert 0.98 <= plan.continuous_peak(cfg, 1, 32, 8) / (live.peak - base) <= 1.05
     print_plan(dataclasses.replace(cfg, gpus_per_node=1), nodes=(1,))
     assert "the engine generating 4 rows per GPU at once (engine.slots" in capsys.readouterr().out
+
+
+def _scorer_folder(path, architecture: str) -> str:
+    """A folder holding only the config.json of a small Qwen3-MoE (2 layers, width 64): a one-label sequence
+    classifier (a reward model) or a causal LM (a judge). The plan reads no weights."""
+    config = {"model_type": "qwen3_moe", "architectures": [architecture], "vocab_size": 1000, "hidden_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 128,
+              "max_position_embeddings": 4096}
+    if architecture.endswith("ForSequenceClassification"):
+        config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
+
+
+def test_a_reward_model_or_judge_adds_its_whole_weights_to_every_gpus_plan(monkeypatch, tmp_path, capsys):
+    """reward.model=<classifier folder>: each GPU's plan grows by the reward model's weights, bf16 on CUDA (its
+    parameters, the routers' expert_bias buffers and the score head's D), whatever the world size, as long as
+    the training step sets the peak; judge:<folder> by its engine replica's (router gates fp32). The dry run
+    reads the folder's config.json and prints the line."""
+    from reward import RewardConfig
+    from reward_model import scorer_model_config
+    trainer = {"params": 10 * plan.GB, "optimizer": 20 * plan.GB, "gathered": 0, "activations": 0,
+               "total": 100 * plan.GB}
+    monkeypatch.setattr(plan, "trainer_memory", lambda *args, **kwargs: trainer)
+    rm_path = _scorer_folder(tmp_path / "rm", "Qwen3MoeForSequenceClassification")
+    judge_path = _scorer_folder(tmp_path / "judge", "Qwen3MoeForCausalLM")
+    for world in (1, 8):
+        cfg = train.parse_args([CONFIGS[-1], "dtype=bfloat16", "dry_run=True", "device=cuda", "group_size=4",
+                                f"reward.model={rm_path}", "reward.rm_batch_size=2"])
+        rm = scorer_model_config(cfg.reward)
+        assert rm.tie_embeddings and rm.dim == 64
+        base, with_rm = plan.memory_plan(cfg, world), plan.memory_plan(cfg, world, rm)
+        weights = (param_counts(rm)["total"] + rm.num_moe_layers * rm.num_experts + rm.dim) * 2
+        assert with_rm["scorer weights"] == weights and 0 < with_rm["scorer peak"] < 70 * plan.GB
+        peak = max(base["train step"], base["rollout peak"])
+        assert with_rm["total"] == plan.with_margins(cfg, world, peak + weights)
+        judge_cfg = dataclasses.replace(cfg, reward=RewardConfig(model=f"judge:{judge_path}", judge_max_new_tokens=64))
+        judge = scorer_model_config(judge_cfg.reward)
+        gates = judge.num_moe_layers * judge.num_experts * judge.dim  # fp32 in any dtype
+        weights = (param_counts(judge)["total"] - gates + judge.num_moe_layers * judge.num_experts) * 2 + gates * 4
+        with_judge = plan.memory_plan(judge_cfg, world, judge)
+        assert with_judge["scorer weights"] == weights and with_judge["scorer peak"] > 0
+        assert with_judge["total"] == plan.with_margins(cfg, world, peak + weights)
+    capsys.readouterr()
+    rows = train.main(train.parse_args([CONFIGS[-1], "dry_run=True", f"reward.model={rm_path}",
+                                        f"out_dir={tmp_path / 'out'}"]))["plan"]
+    out = capsys.readouterr().out
+    assert f"reward.model={rm_path}: " in out and "whole on every GPU" in out and rows[0]["total"] > 0
+    with pytest.raises(ValueError, match=r"reward\.model=.*dense or unsupported"):
+        scorer_model_config(RewardConfig(model=_scorer_folder(tmp_path / "dense", "Qwen3ForSequenceClassification")))

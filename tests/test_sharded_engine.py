@@ -13,6 +13,7 @@ import distributed
 from config import load_config
 from model import MoE
 from plan import engine_bytes
+from paged_kv import least_pages
 from rollout import NativeEngine, weight_bytes
 from runs import free_port
 from sampler import SamplingParams
@@ -94,15 +95,16 @@ SLOTS, STOPS = 2, tuple(range(2, 34))
 SHARES = [[2], [0, 1, 3, 4]]  # each rank's prompts (indices into PROMPTS, the rollouts' group ids)
 
 
-def continuous_worker(rank, world, port):
+def continuous_worker(rank, world, port, kv_tokens):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         cfg = load_config(None, MODEL + ["ep=2"])
         torch.manual_seed(cfg.seed)
         policy = distributed.build_model(cfg, distributed.build_meshes(world, 2))
-        static, continuous = (NativeEngine(cfg.model, eos_id=STOPS, pad_id=0, policy=policy, slots=s)
-                              for s in (0, SLOTS))
+        static = NativeEngine(cfg.model, eos_id=STOPS, pad_id=0, policy=policy)
+        continuous = NativeEngine(cfg.model, eos_id=STOPS, pad_id=0, policy=policy, slots=SLOTS, page_size=4,
+                                  kv_tokens=kv_tokens)
         mine = SHARES[rank]
         calls = [([PROMPTS[i] for i in mine], N, mine), ([PROMPTS[1]] if rank else [], 1, [1] if rank else None)]
         with static.phase():
@@ -121,8 +123,9 @@ def continuous_worker(rank, world, port):
             assert (a.group_id, a.completion_ids, a.finish_reason) == (b.group_id, b.completion_ids, b.finish_reason)
             assert torch.equal(a.routes, b.routes)
             torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-5)
-        if rank == 1:  # ragged lengths, so slots were refilled mid-call
-            assert len({len(r.completion_ids) for r in got[0]}) > 1 and stats[0]["admissions"] == 12
+        if rank == 1:  # ragged lengths, so slots were refilled mid-call (and rows preempted in a pool of the least)
+            assert len({len(r.completion_ids) for r in got[0]}) > 1
+            assert stats[0]["admissions"] == 12 + stats[0]["preemptions"] and (stats[0]["preemptions"] > 0) == bool(kv_tokens)
         # lockstep: both ranks ran as many decode steps and admission rounds (rank 0's idle slots and placeholder
         # prefills), until the last row of either rank stopped
         assert distributed.all_gather_list([(s["decode_steps"], s["rounds"]) for s in stats]) == \
@@ -134,5 +137,7 @@ def continuous_worker(rank, world, port):
         dist.destroy_process_group()
 
 
-def test_continuous_sharded_engine_samples_the_static_sharded_rollouts_in_lockstep():  # about 10 s on 2 cores
-    mp.start_processes(continuous_worker, args=(2, free_port()), nprocs=2, join=True, start_method="spawn")
+@pytest.mark.parametrize("kv_tokens", [0, 4 * least_pages(max(map(len, PROMPTS)), PARAMS.max_new_tokens, 4)],
+                         ids=["pages-for-every-slot", "least-pages-preempting"])
+def test_continuous_sharded_engine_samples_the_static_sharded_rollouts_in_lockstep(kv_tokens):  # about 10 s each
+    mp.start_processes(continuous_worker, args=(2, free_port(), kv_tokens), nprocs=2, join=True, start_method="spawn")

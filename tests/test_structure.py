@@ -22,7 +22,7 @@ LAYERS = {
     # 2: the leaves' own configs sit beside them (each imports rules; model imports logprobs)
     "model": 2, "sampler": 2, "espo": 2, "filter": 2, "reward": 2,
     # 3: what reads the model's shape and moves its weights
-    "hf_config": 3, "weights": 3, "ep_decode": 3,
+    "hf_config": 3, "weights": 3, "ep_decode": 3, "paged_kv": 3, "graph_decode": 3,
     # 4: the run's configuration, composed of the sections above
     "config": 4,
     # 5: files in and out, several ranks
@@ -32,11 +32,12 @@ LAYERS = {
     # 9: the entry point and the RL step
     "train": 9,
 }
-MAX_ARROWS = 77  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
+MAX_ARROWS = 83  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
 # reward_model -> reward, hf, hf_config, tokenizer and train -> reward_model (issue 27: a reward model read
 # from an HF checkpoint); batching's four and rollout -> batching, ep_decode -> model (continuous batching
 # and expert-parallel decode in files of their own); evaluation's four and train -> evaluation (the evals
-# out of train.py)
+# out of train.py); paged_kv's five (-> model; batching, rollout, config and plan
+# -> paged_kv: the page pool, its default page and its least size) and batching -> graph_decode (issue 26)
 
 
 def import_graph() -> dict[str, set[str]]:

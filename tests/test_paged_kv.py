@@ -1,0 +1,147 @@
+"""The paged KV cache of continuous batching (paged_kv.PagedKVCache, engine.page_size / engine.kv_tokens): a static
+cache's reads, pages shared by a prompt's rows and returned when rows stop, memory that follows live tokens, and
+preemption when the pool runs short that leaves the rollouts as they were."""
+
+import pytest
+import torch
+
+import train
+from config import EngineConfig
+from batching import ContinuousBatch
+from model import KVCache, Transformer
+from paged_kv import PagedKVCache, least_pages
+from rollout import NativeEngine
+from sampler import SamplingParams, row_keys
+
+STOPS, PAD = [1, 2, 3], 0
+MIXED = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20], [5, 6, 7]]  # ragged, one prompt twice
+
+
+def engines(cfg, **paging):
+    model = Transformer(cfg)
+    static, paged = NativeEngine(cfg, eos_id=STOPS, pad_id=PAD), NativeEngine(cfg, eos_id=STOPS, pad_id=PAD, **paging)
+    for engine in (static, paged):
+        engine.update_weights(model.named_parameters(), version=1)
+    return static, paged
+
+
+def test_paged_reads_equal_a_static_caches_on_every_attended_column(tiny_cfg):
+    """Rows written column by column at their own columns read back, gathered from their pages, as a static cache's
+    columns [0, W) wherever a row has written (the rest is masked in attention)."""
+    B, S, P = 3, 21, 4
+    static = KVCache(tiny_cfg, B, S, dtype=torch.float32, device="cpu")
+    paged = PagedKVCache(tiny_cfg, B, num_pages=B * 6, page_size=P, max_len=S, dtype=torch.float32, device="cpu")
+    start = [0, 5, 11]  # each row's first column
+    for s in range(B):  # pages up to each row's first column (what its prompt would hold)
+        paged.attach(s, [], 0)
+        while len(paged.tables[s]) * P <= start[s]:
+            assert paged.grow(s)
+    for t in range(10):
+        col_B = torch.tensor([c + t for c in start])
+        for s, c in enumerate(col_B.tolist()):
+            if c // P >= len(paged.tables[s]):
+                assert paged.grow(s)
+        k, v = torch.randn(B, 2, 1, 8), torch.randn(B, 2, 1, 8)  # (B, J, 1, d)
+        W = int(col_B.max()) + 1
+        for layer in range(tiny_cfg.n_layers):
+            ks, vs = static.update_rows(layer, col_B, k, v, width=W)
+            kp, vp = paged.update_rows(layer, col_B, k, v, width=W)
+            assert kp.shape == ks.shape == (B, 2, W, 8)
+            for s, c in enumerate(col_B.tolist()):  # the columns row s has written so far
+                cols = slice(start[s], c + 1)
+                assert torch.equal(kp[s, :, cols], ks[s, :, cols]) and torch.equal(vp[s, :, cols], vs[s, :, cols])
+
+
+def test_a_prompts_full_pages_are_shared_its_last_page_copied_and_every_page_comes_back(tiny_cfg):
+    paged = PagedKVCache(tiny_cfg, 3, num_pages=12, page_size=4, max_len=20, dtype=torch.float32, device="cpu")
+    k, v = torch.randn(tiny_cfg.n_layers, 2, 10, 8), torch.randn(tiny_cfg.n_layers, 2, 10, 8)  # (L, J, T, d)
+    prompt = paged.write_prompt(k, v)  # 10 columns: pages of 4, 4 and 2
+    assert len(prompt) == 3 and paged.in_use == 3
+    for s in range(3):
+        paged.attach(s, prompt, 10)
+    # two full pages shared by the three rows and the prompt, each row's own copy of the last
+    assert paged.in_use == 3 + 3 and [paged.refs[p] for p in prompt] == [4, 4, 1]
+    assert all(t[:2] == prompt[:2] and t[2] not in prompt for t in paged.tables)
+    for s in range(3):
+        own = paged.tables[s][2]
+        assert torch.equal(paged.k[:, own, :, :2], k[:, :, 8:]) and torch.equal(paged.v[:, own, :, :2], v[:, :, 8:])
+    paged.release(prompt)  # the prompt's last row is in
+    assert paged.in_use == 5
+    for s in range(3):
+        paged.detach(s)
+        assert torch.equal(paged.table_BM[s], torch.zeros_like(paged.table_BM[s]))
+    assert paged.in_use == 0 and sorted(paged.free) == list(range(1, 13)) and paged.peak == 6
+
+
+def test_a_pool_short_of_pages_preempts_and_gives_the_static_tokens_and_routes(tiny_cfg):
+    """kv_tokens at the least the calls need: rows are preempted (generated again from their first token when pages
+    free up) and the rollouts are the static engine's, tokens and routes exactly, logprobs to rounding."""
+    params = SamplingParams(max_new_tokens=30)
+    least = least_pages(6, 30, 4) * 4
+    static, paged = engines(tiny_cfg, slots=4, page_size=4, kv_tokens=least)
+    a = static.generate(MIXED, params, n=3, seed=4, group_ids=[7, 8, 9, 10])
+    b = paged.generate(MIXED, params, n=3, seed=4, group_ids=[7, 8, 9, 10])
+    assert paged.batch_stats["preemptions"] > 0 and paged.batch_stats["peak_pages"] <= least // 4
+    for x, y in zip(a, b, strict=True):
+        assert x.completion_ids == y.completion_ids and x.finish_reason == y.finish_reason
+        assert torch.equal(x.routes, y.routes) and x.group_id == y.group_id
+        torch.testing.assert_close(y.logprobs, x.logprobs, rtol=0, atol=1e-5)
+
+
+def test_pages_in_use_follow_the_live_tokens_and_all_come_back(tiny_cfg):
+    """After each step the pages in use are those of the live rows' columns (a page part-filled at most, per row)
+    beside the pages of the prompts held for queued rows; at the end none is in use."""
+    _, engine = engines(tiny_cfg, slots=3, page_size=4)
+    params = SamplingParams(max_new_tokens=40)
+    keys = row_keys(5, [g for g in range(4) for _ in range(3)], [j for _ in range(4) for j in range(3)], "cpu")
+    batch = ContinuousBatch(engine, MIXED, 3, params, keys)
+    step, seen = batch.step, []
+
+    def checked_step():
+        step()
+        live = [s for s, r in enumerate(batch.slot_row) if r != -1]
+        own = {p for s in live for p in batch.cache.tables[s]}  # shared pages once
+        held = {p for pre in batch.prefilled.values() for p in pre.pages}
+        assert batch.cache.in_use == len(own | held)
+        assert len(own) <= sum(-(-batch.slot_col[s] // 4) for s in live)  # columns fed so far, in pages
+        seen.append(batch.cache.in_use)
+    batch.step = checked_step
+    rollouts = batch.run(list(range(4)))
+    assert len(rollouts) == 12 and seen and batch.cache.in_use == 0
+    assert max(seen) < batch.stats["pages"]  # default pool: every slot at full length, never all used
+
+
+def test_kv_tokens_below_one_row_at_full_length_is_refused_by_the_engine_and_the_config(tiny_cfg):
+    _, engine = engines(tiny_cfg, slots=2, page_size=4, kv_tokens=8)
+    with pytest.raises(ValueError, match=r"kv_tokens=8: prompts of up to 6 tokens with max_new_tokens=30 need at "
+                                         r"least 44 \(one row at full length"):
+        engine.generate(MIXED, SamplingParams(max_new_tokens=30), n=1, seed=0)
+    with pytest.raises(ValueError, match="engine.kv_tokens=64: .* need at least"):
+        train.parse_args(["configs/tiny.py", "engine.slots=4", "engine.kv_tokens=64"])
+    # a recipe's pages with static calls or SGLang: not read, said (switching engines is one setting)
+    with pytest.warns(UserWarning, match="engine.kv_tokens=4096: the pages of continuous batching, not read with "
+                                         "engine.slots=0"):
+        train.parse_args(["configs/tiny.py", "engine.kv_tokens=4096"])
+    with pytest.warns(UserWarning, match="engine.slots=96 .* not read with name='sglang'"):
+        EngineConfig(name="sglang", slots=96)
+    with pytest.raises(ValueError, match="page_size=0"):
+        NativeEngine(tiny_cfg, eos_id=1, pad_id=0, slots=2, page_size=0)
+
+
+def test_an_admission_round_prefills_at_most_prefill_tokens_and_the_rollouts_stay(tiny_cfg):
+    """engine.prefill_tokens: a round's new prompts, left-padded, hold at most that many tokens (one prompt at
+    least); the rows it leaves are admitted by the next rounds and sample the same tokens."""
+    params, prompts = SamplingParams(max_new_tokens=12), [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20], [30, 31]]
+    _, wide = engines(tiny_cfg, slots=8)
+    narrow = NativeEngine(tiny_cfg, eos_id=STOPS, pad_id=PAD, slots=8, prefill_tokens=6)
+    narrow.update_weights(wide.model.named_parameters(), version=1)  # the same weights
+    rounds = []
+    prefill = narrow._prefill_prompts
+    narrow._prefill_prompts = lambda ps: rounds.append(len(ps) * max(map(len, ps))) or prefill(ps)
+    a = wide.generate(prompts, params, n=2, seed=3)
+    b = narrow.generate(prompts, params, n=2, seed=3)
+    assert wide.batch_stats["rounds"] == 1 and narrow.batch_stats["rounds"] == len(rounds) > 1
+    assert rounds == [3, 6, 4]  # [5, 6, 7] (with [8..13] it would be 12 padded), [8..13], then [20] and [30, 31]
+    for x, y in zip(a, b, strict=True):
+        assert x.completion_ids == y.completion_ids and torch.equal(x.routes, y.routes)
+        torch.testing.assert_close(y.logprobs, x.logprobs, rtol=0, atol=1e-5)
