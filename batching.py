@@ -1,4 +1,4 @@
-"""Continuous batching for NativeEngine (`NativeEngine(slots=N)`, engine.slots; rollout.py's choice 7):
+"""Continuous batching for NativeEngine (engine.slots; rollout.py's choice 7):
 `ContinuousBatch`, one generate call whose rows queue into a fixed number of slots, each decoding at its
 own cache column (`decode_rows`), a stopped row's slot taken by the next. Shapes as in rollout.py.
 """
@@ -48,7 +48,7 @@ class Prefilled:
 
 
 class ContinuousBatch:
-    """One generate call of `NativeEngine(slots=...)`, continuous batching (Orca, OSDI 2022, iteration-level
+    """One generate call of a NativeEngine with slots, continuous batching (Orca, OSDI 2022, iteration-level
     scheduling) over a paged KV cache (paged_kv.PagedKVCache): the call's rows (prompt x sample, prompt-major)
     wait in a queue and at most `slots` decode at once, each in a slot of its own; when a row stops, its slot
     and its pages take the next row in the queue, until it is empty.
@@ -85,16 +85,16 @@ class ContinuousBatch:
        queued rows give their pages back (and are prefilled again when their rows come up). The smallest pool
        holds one row at full length beside its prompt's pages; a smaller one is refused before any step.
     7. An admission round prefills new prompts of engine.prefill_tokens tokens at most, left padding counted
-       (one prompt whatever its length), which bounds its activations; the rows it leaves out are admitted by the next round, before the
-       next decode step (slots stay free no longer than the prefills take).
+       (one prompt whatever its length), which bounds its activations; the rows it leaves out are admitted by the
+       next round, before the next decode step (slots stay free no longer than the prefills take).
     The decode step runs eagerly, or with engine.cuda_graph replays a CUDA graph captured at the call's first step
     (graph_decode.GraphedDecode: it attends all S columns every step; needs CUDA and bf16, and has not run on a
     GPU). The engine's compile option is for the static step.
 
     Letters beside the legend's: B is a slot (a row of the decode batch), X the call's rollouts (its rows,
     prompt x sample, prompt-major), W the cache columns a step attends, A the rows an admission round takes in.
-    engine: the rollout.NativeEngine whose call this is (its model, cfg, device, dtype, slots, page_size,
-    kv_tokens, stop ids).
+    engine: the rollout.NativeEngine whose call this is (its model, cfg, device, dtype, slots, stop ids, and its
+    options: page_size, kv_tokens, prefill_tokens, cuda_graph).
     """
 
     def __init__(self, engine, prompts: list[list[int]], n: int, params: SamplingParams,
@@ -105,9 +105,10 @@ class ContinuousBatch:
         B = self.num_slots = min(engine.slots, X)  # more slots than rows would only step padding
         T = max(len(p) for p in prompts)
         S = T + C - 1  # the last sampled token is never fed back
-        P = self.page_size = engine.page_size
-        pages = pool_pages(B, T, C, P, engine.kv_tokens)
-        if engine.kv_tokens and (why := too_few_pages(engine.kv_tokens, T, C, P)):
+        options = engine.options  # config.EngineConfig: page_size, kv_tokens, prefill_tokens, cuda_graph
+        P = self.page_size = options.page_size
+        pages = pool_pages(B, T, C, P, options.kv_tokens)
+        if options.kv_tokens and (why := too_few_pages(options.kv_tokens, T, C, P)):
             raise ValueError(why)
         self.cache = PagedKVCache(cfg, B, pages, P, S, dtype=engine.dtype, device=dev)  # (L, pages + 1, J, P, d)
         engine.kv_bytes = max(engine.kv_bytes, 2 * self.cache.k.numel() * self.cache.k.element_size())
@@ -115,7 +116,8 @@ class ContinuousBatch:
         self.routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=route_dtype(cfg.num_experts),
                                        device=dev)
         # the decode step: decode_rows eagerly, or captured in a CUDA graph at its first call (engine.cuda_graph)
-        self.decode = decode_step(decode_rows, engine.model, self.cache, self.routes_BSLK, cuda_graph=engine.cuda_graph)
+        self.decode = decode_step(decode_rows, engine.model, self.cache, self.routes_BSLK,
+                                  cuda_graph=options.cuda_graph)
         # (X + 1, C): rollout X is where idle slots write, so a step's writes need no host-side selection
         self.ids_XC = torch.full((X + 1, C), engine.pad_id, dtype=torch.long, device=dev)
         self.logp_XC = torch.zeros(X + 1, C, device=dev)
@@ -187,7 +189,7 @@ class ContinuousBatch:
             p = tuple(self.prompts[self.queue[0] // self.n])
             if p not in self.prefilled and p not in new:  # a prompt this round prefills (choice 7)
                 longest = max(longest, len(p))
-                if new and (len(new) + 1) * longest > self.engine.prefill_tokens:  # its tokens, left-padded
+                if new and (len(new) + 1) * longest > self.engine.options.prefill_tokens:  # its tokens, left-padded
                     break
                 new.add(p)
             pages -= need

@@ -96,7 +96,8 @@ RESUMABLE = (
     # micro-batches, recompute and compile change how a step is computed, not what it computes
     "device", "gpus_per_node", "ep", "dist_timeout_s", "activation_checkpoint", "compile", "gen_batch_rows",
     "microbatch_tokens", "rollout_threads", "trainer_threads", "engine.sglang_urls", "engine.sglang_mem_fraction",
-    "engine.slots", "reward.workers",
+    "engine.slots", "engine.page_size", "engine.kv_tokens", "engine.prefill_tokens", "engine.cuda_graph",
+    "reward.workers",
 )
 """The settings (section fields dotted) that may differ between a run and its resume without making it another run;
 every other setting is the run's identity (choice 6)."""

@@ -80,7 +80,7 @@ import torch
 
 from logprobs import LOGITS_CHUNK_TOKENS
 from model import ModelConfig, Transformer, route_dtype
-from paged_kv import pool_pages
+from paged_kv import pool_pages, too_few_pages
 
 GB = 1024 ** 3
 # what PyTorch can allocate on each (torch.cuda.get_device_properties(0).total_memory, as its out-of-memory
@@ -499,11 +499,12 @@ def print_plan(cfg, nodes=NODES, scorer: ModelConfig | None = None) -> list[dict
           f"({n(counts['active'] - counts['embed_lm_head'])} without embedding and lm_head), "
           f"{n(counts['experts'])} in routed experts")
     dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
-    rows = (f"{cfg.engine.slots} rows per GPU at once (engine.slots: continuous batching, whatever gen_batch_rows)"
-            if cfg.engine.slots else f"{cfg.gen_batch_rows} rows per GPU")
+    rows = (f"{cfg.engine.slots} rows per GPU at once (engine.slots: continuous batching, whatever gen_batch_rows) "
+            f"in KV pages of {kv_columns(cfg):,} tokens (engine.kv_tokens)," if cfg.engine.slots
+            else f"{cfg.gen_batch_rows} rows per GPU")
     print(f"per GPU (GiB): {cfg.microbatch_tokens}-token micro-batches in {dtype}, activation checkpointing "
           f"{'on' if cfg.activation_checkpoint else 'off'}; the engine generating {rows} "
-          f"of {cfg.prompt_limit()} + {cfg.sampling.max_new_tokens} tokens, on one GPU from a full copy of the weights kept "
+          f"of at most {cfg.prompt_limit()} + {cfg.sampling.max_new_tokens} tokens, on one GPU from a full copy of the weights kept "
           f"through training, on several from the policy's own: dense weights gathered for the rollout phase, "
           f"experts E/ep per GPU")
     cols = ["params", "grads", "adam", "gathered", "activations", "logits chunk", "trainer peak", "engine dense",
@@ -563,9 +564,14 @@ def _print_what_fits(cfg, plans: dict[int, dict]):
             slots = bf16.engine.slots  # continuous batching: its slots bound the live rows (choice 7)
             rows = (slots if slots else max(bf16.gen_batch_rows, bf16.eval_batch_rows)) // 2
             while rows >= 1:  # the rollout phase sets this peak, the training step fits: fewer rows per call
-                if slots:
-                    smaller = dataclasses.replace(bf16, engine=dataclasses.replace(bf16.engine, slots=rows))
-                    change = f"engine.slots={rows}"
+                if slots:  # the pages shrink with the slots (kv_tokens per slot kept), down to the least pool
+                    kv = bf16.engine.kv_tokens * rows // slots
+                    if kv and too_few_pages(kv, bf16.prompt_limit(), bf16.sampling.max_new_tokens,
+                                            bf16.engine.page_size):
+                        rows = 0  # no smaller pool holds a row: the loop's else says more nodes
+                        continue
+                    smaller = dataclasses.replace(bf16, engine=dataclasses.replace(bf16.engine, slots=rows, kv_tokens=kv))
+                    change = f"engine.slots={rows}" + (f" engine.kv_tokens={kv}" if kv else "")
                 else:
                     smaller = dataclasses.replace(bf16, gen_batch_rows=min(rows, bf16.gen_batch_rows),
                                                   eval_batch_rows=min(rows, bf16.eval_batch_rows))

@@ -41,15 +41,15 @@ Notable choices:
    for the same token); the top-k expert ids every MoE layer used for every token that
    went through the model, in SGLang's layout [T + C - 1, L, K] (the last sampled token is
    never fed back), for router replay; and the weight version that produced it.
-5. FP8 weights (`NativeEngine(fp8=True)`): blockwise e4m3 modules and the trainer-side
+5. FP8 weights (engine.fp8): blockwise e4m3 modules and the trainer-side
    quantiser, DeepSeek-V3's recipe, live in weights.py; a high-precision tensor sent for an
    FP8 weight is quantised on arrival.
 6. Weight sync in buckets of at most DEFAULT_BUCKET_BYTES (`weight_buckets`), each staged as one
    flat copy per dtype (`_stage`): staging memory stays bounded and a sync is a few large
    transfers, not one per tensor.
-7. Continuous batching, off by default (engine.slots, `NativeEngine(slots=N)`, `batching.ContinuousBatch`): at
-   most N rows decode at once, each slot at its own cache column (`KVCache.update_rows`), and a stopped
-   row's slot takes the next row of the call, its prompt's prefill copied in. The same sampling
+7. Continuous batching, off by default (engine.slots, `batching.ContinuousBatch`): at
+   most N rows decode at once, each slot at its own cache columns (in pages: paged_kv.PagedKVCache), and a
+   stopped row's slot and pages take the next row of the call, its prompt's prefill shared. The same sampling
    streams, so the same tokens and routes as one static call; a long-tailed call then runs its
    rows in far fewer decode row-steps than static calls of N rows (bench/continuous.py). On the
    sharded policy the ranks keep lockstep: one collective per admission round or decode step picks
@@ -69,10 +69,10 @@ import torch
 import torch.nn as nn
 
 from batching import ContinuousBatch
+from config import EngineConfig
 from distributed import (all_ranks, collective_group, gathered, load_shards, own_meshes, rank_world,
                          reference_copy, set_group_timeouts)
 from model import KVCache, ModelConfig, Transformer, route_dtype
-from paged_kv import PAGE_SIZE, PREFILL_TOKENS
 from sampler import Rollout, SamplingParams, row_keys, row_uniforms, sample
 from sglang_engine import build_sglang_engine, stop_launched_servers
 from weights import (DEFAULT_BUCKET_BYTES, FP8, FP8GroupedExperts, FP8Linear, Named, full_tensor, local,
@@ -138,42 +138,30 @@ class NativeEngine:
     reads the tensors the optimizer just wrote. The KV cache is this rank's, in the run's dtype.
     group: the process group of the phase's collectives (None: the default one); the async producer's
     engine, on a sharded copy of the policy, has groups of its own (`producer_engine`).
-    slots: 0 (the default) decodes every row of a call in one static batch until the last one stops;
-    N > 0 decodes at most N rows at once and refills a stopped row's slot (`ContinuousBatch`), on the
-    sharded policy in lockstep with the other ranks. `batch_stats` then holds the last call's counts.
-    page_size, kv_tokens: with slots, the KV cache's pages (paged_kv.PagedKVCache) of page_size columns, kv_tokens
-    columns of them in all (0 = every slot at full length beside one prompt's: no row is ever preempted).
-    prefill_tokens: with slots, the most prompt tokens an admission round prefills (one prompt at least).
-    cuda_graph: with slots, each call's decode step in a CUDA graph (graph_decode.py; CUDA and bf16 only, never
-    run on a GPU yet).
+    options: the run's engine section (config.EngineConfig, checked when built; the defaults without one): fp8
+    (blockwise-FP8 weights, one process) and continuous batching: slots = 0 decodes every row of a call in one
+    static batch until the last one stops; N > 0 decodes at most N rows at once and refills a stopped row's slot
+    (`ContinuousBatch`, over a paged KV cache: page_size, kv_tokens, prefill_tokens; cuda_graph), on the sharded
+    policy in lockstep with the other ranks. `batch_stats` then holds the last call's counts.
     """
 
     def __init__(self, cfg: ModelConfig, *, eos_id: int | Sequence[int], pad_id: int, device="cpu",
-                 dtype=torch.float32, fp8: bool = False, compile: bool = False, num_tokens: int | None = None,
-                 policy: nn.Module | None = None, group=None, slots: int = 0, page_size: int = PAGE_SIZE,
-                 kv_tokens: int = 0, prefill_tokens: int = PREFILL_TOKENS, cuda_graph: bool = False):
+                 dtype=torch.float32, compile: bool = False, num_tokens: int | None = None,
+                 policy: nn.Module | None = None, group=None, options: EngineConfig | None = None):
         # eos_id: one id or several (a chat model stops at <|im_end|> and at <|endoftext|>).
         # num_tokens: the tokenizer's ids, 0..num_tokens - 1; a checkpoint's embedding may have more rows (Qwen3:
         # 151,936 for 151,665 tokens), which are never sampled: no id the tokenizer cannot decode. Their
         # probability mass (nil in a trained model) is what the engine's logprobs then differ by from the trainer's.
         self.cfg, self.pad_id, self.num_tokens = cfg, pad_id, num_tokens
         self.stop_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
-        self.device, self.dtype, self.fp8, self.group = torch.device(device), dtype, fp8, group
+        self.options = options or EngineConfig()
+        self.device, self.dtype, self.group = torch.device(device), dtype, group
+        self.fp8, self.slots = self.options.fp8, self.options.slots  # the two the engine branches on
         self.weight_version, self.sharded, self._phase = 0, policy is not None, None
         self.kv_bytes = 0  # the largest KV cache a generate call of this phase allocated (the run logs it)
         self.kv_live_bytes = 0  # with slots: the most of its pages the rows of a call in this phase held at once
         self.preemptions = 0  # with slots: rows preempted for pages in this phase (ContinuousBatch's choice 6)
         self._decode_step = torch.compile(decode_step, dynamic=True) if compile else decode_step
-        # slots: 0 = one static batch per call (every row decodes until the last one stops); N > 0 = continuous
-        # batching (`ContinuousBatch`): at most N rows decode at once and a stopped row's slot takes the next
-        if slots < 0:
-            raise ValueError(f"slots={slots}: need 0 (one static batch per call) or how many rows decode at once")
-        if page_size < 1 or kv_tokens < 0 or prefill_tokens < 1:
-            raise ValueError(f"page_size={page_size}, kv_tokens={kv_tokens}, prefill_tokens={prefill_tokens}: need "
-                             "page_size >= 1, kv_tokens >= 0 (0 = enough for every slot at full length) and "
-                             "prefill_tokens >= 1")
-        self.slots, self.page_size, self.kv_tokens, self.cuda_graph = slots, page_size, kv_tokens, cuda_graph
-        self.prefill_tokens = prefill_tokens
         self.batch_stats: dict[str, int] = {}  # the last continuous call's counts (ContinuousBatch.stats)
         if policy is not None:  # no FP8 on the sharded policy (config.RELATIONS refuses engine.fp8 on several ranks)
             self.model = policy  # the trainer's own module: nothing to copy, nothing to sync
@@ -183,7 +171,7 @@ class NativeEngine:
         for block in self.model.layers:
             if block.is_moe:
                 block.mlp.gate.float()  # the router's weight stays fp32 in any engine dtype, as in the trainer
-        if fp8:  # after .to(dtype), which would otherwise cast the e4m3 buffers back to dtype
+        if self.fp8:  # after .to(dtype), which would otherwise cast the e4m3 buffers back to dtype
             to_fp8_modules(self.model, dtype)
         self.weight_version = 0
         named = list(self.model.named_parameters(remove_duplicate=False)) + list(self.model.named_buffers())
@@ -484,9 +472,7 @@ def build_native_engine(cfg: TrainConfig, tok: Tokenizer, policy: nn.Module) -> 
     batches continuously."""
     on_policy = policy if rank_world()[1] > 1 else None
     return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device, dtype=cfg.compute_dtype(),
-                        compile=cfg.compile, num_tokens=tok.enc.n_vocab, fp8=cfg.engine.fp8, policy=on_policy,
-                        slots=cfg.engine.slots, page_size=cfg.engine.page_size, kv_tokens=cfg.engine.kv_tokens,
-                        prefill_tokens=cfg.engine.prefill_tokens, cuda_graph=cfg.engine.cuda_graph)
+                        compile=cfg.compile, num_tokens=tok.enc.n_vocab, policy=on_policy, options=cfg.engine)
 
 
 ENGINES: dict[str, Callable[[TrainConfig, Tokenizer, nn.Module], Engine]] = {
@@ -527,7 +513,6 @@ def producer_engine(engine: Engine, cfg: TrainConfig, policy: nn.Module) -> Engi
     producer = NativeEngine(cfg.model, eos_id=engine.stop_ids, pad_id=engine.pad_id, device=cfg.device,
                             dtype=cfg.compute_dtype(), compile=cfg.compile, num_tokens=engine.num_tokens,
                             policy=reference_copy(policy, cfg, meshes), group=meshes.fsdp.get_group(),
-                            slots=engine.slots, page_size=engine.page_size, kv_tokens=engine.kv_tokens,
-                            prefill_tokens=engine.prefill_tokens, cuda_graph=engine.cuda_graph)
+                            options=engine.options)
     producer.weight_version = engine.weight_version  # the version its copy holds (a resumed run's, say)
     return producer

@@ -12,19 +12,25 @@ static call's is printed: float rounding can flip a near-tie). Three ways to run
   last one stops.
 - static_batches: calls of `--slots` rows each, in prompt order (the run's generation batches of that
   many rows): the KV cache of the continuous engine, each call decoding until its own longest row stops.
-- continuous: NativeEngine(slots=`--slots`): a stopped row's slot takes the next row.
+- continuous: NativeEngine(slots=`--slots`): a stopped row's slot takes the next row (its KV pages by
+  default: every slot at full length).
+- paged: NativeEngine(slots=`--paged-slots`, kv_tokens = the static batches' KV columns): more rows live in
+  the same KV memory, since most rows stop early; a row short of a page would be preempted (the table
+  counts preemptions and the most of the pool the rows held, "live MB").
 
 Measured: tokens/s (completion tokens over wall time, prefill included) and useful tokens per decode
 row-step (decode steps that fed a live row's token, over all rows decoded in every step; a static call
 runs STOP_CHECK_EVERY-aligned steps past its longest row). Rounds interleave the three (a warm-up round
 first), so a change in machine load hits each alike; median and min..max over `--repeats` rounds, and
 the continuous engine's tokens/s ratio to each static way taken round by round. The headline compares
-it with static_batches, the same KV cache: what a run does with gen_batch_rows = slots (the large
-configs hold 16 or 32 rows per call, bounded by their KV cache). Against one call over every row (a
+the paged engine with static_batches at equal KV memory: what a run does with gen_batch_rows = slots (the
+large configs held 16 or 32 rows per call, bounded by their KV cache). On this CPU attention reads the pages
+through a gather per layer and step, a copy a paged-attention kernel would not make on a GPU, which costs the
+continuous engine part of what refilling slots gains (continuous_32_slots against static_batches). Against one call over every row (a
 cache rows / slots times larger) the answer turns on how a decode step's cost grows with its rows:
 on a CPU with this tiny model it barely does (per-op overhead dominates), so fewer, wider steps win.
 
-    python bench/continuous.py [--prompts 16 --n 8 --slots 32 --new-tokens 128 --repeats 5 --threads 1]
+    python bench/continuous.py [--prompts 16 --n 8 --slots 32 --paged-slots 64 --new-tokens 128 --repeats 5 --threads 1]
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import ModelConfig, Transformer  # noqa: E402
+from config import EngineConfig  # noqa: E402
 from rollout import STOP_CHECK_EVERY, NativeEngine  # noqa: E402
 from sampler import SamplingParams  # noqa: E402
 
@@ -70,7 +77,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (the group size)")
     ap.add_argument("--slots", type=int, default=32)
-    ap.add_argument("--paged-slots", type=int, default=96,
+    ap.add_argument("--paged-slots", type=int, default=64,
                     help="slots of the paged engine given the static batches' KV memory (kv_tokens)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--stop-ids", type=int, default=8, help="ids 1..k stop a row: the higher, the shorter")
@@ -90,8 +97,9 @@ def main():
     # the static batches' KV cache, in columns: what the paged engine gets at equal memory
     equal_kv = per_call * args.n * (max(map(len, prompts)) + args.new_tokens - 1)
     static_all, static = NativeEngine(cfg, eos_id=stops, pad_id=PAD), NativeEngine(cfg, eos_id=stops, pad_id=PAD)
-    continuous = NativeEngine(cfg, eos_id=stops, pad_id=PAD, slots=args.slots)
-    paged = NativeEngine(cfg, eos_id=stops, pad_id=PAD, slots=args.paged_slots, kv_tokens=equal_kv)
+    continuous = NativeEngine(cfg, eos_id=stops, pad_id=PAD, options=EngineConfig(slots=args.slots))
+    paged = NativeEngine(cfg, eos_id=stops, pad_id=PAD,
+                         options=EngineConfig(slots=args.paged_slots, kv_tokens=equal_kv))
     engines = {"static_one_call": static_all, f"static_batches_of_{per_call * args.n}": static,
                f"continuous_{args.slots}_slots": continuous, f"paged_{args.paged_slots}_slots": paged}
     for engine in engines.values():

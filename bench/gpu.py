@@ -34,6 +34,9 @@ start past --budget_s is skipped:
    against the bf16 trainer, routes replayed (R3) and not, a bf16 engine as the control; the last line
    is the KL ratio. Random init routes near uniformly, so routes flip more often than in a trained
    model (bench/mismatch.py measures a trained one, on CPU).
+9. Continuous batching over the paged KV cache (engine.slots, kv_tokens) against static calls of a quarter of
+   the rows in the same KV memory, and with the decode step in a CUDA graph (engine.cuda_graph): tokens/s,
+   the share of rows whose tokens equal the static engine's, the pool's use and preemptions.
 
 Results go to --out (bench/results/gpu.json), rewritten after each section, so a run cut short keeps
 what it read. Shapes: B, T, S, V, L, K, E (letters of the README's legend).
@@ -63,7 +66,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 import plan  # noqa: E402
 import weights  # noqa: E402
-from config import TrainConfig, parse_args  # noqa: E402
+from config import EngineConfig, TrainConfig, parse_args  # noqa: E402
 from distributed import Meshes, build_model, mixed_precision, parallelize, setup_distributed  # noqa: E402
 from espo import mismatch_metrics  # noqa: E402
 from mismatch import trainer_logprobs  # noqa: E402  (bench/mismatch.py)
@@ -560,7 +563,8 @@ def small_throughput(b: Bench):
 
 def mismatch(cfg, model, prompts: int) -> dict:
     """KL etc. of FP8 and bf16 engine rollouts against the bf16 trainer, routes replayed and not."""
-    engines = {"fp8": NativeEngine(cfg.model, eos_id=-1, pad_id=0, device=cfg.device, dtype=torch.bfloat16, fp8=True),
+    engines = {"fp8": NativeEngine(cfg.model, eos_id=-1, pad_id=0, device=cfg.device, dtype=torch.bfloat16,
+                                       options=EngineConfig(fp8=True)),
                "bf16": NativeEngine(cfg.model, eos_id=-1, pad_id=0, device=cfg.device, dtype=torch.bfloat16)}
     engines["fp8"].update_weights(quantize_fp8(policy_tensors(model)), version=1)  # quantised on the trainer side
     engines["bf16"].update_weights(policy_tensors(model), version=1)
@@ -589,6 +593,49 @@ def fp8_mismatch(b: Bench):
                            f"{m['mismatch/route_diff']:>14.4f}"))
     ratio = mm["fp8 engine, replay off"]["mismatch/kl"] / max(mm["fp8 engine, replay on"]["mismatch/kl"], 1e-30)
     return rows, {"mismatch": mm, "kl_ratio_replay_off_over_on": ratio}
+
+
+def continuous_paged(b: Bench):
+    """Continuous batching over the paged KV cache against static calls of gen_batch_rows rows, the same rows and
+    seeds; on CUDA also with the decode step in a CUDA graph (engine.cuda_graph). Rows stop at random (stop ids),
+    so lengths are long-tailed; tokens equal to the static engine's (share of rows), tokens/s and the pool's use."""
+    cfg, model = b.small_cfg, small_model(b)
+    rows = 64 if b.args.quick or not b.cuda else min(cfg.gen_batch_rows, 512)
+    stops = list(range(1, 1 + max(1, cfg.model.vocab_size // 200)))  # about 1 in 200 per token: a long tail
+    prompts = torch.randint(len(stops) + 1, cfg.model.vocab_size, (rows // cfg.group_size, 32)).tolist()
+    C = min(cfg.sampling.max_new_tokens, 256)
+    params = dataclasses.replace(cfg.sampling, max_new_tokens=C)
+    static_kv = rows // 4 * (32 + C - 1)  # a static call of a quarter of the rows: the paged engines' KV memory
+    ways = {"static": EngineConfig(), "paged": EngineConfig(slots=rows // 2, kv_tokens=static_kv)}
+    if b.cuda:
+        ways["paged + CUDA graph"] = EngineConfig(slots=rows // 2, kv_tokens=static_kv, cuda_graph=True)
+    out, table, reference = {}, [], None
+    for name, options in ways.items():
+        engine = NativeEngine(cfg.model, eos_id=stops, pad_id=0, device=cfg.device, dtype=torch.bfloat16,
+                              options=options)
+        engine.update_weights(policy_tensors(model), version=1)
+        engine.generate(prompts[:1], params, n=2, seed=1)  # warm-up
+        _sync(cfg)
+        t = time.perf_counter()
+        if name == "static":  # calls of a quarter of the rows, each prompt keeping its group id (its index)
+            k, got = max(1, rows // 4 // cfg.group_size), []
+            for i in range(0, len(prompts), k):
+                got += engine.generate(prompts[i:i + k], params, n=cfg.group_size, seed=0,
+                                       group_ids=list(range(i, min(i + k, len(prompts)))))
+        else:
+            got = engine.generate(prompts, params, n=cfg.group_size, seed=0)
+        _sync(cfg)
+        seconds = time.perf_counter() - t
+        ids = [r.completion_ids for r in got]
+        reference = reference or ids
+        tokens = sum(map(len, ids))
+        same = sum(a == c for a, c in zip(ids, reference)) / len(ids)
+        out[name] = {"tokens/s": tokens / seconds, "tokens": tokens, "same_tokens": same, "kv_bytes": engine.kv_bytes,
+                     "kv_live_bytes": engine.kv_live_bytes, "preemptions": engine.preemptions}
+        table.append((name, f"{tokens / seconds:>9,.0f} tokens/s  same tokens {out[name]['same_tokens']:.0%} of rows  "
+                            f"KV {_gib(engine.kv_bytes)} (rows held {_gib(engine.kv_live_bytes)}), "
+                            f"{engine.preemptions} preempted"))
+    return table, out
 
 
 # ----------------------------------------------------------------------------- the run
@@ -641,6 +688,7 @@ def main():
     b.release_wide()
     report.run(f"7. {os.path.basename(a.config)}: training and generation", small_throughput, b)
     kl = report.run("8. FP8 vs bf16 rollouts against the bf16 trainer", fp8_mismatch, b)
+    report.run("9. continuous batching over pages (and in a CUDA graph) vs static calls", continuous_paged, b)
     report.out.update(done=True, seconds=time.perf_counter() - report.t0)
     ratio = kl.get("kl_ratio_replay_off_over_on", float("nan"))
     report.out["kl_ratio_replay_off_over_on"] = ratio

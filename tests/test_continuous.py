@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from model import Transformer
+from config import EngineConfig
 from rollout import NativeEngine
 from sampler import row_uniforms_at
 from sampler import SamplingParams, row_keys, row_uniforms
@@ -15,7 +16,7 @@ MIXED = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20], [5, 6, 7]]  # ragged, and one 
 
 def engines(cfg, slots):
     model = Transformer(cfg)
-    static, continuous = (NativeEngine(cfg, eos_id=STOPS, pad_id=PAD, slots=s) for s in (0, slots))
+    static, continuous = (NativeEngine(cfg, eos_id=STOPS, pad_id=PAD, options=EngineConfig(slots=s)) for s in (0, slots))
     for engine in (static, continuous):
         engine.update_weights(model.named_parameters(), version=2)
     return static, continuous, model
@@ -81,7 +82,7 @@ def test_one_new_token_is_sampled_from_the_prefill_alone(tiny_cfg):
 
 def test_slots_are_refused_below_zero(tiny_cfg):
     with pytest.raises(ValueError, match="slots=-1"):
-        NativeEngine(tiny_cfg, eos_id=1, pad_id=0, slots=-1)
+        EngineConfig(slots=-1)
 
 
 def test_a_per_row_draw_index_gives_each_rows_own_stream_draw():

@@ -12,7 +12,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu.py")
 SECTIONS = ["versions", "context_and_nccl", "wide_training", "phase_rounds", "phase_rounds_other_allocator",
-            "prefill_attention", "long_decode", "small_throughput", "fp8_mismatch"]  # in the order they run
+            "prefill_attention", "long_decode", "small_throughput", "fp8_mismatch", "continuous_paged"]  # in the order they run
 HEADLINE = "lower FP8 train-inference KL with router replay"
 
 
@@ -39,6 +39,8 @@ def test_the_gpu_check_runs_every_section_on_cpu_without_an_error_and_ends_with_
     assert not [name for name, s in got["sections"].items() if "error" in s], proc.stdout
     assert not got["sections"]["prefill_attention"]["math_ran"]  # the CPU's own flash kernel, under the same check
     assert len(got["sections"]["phase_rounds_other_allocator"]["rounds"]) == 3  # the subprocess's plumbing ran
+    paged = got["sections"]["continuous_paged"]
+    assert paged["paged"]["same_tokens"] > 0.5 and paged["paged"]["kv_bytes"] < paged["static"]["kv_bytes"] * 1.1
 
 
 @pytest.mark.cuda

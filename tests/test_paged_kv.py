@@ -19,7 +19,8 @@ MIXED = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20], [5, 6, 7]]  # ragged, one prom
 
 def engines(cfg, **paging):
     model = Transformer(cfg)
-    static, paged = NativeEngine(cfg, eos_id=STOPS, pad_id=PAD), NativeEngine(cfg, eos_id=STOPS, pad_id=PAD, **paging)
+    static = NativeEngine(cfg, eos_id=STOPS, pad_id=PAD)
+    paged = NativeEngine(cfg, eos_id=STOPS, pad_id=PAD, options=EngineConfig(**paging))
     for engine in (static, paged):
         engine.update_weights(model.named_parameters(), version=1)
     return static, paged
@@ -125,7 +126,7 @@ def test_kv_tokens_below_one_row_at_full_length_is_refused_by_the_engine_and_the
     with pytest.warns(UserWarning, match="engine.slots=96 .* not read with name='sglang'"):
         EngineConfig(name="sglang", slots=96)
     with pytest.raises(ValueError, match="page_size=0"):
-        NativeEngine(tiny_cfg, eos_id=1, pad_id=0, slots=2, page_size=0)
+        EngineConfig(slots=2, page_size=0)
 
 
 def test_an_admission_round_prefills_at_most_prefill_tokens_and_the_rollouts_stay(tiny_cfg):
@@ -133,7 +134,7 @@ def test_an_admission_round_prefills_at_most_prefill_tokens_and_the_rollouts_sta
     least); the rows it leaves are admitted by the next rounds and sample the same tokens."""
     params, prompts = SamplingParams(max_new_tokens=12), [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20], [30, 31]]
     _, wide = engines(tiny_cfg, slots=8)
-    narrow = NativeEngine(tiny_cfg, eos_id=STOPS, pad_id=PAD, slots=8, prefill_tokens=6)
+    narrow = NativeEngine(tiny_cfg, eos_id=STOPS, pad_id=PAD, options=EngineConfig(slots=8, prefill_tokens=6))
     narrow.update_weights(wide.model.named_parameters(), version=1)  # the same weights
     rounds = []
     prefill = narrow._prefill_prompts
@@ -145,3 +146,30 @@ def test_an_admission_round_prefills_at_most_prefill_tokens_and_the_rollouts_sta
     for x, y in zip(a, b, strict=True):
         assert x.completion_ids == y.completion_ids and torch.equal(x.routes, y.routes)
         torch.testing.assert_close(y.logprobs, x.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_pools_pages_and_slots_give_the_static_tokens_and_return_every_page(tiny_cfg, seed):
+    """Random prompts (repeated ones too), samples, slots, page sizes and pools from the least up: every call samples
+    the static engine's tokens and routes, preempting or not, and ends with every page free and no reference left."""
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    prompts = [torch.randint(4, 64, (draw(1, 9),), generator=g).tolist() for _ in range(draw(1, 4))]
+    prompts += prompts[:draw(0, 1)]
+    n, slots, page, C = draw(1, 3), draw(2, 6), draw(1, 8), draw(8, 30)
+    least = least_pages(max(map(len, prompts)), C, page) * page
+    kv = least + draw(0, 2) * page if draw(0, 3) else 0  # a quarter of the draws: the default pool
+    static, paged = engines(tiny_cfg, slots=slots, page_size=page, kv_tokens=kv)
+    keys = row_keys(seed, [i for i in range(len(prompts)) for _ in range(n)], [j for _ in prompts for j in range(n)],
+                    "cpu")
+    params = SamplingParams(max_new_tokens=C)
+    batch = ContinuousBatch(paged, prompts, n, params, keys)
+    got = batch.run(list(range(len(prompts))))
+    want = static.generate(prompts, params, n=n, seed=seed)
+    for x, y in zip(want, got, strict=True):
+        assert x.completion_ids == y.completion_ids and x.finish_reason == y.finish_reason
+        assert torch.equal(x.routes, y.routes)
+        torch.testing.assert_close(y.logprobs, x.logprobs, rtol=0, atol=1e-5)
+    cache = batch.cache
+    assert cache.in_use == 0 and not any(cache.refs) and sorted(cache.free) == list(range(1, cache.num_pages + 1))
+    assert cache.peak <= cache.num_pages and not batch.prefilled

@@ -230,7 +230,7 @@ def test_a_continuous_engines_kv_cache_and_generate_peak_are_sized_by_its_slots(
     assert plan.engine_bytes(static, 1)["kv_cache"] == 64 * 143 * column
     sized = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, kv_tokens=400))
     assert plan.engine_bytes(sized, 1)["kv_cache"] == (400 // 16 + 1) * 16 * column
-    engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0, slots=4)  # no stop token: every row runs to the limit
+    engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0, options=cfg.engine)  # no stop token: every row runs to the limit
     prompts = torch.randint(cfg.model.vocab_size, (4, cfg.prompt_limit()), generator=torch.Generator().manual_seed(0))
     engine.generate(prompts.tolist(), cfg.sampling, n=8, seed=0)  # warm-up, as bench/memory.py's
     with memory.LiveTensors() as live:

@@ -6,6 +6,7 @@ import torch
 
 from logprobs import token_logprobs
 from model import ModelConfig, Transformer, route_dtype
+from config import EngineConfig
 from rollout import NativeEngine
 from sampler import SamplingParams, sample
 
@@ -211,7 +212,7 @@ def test_blockwise_fp8_round_trip_is_within_e4m3_precision():
 
 def test_fp8_engine_quantises_attention_and_experts_only(tiny_cfg):
     from weights import FP8
-    engine = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, fp8=True)
+    engine = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, options=EngineConfig(fp8=True))
     engine.update_weights(Transformer(tiny_cfg).named_parameters(), version=1)
     low = {n for n, t in engine._slots.items() if t.dtype == FP8}
     assert low == {f"layers.{i}.{w}" for i in range(tiny_cfg.n_layers)
@@ -221,8 +222,8 @@ def test_fp8_engine_quantises_attention_and_experts_only(tiny_cfg):
 def test_trainer_side_quantisation_equals_quantisation_on_arrival(tiny_cfg):
     from weights import quantize_fp8
     model = Transformer(tiny_cfg)
-    a = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, fp8=True)
-    b = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, fp8=True)
+    a = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, options=EngineConfig(fp8=True))
+    b = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, options=EngineConfig(fp8=True))
     a.update_weights(model.named_parameters(), version=1)
     b.update_weights(quantize_fp8(model.named_parameters()), version=1)
     for (n, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
@@ -231,7 +232,7 @@ def test_trainer_side_quantisation_equals_quantisation_on_arrival(tiny_cfg):
 
 def test_fp8_engine_logprobs_stay_near_the_high_precision_ones(tiny_cfg):
     model = Transformer(tiny_cfg).requires_grad_(False)
-    engine = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, fp8=True)
+    engine = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, options=EngineConfig(fp8=True))
     engine.update_weights(model.named_parameters(), version=1)
     for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=8), n=2, seed=0):
         seq = torch.tensor(r.prompt_ids + r.completion_ids)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import distributed
-from config import load_config
+from config import EngineConfig, load_config
 from model import MoE
 from plan import engine_bytes
 from paged_kv import least_pages
@@ -103,8 +103,8 @@ def continuous_worker(rank, world, port, kv_tokens):
         torch.manual_seed(cfg.seed)
         policy = distributed.build_model(cfg, distributed.build_meshes(world, 2))
         static = NativeEngine(cfg.model, eos_id=STOPS, pad_id=0, policy=policy)
-        continuous = NativeEngine(cfg.model, eos_id=STOPS, pad_id=0, policy=policy, slots=SLOTS, page_size=4,
-                                  kv_tokens=kv_tokens)
+        continuous = NativeEngine(cfg.model, eos_id=STOPS, pad_id=0, policy=policy,
+                                  options=EngineConfig(slots=SLOTS, page_size=4, kv_tokens=kv_tokens))
         mine = SHARES[rank]
         calls = [([PROMPTS[i] for i in mine], N, mine), ([PROMPTS[1]] if rank else [], 1, [1] if rank else None)]
         with static.phase():
