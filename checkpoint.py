@@ -646,3 +646,21 @@ def _remove_stale(path: str, seen: str):
         except FileExistsError:
             pass
     os.remove(grave)
+
+
+def lock_run_folder(cfg):
+    """Rank 0 takes out_dir's lock (`take_lock`) for the run of cfg (config.TrainConfig), making out_dir; every rank
+    learns its error, if any, so all stop alike. Returns the lock on rank 0, None on the others. Collective under
+    torchrun."""
+    rank, world = rank_world()
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = take_lock(cfg.out_dir, run_id(config_dict(cfg)))
+        except ValueError as e:
+            error = str(e)
+    if world > 1:
+        error = all_gather_list([error] if rank == 0 else [])[0]
+    if error is not None:
+        raise ValueError(error)
+    return lock

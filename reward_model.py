@@ -56,7 +56,7 @@ Notable choices:
    one added.
 8. Placement under torchrun: every rank holds a whole reward model or judge (replicated, on its own
    device, in memory the dry-run plan counts: plan.scorer_memory) and scores only the groups it
-   generated (data-parallel scoring; train.shape_rewards gathers every group's scores to every rank).
+   generated (data-parallel scoring; shaping.shape_rewards gathers every group's scores to every rank).
    Sharding a reward model like the policy (FSDP over the ranks, or expert parallel) is not done: a
    large reward model's whole bf16 weights sit on every GPU.
 """

@@ -41,8 +41,8 @@ import torch
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from checkpoint import (CKPT_BYTES_PER_PARAM, check_run_folder, config_dict, latest_checkpoint, read_checkpoint,
-                        resume_checkpoint, rng_state, run_id, set_rng_state, take_lock, write_checkpoint)
+from checkpoint import (CKPT_BYTES_PER_PARAM, check_run_folder, latest_checkpoint, lock_run_folder, read_checkpoint,
+                        resume_checkpoint, rng_state, set_rng_state, write_checkpoint)
 from config import ConfigError, TrainConfig, parse_args
 from data import Item, ItemList, Prompts, RunData, load_run_data
 from distributed import Meshes, all_gather_list, build_model, rank_world, reference_copy, setup_distributed
@@ -53,12 +53,12 @@ from filter import (STAGE1_COUNTS, STAGE2_COUNTS, PromptHistory, Scored, is_info
 from hf import check_weights, save_hf
 from metrics import MetricsLog, WriteError, check_logger, plot, read_records, write_atomic, write_error
 from plan import param_counts
-from reward import order_violations, scorer_outputs, shaped_rewards
 from reward_model import reward_model_for, scorer_model_config
-from rollout import Engine, NativeEngine, build_engine, engine_builder, producer_engine, stop_engine_servers
-from sampler import Rollout, SamplingParams
+from rollout import Engine, build_engine, engine_builder, producer_engine, stop_engine_servers
+from sampler import Rollout
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
+from shaping import judge_generator, shape_rewards
 from trainer import NonFiniteError, TrainBatch, lr_at, sft_step, train_on_rollouts
 from weights import full_tensor, policy_tensors
 
@@ -67,7 +67,6 @@ if TYPE_CHECKING:
     from tokenizer import Tokenizer
 
 STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds (probes, the rest, over-sampling)
-JUDGE_SEED = 0  # a generative judge decodes greedily; a fixed seed keeps its calls off torch's RNG (the policy's)
 ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken as hung
 
 
@@ -185,58 +184,6 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     if cfg.engine.slots:  # rows preempted for pages (engine.kv_tokens too small for the step's live tokens)
         m["engine/preemptions"] = run.engine.preemptions
     return m, kept_batch(run, groups, keep_P, zero_var_P, adv)
-
-
-def shape_rewards(run: Run, groups, correct: list[torch.Tensor], step: int) -> tuple[list[torch.Tensor], dict]:
-    """Each group's final rewards, shaped inside its correctness class (reward.shaped_rewards), and their metrics:
-    the scorer's raw outputs (rm/score_mean and rm/score_std, or a judge's judge/p_better_mean and its counts:
-    judge/unparsed, judge/too_long), the rewards' mean and std, the (correct, wrong) pairs checked and
-    t_reward_model (the scorer's seconds). Every group is checked to keep each correct response's reward above
-    each wrong one's (reward.adjust_rewards' guarantee): an AssertionError naming the step if one ever is not.
-    With reward.rm_only the verifier's correctness is unread: each group is one class, the check vacuous.
-    Multi-rank: each rank's whole scorer scores the groups it generated (a group is generated on one rank), and
-    every rank learns every group's scores and the judge's counts (summed), so all shape alike; t_reward_model
-    is this rank's, the wait for the slowest rank's scoring included."""
-    cfg, scorer = run.cfg.reward, run.scorer
-    t0 = time.perf_counter()
-    scores = [None] * len(groups)
-    if scorer is not None:
-        world = rank_world()[1]
-        # this rank's groups: their rollouts are whole here (Rollout), the others' are summaries
-        mine = [p for p, (_, g) in enumerate(groups) if world == 1 or isinstance(g[0].payload, Rollout)]
-        own = [(p, scorer_outputs(scorer, groups[p][0].question,
-                                  [completion_text(run.tok, s.payload) for s in groups[p][1]], groups[p][0].answer))
-               for p in mine]
-        for p, x in all_gather_list(own):  # every rank's, rank order; one process: its own
-            scores[p] = x
-        counts = all_gather_list([dict(scorer.counts)]) if hasattr(scorer, "counts") else []
-    m = {"t_reward_model": time.perf_counter() - t0}
-    classes = [torch.zeros_like(c) for c in correct] if cfg.rm_only else correct
-    rewards = [shaped_rewards(c, [s.payload.completion_ids for s in g], cfg, scorer=scorer, scores=x,
-                              max_new_tokens=run.cfg.sampling.max_new_tokens)
-               for (_, g), c, x in zip(groups, classes, scores)]
-    pairs = 0
-    for p, (c, r) in enumerate(zip(classes, rewards)):
-        n, inverted = order_violations(c, r)
-        if inverted:  # adjust_rewards rules this out; a change to the shaping that breaks it must not train on
-            raise AssertionError(f"step {step}: group {p}: {inverted} of {n} (correct, wrong) pairs have the wrong "
-                                 f"response's reward at or above the correct one's: rewards {r.tolist()}, correct "
-                                 f"{c.tolist()} (reward.adjust_rewards' ordering guarantee broken)")
-        pairs += n
-    if rewards:
-        r = torch.cat(rewards).double()
-        m.update({"reward/shaped_mean": r.mean().item(), "reward/shaped_std": r.std(correction=0).item()})
-    m.update({"reward/order_pairs_checked": pairs, "reward/order_violations": 0})
-    if scorer is not None and scores:
-        x = torch.cat(scores)
-        if hasattr(scorer, "compare"):
-            m["judge/p_better_mean"] = x.mean().item()
-        else:
-            m.update({"rm/score_mean": x.mean().item(), "rm/score_std": x.std(correction=0).item()})
-    if hasattr(scorer, "counts"):  # a GenerativeJudge's: this step's over every rank, then reset
-        m.update({f"judge/{k}": sum(c[k] for c in counts) for k in scorer.counts})
-        scorer.counts.subtract(dict(scorer.counts))
-    return rewards, m
 
 
 def update_policy(run: Run, batch: TrainBatch, step: int) -> dict:
@@ -540,24 +487,6 @@ def prepare(cfg: TrainConfig) -> Start:
     return start
 
 
-def judge_generator(cfg: TrainConfig):
-    """How a generative judge (reward.model=judge:<folder>) generates: builder(model, tok) -> a greedy generator on
-    a NativeEngine of its own holding the judge's weights (cfg.device, the run's compute dtype), replies of at most
-    reward.judge_max_new_tokens, their stop token left out. Under torchrun each rank holds a whole judge, which
-    judges the groups that rank generated (shape_rewards)."""
-    def build(model, tok):
-        engine = NativeEngine(model.cfg, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device,
-                              dtype=cfg.compute_dtype(), num_tokens=tok.enc.n_vocab)
-        engine.update_weights(policy_tensors(model), version=0)
-        params = SamplingParams(max_new_tokens=cfg.reward.judge_max_new_tokens, temperature=0.0)
-
-        def generate(prompts: list[list[int]]) -> list[list[int]]:
-            replies = engine.generate(prompts, params, seed=JUDGE_SEED)
-            return [r.completion_ids[:-1] if r.finish_reason == "stop" else r.completion_ids for r in replies]
-        return generate
-    return build
-
-
 def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
     """The policy, engine, metrics log and reward workers of a run, around what `prepare` read."""
     data = start.data
@@ -731,23 +660,6 @@ def main(cfg: TrainConfig) -> dict:
         # wait on ranks that never answer
         if dist.is_initialized() and (finished or rank_world()[1] == 1):
             dist.destroy_process_group()
-
-
-def lock_run_folder(cfg: TrainConfig):
-    """Rank 0 takes out_dir's lock (checkpoint.take_lock), making out_dir; every rank learns its error, if any, so
-    all stop alike. Returns the lock on rank 0, None on the others. Collective under torchrun."""
-    rank, world = rank_world()
-    lock, error = None, None
-    if rank == 0:
-        try:
-            lock = take_lock(cfg.out_dir, run_id(config_dict(cfg)))
-        except ValueError as e:
-            error = str(e)
-    if world > 1:
-        error = all_gather_list([error] if rank == 0 else [])[0]
-    if error is not None:
-        raise ValueError(error)
-    return lock
 
 
 def abort(message: str | None):

@@ -325,13 +325,13 @@ def test_a_random_judge_on_the_native_engine_gives_counted_ties_and_leaves_rewar
     triple is JUDGE_PROMPT in the judge's chat template, answered greedily (the same replies twice), bounded by
     judge_max_new_tokens; the random judge's garbage is no verdict, so every outcome is a counted tie (1/2), a
     prompt too long for the judge's context is a counted tie unsent, and the shaped rewards are the correctness."""
-    import train
+    import shaping
     from config import TrainConfig
     cfg = RewardConfig(model=f"judge:{causal}", judge_max_new_tokens=6, rm_weight=1.0, judge_dead_band=0.0)
     sent = []
 
     def generator(model, tok):
-        generate = train.judge_generator(TrainConfig(reward=cfg))(model, tok)
+        generate = shaping.judge_generator(TrainConfig(reward=cfg))(model, tok)
         return lambda prompts: sent.append(prompts) or generate(prompts)
     judge = reward_model_for(cfg, judge_generator=generator)
     assert type(judge).__name__ == "GenerativeJudge"
@@ -362,21 +362,21 @@ def test_a_judge_needs_a_generator_and_rm_only_needs_a_scorer(causal):
 
 
 def test_an_inverted_group_stops_the_run_naming_its_step(monkeypatch):
-    """train.shape_rewards checks adjust_rewards' guarantee on every group: rewards that put a wrong response at or
+    """shaping.shape_rewards checks adjust_rewards' guarantee on every group: rewards that put a wrong response at or
     above a correct one raise, naming the step; the correct ones are counted as pairs checked."""
     from types import SimpleNamespace
 
-    import train
+    import shaping
     from config import TrainConfig
     run = SimpleNamespace(cfg=TrainConfig(reward=RewardConfig(repetition_weight=0.1)), scorer=None, tok=None)
     g = [SimpleNamespace(payload=SimpleNamespace(completion_ids=[1, 2])) for _ in range(4)]
     correct = [torch.tensor([1.0, 0.0, 0.0, 1.0])]
-    rewards, m = train.shape_rewards(run, [(None, g)], correct, step=3)
+    rewards, m = shaping.shape_rewards(run, [(None, g)], correct, step=3)
     assert torch.equal(rewards[0], correct[0]) and m["reward/order_pairs_checked"] == 4
     assert m["reward/order_violations"] == 0 and m["t_reward_model"] >= 0
-    monkeypatch.setattr(train, "shaped_rewards", lambda c, *a, **k: 1 - c)
+    monkeypatch.setattr(shaping, "shaped_rewards", lambda c, *a, **k: 1 - c)
     with pytest.raises(AssertionError, match=r"step 3: group 0: 4 of 4 \(correct, wrong\) pairs"):
-        train.shape_rewards(run, [(None, g)], correct, step=3)
+        shaping.shape_rewards(run, [(None, g)], correct, step=3)
 
 
 @needs_ranks
@@ -464,13 +464,13 @@ class RecordingScorer:
 
 def shape_worker(rank, world, port, out):
     """Rank `rank` of `world` (gloo): groups 0, 1 generated here on rank 0 and 2, 3 on rank 1 (whole Rollouts
-    on their own rank, summaries elsewhere); train.shape_rewards with each recording scorer; rank 0 saves what
+    on their own rank, summaries elsewhere); shaping.shape_rewards with each recording scorer; rank 0 saves what
     its scorers saw and both ranks' rewards and metrics."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
-    import train
+    import shaping
     from config import TrainConfig
     from filter import Scored
     from sampler import Rollout
@@ -492,7 +492,7 @@ def shape_worker(rank, world, port, out):
                     g.append(Scored(reward=float(j), num_tokens=len(ids), payload=payload))
                 groups.append((SimpleNamespace(question=f"q{p}", answer="a"), g))
             correct = [torch.tensor([0.0, 1.0])] * 4
-            rewards, m = train.shape_rewards(run, groups, correct, step=0)
+            rewards, m = shaping.shape_rewards(run, groups, correct, step=0)
             everyone = [None] * world
             dist.all_gather_object(everyone, (sorted(scorer.seen), [r.tolist() for r in rewards], m))
             result[judge] = everyone
@@ -515,7 +515,7 @@ def test_each_rank_scores_only_the_groups_it_generated_and_all_learn_every_score
 
     import torch.multiprocessing as mp
 
-    import train
+    import shaping
     from config import TrainConfig
     from filter import Scored
     from sampler import Rollout
@@ -535,7 +535,7 @@ def test_each_rank_scores_only_the_groups_it_generated_and_all_learn_every_score
                    [Scored(reward=float(j), num_tokens=1 + p + 2 * j,
                            payload=Rollout([0], [1] * (1 + p + 2 * j), torch.zeros(1), torch.zeros(0), "length", p, 0))
                     for j in range(2)]) for p in range(4)]
-        rewards, m = train.shape_rewards(run, groups, [torch.tensor([0.0, 1.0])] * 4, step=0)
+        rewards, m = shaping.shape_rewards(run, groups, [torch.tensor([0.0, 1.0])] * 4, step=0)
         assert [r.tolist() for r in rewards] == zero[1] and untimed(m) == untimed(zero[2])
         if judge:
             assert zero[2]["judge/judged"] == 8 and zero[2]["judge/unparsed"] == 8  # 4 per rank, summed
