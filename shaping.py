@@ -1,7 +1,8 @@
 """The RL step's reward shaping by a reward model or a generative judge (reward.model): `shape_rewards`, each
-group's rewards moved inside its correctness class by the scorer's outputs and checked against inversion, and
-`judge_generator`, the native engine a judge generates on. train.collect_rollouts calls the first when
-reward.shapes; train.start_run builds the scorer with the second (reward_model.reward_model_for).
+group's rewards moved inside its correctness class by the scorer's outputs and checked against inversion;
+`judge_generator`, the native engine a judge generates on; and `ScorerQueue`, the scorer at work while the
+policy still generates. train.collect_rollouts calls the first when reward.shapes; train.start_run builds the
+scorer with the second (reward_model.reward_model_for) and, with reward workers, the queue.
 
 Notable choices:
 1. Under torchrun each rank's whole scorer scores the groups it generated (reward_model.py's choice 8) and
@@ -9,11 +10,20 @@ Notable choices:
 2. Every group is checked, every step, to keep each correct response's reward above each wrong one's
    (reward.adjust_rewards' guarantee, arXiv 2512.07710's adjustment against advantage inversion): a broken
    guarantee stops the run naming the step and group, before a step trains on it.
+3. With reward.workers > 0 (the reward pool: verifiers score while generation goes on) the scorer does too: each
+   generate call's groups go to `ScorerQueue`, one worker thread scoring a group at a time, in submission
+   order, exactly as shape_rewards would (reward.scorer_outputs of the group), and shape_rewards waits only
+   for what is left. A group whose probes and rest come from two calls (filter.probe_size) is scored as two
+   parts, which can differ from scoring it whole by float rounding (the reward model's batches). The worker
+   runs no collective (each rank's scorer is its own), so it never meets the ranks' lockstep. Where the
+   device is one GPU the scorer's kernels queue behind the engine's; what overlaps is the host's work.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -32,8 +42,10 @@ def shape_rewards(run, groups, correct: list[torch.Tensor], step: int) -> tuple[
     group's final rewards, shaped inside its correctness class (reward.shaped_rewards), and their metrics:
     the scorer's raw outputs (rm/score_mean and rm/score_std, or a judge's judge/p_better_mean and its counts:
     judge/unparsed, judge/too_long), the rewards' mean and std, the (correct, wrong) pairs checked and
-    t_reward_model (the scorer's seconds). Every group is checked to keep each correct response's reward above
-    each wrong one's (reward.adjust_rewards' guarantee): an AssertionError naming the step if one ever is not.
+    t_reward_model (the seconds here: with reward workers, the wait for what the scorer had left) and, with
+    reward workers, t_reward_model_busy (the scorer's own seconds, generation's overlap included). Every group
+    is checked to keep each correct response's reward above each wrong one's (reward.adjust_rewards'
+    guarantee): an AssertionError naming the step if one ever is not.
     With reward.rm_only the verifier's correctness is unread: each group is one class, the check vacuous.
     Multi-rank: each rank's whole scorer scores the groups it generated (a group is generated on one rank), and
     every rank learns every group's scores and the judge's counts (summed), so all shape alike; t_reward_model
@@ -45,13 +57,19 @@ def shape_rewards(run, groups, correct: list[torch.Tensor], step: int) -> tuple[
         world = rank_world()[1]
         # this rank's groups: their rollouts are whole here (Rollout), the others' are summaries
         mine = [p for p, (_, g) in enumerate(groups) if world == 1 or isinstance(g[0].payload, Rollout)]
-        own = [(p, scorer_outputs(scorer, groups[p][0].question,
-                                  [completion_text(run.tok, s.payload) for s in groups[p][1]], groups[p][0].answer))
+        queue = run.scorer_queue  # with reward workers: scored while generating, waited for here (choice 3)
+        own = [(p, queue.scores([s.payload for s in groups[p][1]]) if queue is not None else
+                scorer_outputs(scorer, groups[p][0].question, [completion_text(run.tok, s.payload)
+                                                               for s in groups[p][1]], groups[p][0].answer))
                for p in mine]
+        if queue is not None:
+            queue.forget()
         for p, x in all_gather_list(own):  # every rank's, rank order; one process: its own
             scores[p] = x
         counts = all_gather_list([dict(scorer.counts)]) if hasattr(scorer, "counts") else []
     m = {"t_reward_model": time.perf_counter() - t0}
+    if run.scorer_queue is not None:  # the scorer's own seconds this step, generation's overlap included
+        m["t_reward_model_busy"] = run.scorer_queue.take_busy_s()
     classes = [torch.zeros_like(c) for c in correct] if cfg.rm_only else correct
     rewards = [shaped_rewards(c, [s.payload.completion_ids for s in g], cfg, scorer=scorer, scores=x,
                               max_new_tokens=run.cfg.sampling.max_new_tokens)
@@ -80,11 +98,63 @@ def shape_rewards(run, groups, correct: list[torch.Tensor], step: int) -> tuple[
     return rewards, m
 
 
+class ScorerQueue:
+    """The scorer (a reward model or judge) on a worker thread of its own, scoring each submitted group while the
+    caller goes on (choice 3). `submit` a group's own rollouts with its prompt, completions and reference;
+    `scores(rollouts)` waits for and returns their raw outputs [G] fp64 in that order; `take_busy_s` the worker's
+    seconds since it was last asked (t_reward_model_busy); `close` stops it."""
+
+    def __init__(self, scorer):
+        self.scorer, self._busy_s, self._lock = scorer, 0.0, threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scorer")
+        self._where: dict[int, tuple[Future, int]] = {}  # id(rollout) -> its group's job, its place in the group
+
+    def submit(self, rollouts: list, prompt: str, texts: list[str], reference: str):
+        job = self._executor.submit(self._score, prompt, texts, reference)
+        for i, r in enumerate(rollouts):
+            self._where[id(r)] = (job, i)
+
+    def _score(self, prompt: str, texts: list[str], reference: str) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return scorer_outputs(self.scorer, prompt, texts, reference)
+        finally:
+            with self._lock:
+                self._busy_s += time.perf_counter() - t0
+
+    def take_busy_s(self) -> float:
+        """The worker's seconds since the last call."""
+        with self._lock:
+            busy, self._busy_s = self._busy_s, 0.0
+        return busy
+
+    def scores(self, rollouts: list) -> torch.Tensor:
+        """The submitted rollouts' outputs, waiting for their jobs; a job's error is raised here."""
+        return torch.tensor([float(job.result()[i]) for job, i in map(self._where.pop, map(id, rollouts))],
+                            dtype=torch.float64)
+
+    def forget(self):
+        """Drop what was submitted and never read (a step's leftovers); their jobs still run."""
+        self._where.clear()
+
+    def close(self):
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def submit_groups(run, generated: list, items: list, n: int):
+    """Hand a generate call's groups to run's ScorerQueue (choice 3): generated holds n rollouts per prompt, in
+    order, each group's prompt and gold in items[group_id]."""
+    for k in range(0, len(generated), n):
+        group = generated[k:k + n]
+        item = items[group[0].group_id]
+        run.scorer_queue.submit(group, item.question, [completion_text(run.tok, r) for r in group], item.answer)
+
+
 def judge_generator(cfg):
-    """cfg: the run's config.TrainConfig. How a generative judge (reward.model=judge:<folder>) generates: builder(model, tok) -> a greedy generator on
-    a NativeEngine of its own holding the judge's weights (cfg.device, the run's compute dtype), replies of at most
-    reward.judge_max_new_tokens, their stop token left out. Under torchrun each rank holds a whole judge, which
-    judges the groups that rank generated (shape_rewards)."""
+    """How a generative judge (reward.model=judge:<folder>) of a run of cfg (config.TrainConfig) generates:
+    builder(model, tok) -> a greedy generator on a NativeEngine of its own holding the judge's weights (cfg.device,
+    the run's compute dtype), replies of at most reward.judge_max_new_tokens, their stop token left out. Under
+    torchrun each rank holds a whole judge, which judges the groups that rank generated (shape_rewards)."""
     def build(model, tok):
         engine = NativeEngine(model.cfg, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device,
                               dtype=cfg.compute_dtype(), num_tokens=tok.enc.n_vocab)

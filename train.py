@@ -58,7 +58,7 @@ from rollout import Engine, build_engine, engine_builder, producer_engine, stop_
 from sampler import Rollout
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
-from shaping import judge_generator, shape_rewards
+from shaping import ScorerQueue, judge_generator, shape_rewards, submit_groups
 from trainer import NonFiniteError, TrainBatch, lr_at, sft_step, train_on_rollouts
 from weights import full_tensor, policy_tensors
 
@@ -91,6 +91,7 @@ class Run:
     log: MetricsLog = field(default_factory=MetricsLog)  # in memory only, unless given an out_dir
     pool: RewardPool | None = None  # reward workers that score while generation goes on
     scorer: object = None  # reward model or judge (reward.reward_model_for), None without one
+    scorer_queue: ScorerQueue | None = None  # with reward workers: the scorer at work while generation goes on
     evals: dict = field(default_factory=dict)  # "after_sft" / "after_rl": (sampled, greedy) accuracy per prompt
     t_start: float = field(default_factory=time.perf_counter)
 
@@ -209,8 +210,9 @@ def sample_groups(run: Run, items: list[Item], n: int, step: int, stream: int) -
 
 def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: int) -> list[Rollout]:
     """n rollouts of each item from the engine, in batches of similar predicted length (scheduler.py);
-    with reward workers each batch is handed to them as soon as it is generated. With continuous batching
-    (engine.slots) one batch holds every item: one call per rank, the engine keeping `slots` rows live.
+    with reward workers each batch is handed to them (and to the scorer's queue) as soon as it is generated.
+    With continuous batching (engine.slots) one batch holds every item: one call per rank, the engine keeping
+    `slots` rows live.
 
     stream: which of the step's generate rounds this is (probes, the rest, over-sampling), so each
     draws its own random numbers. A rollout's random stream is keyed by (step, stream, group id,
@@ -233,6 +235,8 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
         if run.pool is not None:  # rollouts of a prompt come out in order, so (stream, group, j) names each one
             for j, r in enumerate(generated):
                 run.pool.submit((stream, r.group_id, j % n), completion_text(run.tok, r), items[r.group_id])
+        if run.scorer_queue is not None:  # the reward model or judge too (shaping's choice 3)
+            submit_groups(run, generated, items, n)
         rollouts += generated
     rollouts.sort(key=lambda r: r.group_id)  # stable: keeps each group's sample order
     return rollouts
@@ -494,14 +498,16 @@ def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
         write_atomic(os.path.join(cfg.out_dir, "run_config.json"), json.dumps(dataclasses.asdict(cfg), default=str,
                                                                               indent=1))
     model = build_model(cfg, meshes)  # before the engine: both draw their init from torch's RNG
-    return Run(cfg=cfg, engine=build_engine(cfg, data.tok, model), tok=data.tok, prompts=data.prompts,
+    engine = build_engine(cfg, data.tok, model)
+    scorer = reward_model_for(cfg.reward, device=cfg.device, judge_generator=judge_generator(cfg))
+    return Run(cfg=cfg, engine=engine, tok=data.tok, prompts=data.prompts,
                predictor=LengthPredictor(prior=cfg.sampling.max_new_tokens / 2), filter_rng=random.Random(cfg.seed),
                history=start.history, model=model, held_out=data.held_out, eval_items=data.eval_items,
                log=MetricsLog(cfg.out_dir, logger=cfg.logger, config=dataclasses.asdict(cfg), write=rank_world()[0] == 0,
                               keep=start.resumed["num_records"] if start.resumed else None),
                pool=RewardPool(data.task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
-               if cfg.reward.workers else None, scorer=reward_model_for(cfg.reward, device=cfg.device,
-                                                                       judge_generator=judge_generator(cfg)))
+               if cfg.reward.workers else None, scorer=scorer,
+               scorer_queue=ScorerQueue(scorer) if scorer is not None and cfg.reward.workers else None)
 
 
 def save_model(run: Run):
@@ -572,6 +578,8 @@ def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
     rl_loop(r, rl_start)
     if r.pool is not None:
         r.pool.close()
+    if r.scorer_queue is not None:
+        r.scorer_queue.close()
     r.log.close()
     save_model(r)
     return summarize(r)

@@ -6,6 +6,7 @@ import math
 import os
 import shutil
 import sys
+import zlib
 
 import pytest
 import torch
@@ -70,6 +71,42 @@ def transformers_scores(path: str, pairs: list[tuple[str, str]]) -> list[float]:
 
 
 PAIRS = [(p, c) for p in PROMPTS for c in COMPLETIONS]  # lengths from a few tokens to a few dozen
+
+
+
+@pytest.mark.parametrize("scorer, probes", [("rm", 0), ("rm", 2), ("judge", 0)])
+def test_with_reward_workers_the_scorer_works_while_generating_and_shapes_as_inline(scorer, probes, classifier, causal,
+                                                                                   tmp_path, monkeypatch):
+    """reward.workers > 0: the reward model (or judge) scores each generate call's groups on its own thread
+    (shaping.ScorerQueue) while generation goes on; the shaped rewards and the step's losses are those of scoring
+    inline after generation (to float rounding where stage 2's probes split a group into two calls), and
+    t_reward_model_busy is logged."""
+    import data
+    import train
+    from config import load_config
+
+    # graded by the completion's text, not by call order (the workers' order is not the inline one): mixed groups
+    monkeypatch.setattr(data, "math_reward", lambda completion, gold: float(zlib.crc32(completion.encode()) % 2))
+
+    def run(workers: int) -> list[dict]:
+        out = tmp_path / f"out{workers}"
+        cfg = load_config("configs/hf_tiny.py", [
+            f"init_hf={causal}", f"train_data={gsm8k_file(tmp_path / 'train.jsonl', 8)}",
+            f"eval_data={gsm8k_file(tmp_path / 'test.jsonl', 2, start=100)}", f"out_dir={out}",
+            f"reward.model={classifier if scorer == 'rm' else 'judge:' + causal}", "reward.judge_max_new_tokens=4",
+            f"reward.workers={workers}", f"filter.probe_size={probes}", "rl_steps=2",
+            "prompts_per_step=2", "group_size=4", "sampling.max_new_tokens=4", "eval_every=2", "eval_size=2",
+            "eval_samples=1"])
+        train.main(cfg)
+        return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["stage"] == "rl"]
+    inline, queued = run(0), run(2)
+    for a, b in zip(inline, queued, strict=True):
+        assert "t_reward_model_busy" not in a and b["t_reward_model_busy"] > 0
+        keys = ("rm/score_mean", "rm/score_std") if scorer == "rm" else ("judge/p_better_mean", "judge/unparsed")
+        for key in (*keys, "reward/shaped_mean", "reward/shaped_std", "loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+        assert b["reward/order_violations"] == 0 and b["reward/order_pairs_checked"] == a["reward/order_pairs_checked"]
+    assert sum(r["reward/order_pairs_checked"] for r in inline) > 0  # some groups were mixed: shaping was checked
 
 
 @needs_ranks
@@ -368,7 +405,8 @@ def test_an_inverted_group_stops_the_run_naming_its_step(monkeypatch):
 
     import shaping
     from config import TrainConfig
-    run = SimpleNamespace(cfg=TrainConfig(reward=RewardConfig(repetition_weight=0.1)), scorer=None, tok=None)
+    run = SimpleNamespace(cfg=TrainConfig(reward=RewardConfig(repetition_weight=0.1)), scorer=None, tok=None,
+                          scorer_queue=None)
     g = [SimpleNamespace(payload=SimpleNamespace(completion_ids=[1, 2])) for _ in range(4)]
     correct = [torch.tensor([1.0, 0.0, 0.0, 1.0])]
     rewards, m = shaping.shape_rewards(run, [(None, g)], correct, step=3)
@@ -481,7 +519,7 @@ def shape_worker(rank, world, port, out):
         for judge in (False, True):
             scorer = RecordingScorer(judge=judge)
             run = SimpleNamespace(cfg=TrainConfig(reward=RewardConfig(model="stub", rm_weight=1.0)), scorer=scorer,
-                                  tok=SimpleNamespace(decode=lambda ids: "x" * len(ids)))
+                                  scorer_queue=None, tok=SimpleNamespace(decode=lambda ids: "x" * len(ids)))
             groups = []
             for p in range(4):
                 g = []
@@ -530,7 +568,7 @@ def test_each_rank_scores_only_the_groups_it_generated_and_all_learn_every_score
         assert zero[1] == one[1] and untimed(zero[2]) == untimed(one[2])  # every rank shapes alike
         scorer = RecordingScorer(judge=judge)  # one process, every group whole
         run = SimpleNamespace(cfg=TrainConfig(reward=RewardConfig(model="stub", rm_weight=1.0)), scorer=scorer,
-                              tok=SimpleNamespace(decode=lambda ids: "x" * len(ids)))
+                              scorer_queue=None, tok=SimpleNamespace(decode=lambda ids: "x" * len(ids)))
         groups = [(SimpleNamespace(question=f"q{p}", answer="a"),
                    [Scored(reward=float(j), num_tokens=1 + p + 2 * j,
                            payload=Rollout([0], [1] * (1 + p + 2 * j), torch.zeros(1), torch.zeros(0), "length", p, 0))
