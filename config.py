@@ -469,8 +469,12 @@ RELATIONS: list[tuple[Callable[[TrainConfig], Any], Callable[[TrainConfig], str]
      lambda c: "engine." + too_few_pages(c.engine.kv_tokens, c.prompt_limit(), c.sampling.max_new_tokens,
                                          c.engine.page_size)),
     (lambda c: not c.engine.cuda_graph or (torch.device(c.device).type, c.compute_dtype()) == ("cuda", torch.bfloat16),
-     lambda c: f"engine.cuda_graph=True: a CUDA graph needs device='cuda' and dtype='bfloat16' or 'auto' (the experts' "
-               f"fp32 grouped GEMMs read their offsets on the host); got device={c.device!r}, dtype={c.dtype!r}"),
+     lambda c: f"engine.cuda_graph=True: a CUDA graph needs bf16 on CUDA (device='cuda' with dtype 'auto' or "
+               f"'bfloat16'; the experts' fp32 grouped GEMMs read their offsets on the host); got device={c.device!r}, "
+               f"dtype={c.dtype!r}, which computes in {str(c.compute_dtype()).removeprefix('torch.')}"),
+    (lambda c: not c.engine.slots or c.engine.page_size <= c.model.max_seq_len,
+     lambda c: f"engine.page_size={c.engine.page_size}: a page holds at most model.max_seq_len={c.model.max_seq_len} "
+               f"columns (every row would hold a whole page of them); use 1..{c.model.max_seq_len} (16 by default)"),
     (lambda c: c.engine.name != "sglang" or c.max_staleness == 0,
      lambda c: f"max_staleness={c.max_staleness}: engine.name='sglang' runs synchronous steps for now (a colocated "
                f"engine sleeps while the trainer trains); use max_staleness=0"),

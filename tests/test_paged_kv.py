@@ -125,6 +125,8 @@ def test_kv_tokens_below_one_row_at_full_length_is_refused_by_the_engine_and_the
         train.parse_args(["configs/tiny.py", "engine.kv_tokens=4096"])
     with pytest.warns(UserWarning, match="engine.slots=96 .* not read with name='sglang'"):
         EngineConfig(name="sglang", slots=96)
+    with pytest.raises(ValueError, match=r"engine.page_size=1000: a page holds at most model.max_seq_len=256"):
+        train.parse_args(["configs/tiny.py", "engine.slots=4", "engine.page_size=1000"])
     with pytest.raises(ValueError, match="page_size=0"):
         EngineConfig(slots=2, page_size=0)
 
