@@ -97,7 +97,7 @@ RESUMABLE = (
     "device", "gpus_per_node", "ep", "dist_timeout_s", "activation_checkpoint", "compile", "gen_batch_rows",
     "microbatch_tokens", "rollout_threads", "trainer_threads", "engine.sglang_urls", "engine.sglang_mem_fraction",
     "engine.slots", "engine.page_size", "engine.kv_tokens", "engine.prefill_tokens", "engine.cuda_graph",
-    "reward.workers",
+    "reward.workers", "reward.rm_shard",
 )
 """The settings (section fields dotted) that may differ between a run and its resume without making it another run;
 every other setting is the run's identity (choice 6)."""

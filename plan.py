@@ -61,7 +61,8 @@ Notable choices:
    the ranks, times the round's rows per prompt.
 8. A reward model or judge (reward.model=<folder> or judge:<folder>; `scorer_memory`, from its config.json's
    ModelConfig, which the caller reads: reward_model.scorer_model_config) is whole on every GPU (each rank
-   scores its own rollouts) and held through the run: its weights add to every phase, and its scoring peak
+   scores its own rollouts), or with reward.rm_shard a reward model's 1/world (FSDP: the root and one block
+   gathered while it scores), and held through the run: its weights add to every phase, and its scoring peak
    comes after the rollouts are generated, beside the trainer's parameters, AdamW and the engine's weights. A
    reward model: bf16 on CUDA (fp32 elsewhere, as reward_model.HFRewardModel picks) with its score head,
    scoring min(rm_batch_size, group) rows of the prompt + completion + SCORER_EXTRA_TOKENS without grad,
@@ -371,9 +372,11 @@ def continuous_peak(cfg, world: int, X: int, n: int) -> int:
     return generate_peak(cfg, world, B, U, pages=pages) + outputs + capacity
 
 
-def scorer_memory(cfg, scorer: ModelConfig | None) -> dict[str, int]:
-    """Bytes one GPU holds for the run's reward model or judge whose ModelConfig is `scorer` (None: none, or a
-    stand-in; zeros): weights (held through the run) and peak (of scoring one group, beyond the weights), choice 8."""
+def scorer_memory(cfg, scorer: ModelConfig | None, world: int = 1) -> dict[str, int]:
+    """Bytes one GPU of `world` holds for the run's reward model or judge whose ModelConfig is `scorer` (None: none,
+    or a stand-in; zeros): weights (held through the run) and peak (of scoring one group, beyond the weights),
+    choice 8; with reward.rm_shard on several GPUs 1/world of the weights, and the root's and one block's gathered
+    in the peak."""
     if scorer is None:
         return {"weights": 0, "peak": 0}
     G = max(cfg.group_size, cfg.filter.enlarged_group_size)  # a group's rollouts: what one scoring call takes
@@ -392,7 +395,13 @@ def scorer_memory(cfg, scorer: ModelConfig | None) -> dict[str, int]:
     m, N = scorer, min(G, cfg.reward.rm_batch_size) * tokens  # a batch's tokens
     # its forward's largest tensors, as generate_peak's prefill, the final hidden states and every layer's routes
     acts = N * (4 * m.dim + m.top_k * (2 * m.dim + 3 * m.moe_inter_dim)) * dt + N * m.dim * dt
-    return {"weights": weights, "peak": acts + N * m.num_moe_layers * m.top_k * 8}
+    peak = acts + N * m.num_moe_layers * m.top_k * 8
+    if cfg.reward.rm_shard and world > 1:  # FSDP units: each block, and the root (its embedding; no lm_head)
+        blocks = [sum(p.numel() for p in b.parameters()) * dt for b in model.layers]
+        root = (model.embed.weight.numel() + m.dim) * dt
+        # between steps 1/world of it; while scoring, the root and one block gathered (with their shards)
+        return {"weights": -(-weights // world), "peak": peak + root + max(blocks) * 2}
+    return {"weights": weights, "peak": peak}
 
 
 def memory_plan(cfg, world: int, scorer: ModelConfig | None = None) -> dict[str, int]:
@@ -411,7 +420,7 @@ def memory_plan(cfg, world: int, scorer: ModelConfig | None = None) -> dict[str,
     # one process: the replica persists through training; several: the engine's weights are gathered for the
     # rollout phase and freed after it (distributed.gathered), so a training step holds none of them
     train_step = trainer["total"] + (engine["weights"] if world == 1 else 0)
-    s = scorer_memory(cfg, scorer)  # held through the run; scoring after generating (choice 8)
+    s = scorer_memory(cfg, scorer, world)  # held through the run; scoring after generating (choice 8)
     peak = max(train_step, rollout, state["params"] + state["adam"] + engine["weights"] + s["peak"]) + s["weights"]
     margins = with_margins(cfg, world, peak) - peak
     return {**state, "gathered": trainer["gathered"], "activations": trainer["activations"],
@@ -525,9 +534,11 @@ def print_plan(cfg, nodes=NODES, scorer: ModelConfig | None = None) -> list[dict
         plans[k] = plan
     if not rows:
         raise ValueError(f"ep={cfg.ep} divides none of the GPU counts {[k * cfg.gpus_per_node for k in nodes]}")
-    if scorer is not None:  # the same on every GPU and node count: whole on each rank (choice 8)
-        s = scorer_memory(cfg, scorer)
-        print(f"reward.model={cfg.reward.model}: {n(param_counts(scorer)['total'])} parameters, whole on every GPU; "
+    if scorer is not None:  # whole on each rank (choice 8), or with rm_shard 1/world of it
+        world = rows[0]["gpus"]
+        s = scorer_memory(cfg, scorer, world)
+        where = f"sharded over the GPUs (reward.rm_shard; the figures at {world})" if cfg.reward.rm_shard else "whole on every GPU"
+        print(f"reward.model={cfg.reward.model}: {n(param_counts(scorer)['total'])} parameters, {where}; "
               f"weights {s['weights'] / GB:.1f} GiB held through the run, scoring peak {s['peak'] / GB:.1f} GiB after "
               f"generating; both in each total above")
     _print_what_fits(cfg, plans)

@@ -511,6 +511,11 @@ class RewardConfig:
     """Judge verdicts within this of 1/2 count as ties and add exactly nothing (judge_score)."""
     judge_max_new_tokens: int = 512
     """A generative judge's reply limit, in tokens: a reply cut off there has no last verdict line (a counted tie)."""
+    rm_shard: bool = False
+    """Under torchrun, a checkpoint folder's reward model FSDP-sharded over every rank (each holds 1/world of its
+    weights, a block gathered at a time as it scores: reward_model.HFRewardModel's choice 9), instead of a whole copy
+    on every rank. Scoring is then collective: one call per step after generation, every rank running as many
+    forwards (reward workers do not overlap it). A scalar reward model only; one process: a whole copy anyway."""
     rm_only: bool = False
     """The reward is the shaping score alone (reward model or judge, and penalties), the verifier's correctness
     unread: RL on prompts without trusted gold answers. Every response is then in one correctness class, so
@@ -534,6 +539,7 @@ class RewardConfig:
         "judge_dead_band": number(0, 0.5, high_open=True),
         "judge_max_new_tokens": integer(1),
         "rm_only": FLAG,
+        "rm_shard": FLAG,
         "shaping_margin": number(0, 0.5, high_open=True, why="at 1/2 a correct answer could get a negative advantage"),
         "workers": integer(0),
         "timeout_s": POSITIVE,
@@ -541,6 +547,10 @@ class RewardConfig:
 
     def __post_init__(self):
         check_fields(self)
+        if self.rm_shard and self.model and (self.model in REWARD_MODELS or self.judges):  # '': a recipe's, to be set
+            raise ValueError(f"rm_shard=True shards a reward model's checkpoint folder; model={self.model!r} is "
+                             f"{'a judge' if self.judges else 'a stand-in'}: set model to a sequence classifier's "
+                             "folder or leave rm_shard False")
 
     @property
     def shapes(self) -> bool:

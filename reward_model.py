@@ -56,9 +56,15 @@ Notable choices:
    one added.
 8. Placement under torchrun: every rank holds a whole reward model or judge (replicated, on its own
    device, in memory the dry-run plan counts: plan.scorer_memory) and scores only the groups it
-   generated (data-parallel scoring; shaping.shape_rewards gathers every group's scores to every rank).
-   Sharding a reward model like the policy (FSDP over the ranks, or expert parallel) is not done: a
-   large reward model's whole bf16 weights sit on every GPU.
+   generated (data-parallel scoring; shaping.shape_rewards gathers every group's scores to every rank),
+   unless reward.rm_shard shards a reward model (choice 9). A judge is never sharded: its whole bf16
+   weights sit on every GPU.
+9. reward.rm_shard: the reward model FSDP-sharded over every rank (distributed.parallelize on meshes of
+   its own, no expert parallel), each rank holding 1/world of its weights between steps; its lm_head
+   (tied to the embedding, never used for a score) is replaced by the identity, so the root's forward,
+   which FSDP2's hooks bracket, returns the hidden states. Each rank scores its own rows in one call
+   per step, and every rank runs as many forwards (the largest count, padding with one-token ones):
+   each block's all-gather is a collective. After a call every unit is resharded.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from distributed import all_reduce_float, own_meshes, parallelize, rank_world
 from hf import load_hf
 from hf_config import config_from_hf, read_config, weight_files
 from reward import JUDGE_OUTCOMES, JUDGE_PREFIX, REWARD_MODELS, RewardConfig, reward_model_for as stand_in_for
@@ -201,7 +208,7 @@ class HFRewardModel:
     """
 
     def __init__(self, path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                 batch_size: int = 8):
+                 batch_size: int = 8, shard: bool = False):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: need >= 1")
         config = read_classifier_config(path)
@@ -213,7 +220,12 @@ class HFRewardModel:
             model = load_hf(view)  # fp32 on the CPU, every tensor proven (hf.load_hf)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.model = model.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.sharded = shard and rank_world()[1] > 1  # choice 9
+        if self.sharded:
+            model.lm_head = torch.nn.Identity()  # untied and dropped: forward then returns the hidden states
+            self.model = parallelize(model.to(self.dtype), own_meshes(rank_world()[1])).eval().requires_grad_(False)
+        else:
+            self.model = model.to(self.device, self.dtype).eval().requires_grad_(False)
         self.head = _score_head(path, model.cfg.dim).to(self.device, self.dtype)
         self.pad_id = config.get("pad_token_id")  # the model's, which transformers pools by, not the tokenizer's
         self.batch_size = batch_size
@@ -224,17 +236,30 @@ class HFRewardModel:
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts and {len(completions)} completions; need one each")
         seqs = [conversation_ids(self.tokenizer, p, c) for p, c in zip(prompts, completions)]
+        batches = [seqs[lo:lo + self.batch_size] for lo in range(0, len(seqs), self.batch_size)]
+        pad = self.tokenizer.pad_id  # any id: right padding is never attended to by earlier tokens
+        # sharded (choice 9): every rank runs as many forwards, padding ones of one token, each gathering the blocks
+        idle = int(all_reduce_float(float(len(batches)), "max")) - len(batches) if self.sharded else 0
         out = []
-        for lo in range(0, len(seqs), self.batch_size):
-            batch = seqs[lo:lo + self.batch_size]
+        for batch in batches:
             T = max(map(len, batch))
-            pad = self.tokenizer.pad_id  # any id: right padding is never attended to by earlier tokens
             tokens_BT = torch.tensor([s + [pad] * (T - len(s)) for s in batch], device=self.device)
             at_B = torch.tensor([score_positions(s, self.pad_id) for s in batch], device=self.device)
-            h_BTD, _ = self.model.hidden(tokens_BT)
+            h_BTD = self._hidden(tokens_BT)
             h_BD = h_BTD[torch.arange(len(batch), device=self.device), at_B]  # (B, D) at each row's scored token
             out += (h_BD @ self.head.T).float().squeeze(-1).tolist()  # (B, 1) -> B scores
+        for _ in range(idle):
+            self._hidden(torch.full((1, 1), pad, device=self.device))
+        if self.sharded:
+            self.model.reshard()  # the root's embedding too: 1/world of the weights between steps
         return out
+
+    def _hidden(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [B, T, D] in the model's dtype; sharded, through FSDP's root forward (the
+        identity lm_head returns them as fp32, cast back exactly)."""
+        if self.sharded:
+            return self.model(tokens_BT)[0].to(self.dtype)
+        return self.model.hidden(tokens_BT)[0]
 
 
 Generate = Callable[[list[list[int]]], list[list[int]]]
@@ -261,7 +286,7 @@ def reward_model_for(cfg: RewardConfig, *, device: str | torch.device = "cpu",
         return GenerativeJudge(tok, judge_generator(model, tok), max_seq_len=model.cfg.max_seq_len,
                                max_new_tokens=cfg.judge_max_new_tokens)
     if os.path.isdir(cfg.model):
-        return HFRewardModel(cfg.model, device, batch_size=cfg.rm_batch_size)
+        return HFRewardModel(cfg.model, device, batch_size=cfg.rm_batch_size, shard=cfg.rm_shard)
     return stand_in_for(cfg)
 
 

@@ -17,6 +17,9 @@ Notable choices:
    parts, which can differ from scoring it whole by float rounding (the reward model's batches). The worker
    runs no collective (each rank's scorer is its own), so it never meets the ranks' lockstep. Where the
    device is one GPU the scorer's kernels queue behind the engine's; what overlaps is the host's work.
+4. A sharded reward model (reward.rm_shard, reward_model.py's choice 9) scores collectively: each rank's own
+   rows in one call per step, inline (never on the queue's thread, whose forwards would meet the main
+   thread's collectives), every rank calling it, with no rows of its own too.
 """
 
 from __future__ import annotations
@@ -58,10 +61,19 @@ def shape_rewards(run, groups, correct: list[torch.Tensor], step: int) -> tuple[
         # this rank's groups: their rollouts are whole here (Rollout), the others' are summaries
         mine = [p for p, (_, g) in enumerate(groups) if world == 1 or isinstance(g[0].payload, Rollout)]
         queue = run.scorer_queue  # with reward workers: scored while generating, waited for here (choice 3)
-        own = [(p, queue.scores([s.payload for s in groups[p][1]]) if queue is not None else
-                scorer_outputs(scorer, groups[p][0].question, [completion_text(run.tok, s.payload)
-                                                               for s in groups[p][1]], groups[p][0].answer))
-               for p in mine]
+        if getattr(scorer, "sharded", False):  # a collective (reward.rm_shard): one call of every own row (choice 4)
+            rows = [(p, s) for p in mine for s in groups[p][1]]
+            flat = scorer.score([groups[p][0].question for p, _ in rows],
+                                [completion_text(run.tok, s.payload) for _, s in rows])
+            flat, own = torch.tensor(flat, dtype=torch.float64), []
+            for p in mine:
+                own.append((p, flat[:len(groups[p][1])]))
+                flat = flat[len(groups[p][1]):]
+        else:
+            own = [(p, queue.scores([s.payload for s in groups[p][1]]) if queue is not None else
+                    scorer_outputs(scorer, groups[p][0].question, [completion_text(run.tok, s.payload)
+                                                                   for s in groups[p][1]], groups[p][0].answer))
+                   for p in mine]
         if queue is not None:
             queue.forget()
         for p, x in all_gather_list(own):  # every rank's, rank order; one process: its own

@@ -507,7 +507,8 @@ def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
                               keep=start.resumed["num_records"] if start.resumed else None),
                pool=RewardPool(data.task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
                if cfg.reward.workers else None, scorer=scorer,
-               scorer_queue=ScorerQueue(scorer) if scorer is not None and cfg.reward.workers else None)
+               scorer_queue=ScorerQueue(scorer) if scorer is not None and cfg.reward.workers and not
+               getattr(scorer, "sharded", False) else None)  # a sharded one scores collectively (shaping's choice 4)
 
 
 def save_model(run: Run):

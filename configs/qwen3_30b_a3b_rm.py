@@ -2,7 +2,7 @@
 #   torchrun --nnodes=4 --nproc_per_node=8 ... train.py configs/qwen3_30b_a3b_rm.py \
 #       init_hf=/ckpt/Qwen3-30B-A3B reward.model=/ckpt/<a Qwen3-MoE or GLM-4.5 ForSequenceClassification folder> \
 #       train_data=/data/prompts_train.jsonl eval_data=/data/prompts_test.jsonl
-# (reward.model=judge:/ckpt/<a causal LM> judges each rollout against the row's answer instead.)
+# (reward.model=judge:/ckpt/<a causal LM> reward.rm_shard=False judges each rollout against the row's answer instead.)
 # The reward (reward.rm_only): rm_weight * tanh(score - the group's mean score) (reward.rm_score), in [-1, 1];
 # the verifier's correctness is not read, so a group is one correctness class, adjust_rewards' ordering
 # guarantee holds vacuously and the shaping is the reward. The data is prompt-only: JSONL (or parquet) rows of
@@ -17,4 +17,4 @@ out_dir = "out/qwen3_30b_a3b_rm"
 # stages 1 and 2 decide on the verifier's pass rates, which mean nothing here; stage 3 drops a group whose
 # reward-model scores are all equal (no signal)
 filter = dict(probe_size=0)
-reward = dict(rm_only=True, rm_weight=1.0, rm_batch_size=16)
+reward = dict(rm_only=True, rm_weight=1.0, rm_batch_size=16, rm_shard=True)  # the RM FSDP-sharded like the policy

@@ -280,6 +280,9 @@ def test_a_reward_model_or_judge_adds_its_whole_weights_to_every_gpus_plan(monke
         assert with_rm["scorer weights"] == weights and 0 < with_rm["scorer peak"] < 70 * plan.GB
         peak = max(base["train step"], base["rollout peak"])
         assert with_rm["total"] == plan.with_margins(cfg, world, peak + weights)
+        # reward.rm_shard: 1/world of the weights between steps (whole in one process)
+        sharded = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, rm_shard=True))
+        assert plan.memory_plan(sharded, world, rm)["scorer weights"] == -(-weights // world)
         judge_cfg = dataclasses.replace(cfg, reward=RewardConfig(model=f"judge:{judge_path}", judge_max_new_tokens=64))
         judge = scorer_model_config(judge_cfg.reward)
         gates = judge.num_moe_layers * judge.num_experts * judge.dim  # fp32 in any dtype

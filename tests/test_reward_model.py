@@ -487,6 +487,7 @@ class RecordingScorer:
 
     def score(self, prompts, completions):
         self.seen += prompts
+        self.calls = getattr(self, "calls", 0) + 1
         return [float(len(c)) for c in completions]
 
     def __getattr__(self, name):  # compare only on a judge: scorer_outputs tells them apart by it
@@ -516,8 +517,10 @@ def shape_worker(rank, world, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = {}
-        for judge in (False, True):
-            scorer = RecordingScorer(judge=judge)
+        for judge in (False, True, "sharded"):
+            scorer = RecordingScorer(judge=judge is True)
+            if judge == "sharded":  # as reward.rm_shard's: one collective call per rank and step (shaping's choice 4)
+                scorer.sharded = True
             run = SimpleNamespace(cfg=TrainConfig(reward=RewardConfig(model="stub", rm_weight=1.0)), scorer=scorer,
                                   scorer_queue=None, tok=SimpleNamespace(decode=lambda ids: "x" * len(ids)))
             groups = []
@@ -532,7 +535,8 @@ def shape_worker(rank, world, port, out):
             correct = [torch.tensor([0.0, 1.0])] * 4
             rewards, m = shaping.shape_rewards(run, groups, correct, step=0)
             everyone = [None] * world
-            dist.all_gather_object(everyone, (sorted(scorer.seen), [r.tolist() for r in rewards], m))
+            dist.all_gather_object(everyone, (sorted(scorer.seen), [r.tolist() for r in rewards], m,
+                                              getattr(scorer, "calls", 0)))
             result[judge] = everyone
         if rank == 0:
             torch.save(result, out)
@@ -547,7 +551,8 @@ def untimed(metrics: dict) -> dict:
 def test_each_rank_scores_only_the_groups_it_generated_and_all_learn_every_score(tmp_path):
     """Under 2 gloo ranks each rank's scorer sees only its own groups' prompts (data-parallel scoring, no group
     scored twice), and both ranks end with the same rewards and metrics, the judge's counts summed over ranks,
-    equal to one process scoring all four groups."""
+    equal to one process scoring all four groups; a sharded reward model (reward.rm_shard) is called once per rank
+    with all its rows and shapes alike."""
     import socket
     from types import SimpleNamespace
 
@@ -563,6 +568,9 @@ def test_each_rank_scores_only_the_groups_it_generated_and_all_learn_every_score
     mp.start_processes(shape_worker, args=(2, port, str(tmp_path / "out.pt")), nprocs=2, join=True,
                        start_method="spawn")
     result = torch.load(tmp_path / "out.pt")
+    sharded = result.pop("sharded")  # a sharded reward model: each rank's rows in one call, shaped as the whole one's
+    assert [rank[3] for rank in sharded] == [1, 1]
+    assert [rank[:2] for rank in sharded] == [rank[:2] for rank in result[False]]
     for judge, (zero, one) in result.items():
         assert zero[0] == ["q0"] * 2 + ["q1"] * 2 and one[0] == ["q2"] * 2 + ["q3"] * 2  # their own groups only
         assert zero[1] == one[1] and untimed(zero[2]) == untimed(one[2])  # every rank shapes alike
@@ -577,3 +585,48 @@ def test_each_rank_scores_only_the_groups_it_generated_and_all_learn_every_score
         assert [r.tolist() for r in rewards] == zero[1] and untimed(m) == untimed(zero[2])
         if judge:
             assert zero[2]["judge/judged"] == 8 and zero[2]["judge/unparsed"] == 8  # 4 per rank, summed
+
+
+def sharded_rm_worker(rank, world, port, path, out):
+    """Rank `rank` of `world` (gloo): a reward model sharded over both ranks (reward.rm_shard) scores this rank's
+    rows, a different number on each rank; rank 0 saves both ranks' scores and the share of weights each held."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from reward_model import HFRewardModel
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rm = HFRewardModel(path, batch_size=2, shard=True)
+        held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in rm.model.parameters())
+        rows = [(PROMPTS[i % 3], COMPLETIONS[i % 6]) for i in range(rank, 7 + 4 * rank)]  # 7 rows, then 10
+        scores = rm.score([p for p, _ in rows], [c for _, c in rows])
+        again = rm.score([], []) if rank else rm.score(*map(list, zip(*rows[:1])))  # none here: still joins
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (rows, scores, again, held, rm.sharded))
+        if rank == 0:
+            torch.save(everyone, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_reward_model_holds_half_its_weights_on_two_ranks_and_scores_as_a_whole_one(classifier, tmp_path):
+    """reward.rm_shard under 2 gloo ranks: each rank holds about half the backbone (FSDP, its lm_head dropped) and
+    scores its own rows, 7 and 10 in batches of 2 (the ranks run as many forwards, padding with one-token ones),
+    equal to a whole reward model's scores of the same rows; a rank with no rows still joins a call."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(sharded_rm_worker, args=(2, port, classifier, str(tmp_path / "out.pt")), nprocs=2, join=True,
+                       start_method="spawn")
+    whole = HFRewardModel(classifier, batch_size=2)
+    full = sum(p.numel() for p in whole.model.parameters())  # the tied embedding once
+    for rows, scores, again, held, sharded in torch.load(tmp_path / "out.pt"):
+        assert sharded and held < 0.6 * full
+        want = whole.score([p for p, _ in rows], [c for _, c in rows])
+        torch.testing.assert_close(torch.tensor(scores), torch.tensor(want), rtol=0, atol=1e-5)
+        assert again in ([], want[:1]) or torch.allclose(torch.tensor(again), torch.tensor(want[:1]), atol=1e-5)

@@ -32,13 +32,14 @@ LAYERS = {
     # 9: the RL step's parts above the engines; 10: the entry point and the RL step
     "shaping": 9, "train": 10,
 }
-MAX_ARROWS = 89  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
+MAX_ARROWS = 90  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
 # reward_model -> reward, hf, hf_config, tokenizer and train -> reward_model (issue 27: a reward model read
 # from an HF checkpoint); batching's four and rollout -> batching, ep_decode -> model (continuous batching
 # and expert-parallel decode in files of their own); evaluation's four and train -> evaluation (the evals
 # out of train.py); paged_kv's five (-> model; batching, rollout, config and plan
 # -> paged_kv: the page pool, its default page and its least size) and batching -> graph_decode (issue 26);
-# shaping's six and train -> shaping (the step's reward-model shaping out of train.py, which drops -> reward)
+# shaping's six and train -> shaping (the step's reward-model shaping out of train.py, which drops -> reward);
+# reward_model -> distributed (reward.rm_shard: a reward model sharded like the policy)
 
 
 def import_graph() -> dict[str, set[str]]:
