@@ -133,6 +133,15 @@ def worker(rank, world, port, ep):
             assert torch.equal(a.routes, b.routes)
         # the engine's own syncs remain (its stop checks, the results' copy); the MoE layers' bincounts are gone
         assert "bincount" in titan_gen.syncs and "bincount" not in fixed_gen.syncs
+
+        # 5. the continuous-batching decode step (batching.decode_rows, over a paged cache) traces as one graph with
+        # the eager step's numbers: the all-to-alls (functional collectives) and the experts' DTensor shards inside
+        # it, FSDP2's forward hooks, which torch keeps out of every graph, set aside (tests/test_graph_decode.py)
+        if ep == 2:
+            from test_graph_decode import assert_same_step, decode_inputs, forward_hooks_set_aside
+            with torch.no_grad(), distributed.gathered(model), capacity_dispatch(model, max_tokens=4):
+                inputs = decode_inputs(cfg.model, B=3 + rank, W=4 + 2 * rank, seed=10 + rank, kind="paged")
+                assert_same_step(model, *inputs, traced_in=forward_hooks_set_aside(model))
     finally:
         dist.destroy_process_group()
 

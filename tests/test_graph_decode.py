@@ -1,31 +1,23 @@
 """Graph-ready decode (issue 26 item 4): batching.decode_rows, the continuous-batching decode step, traces as one
-graph under torch.compile(fullgraph=True) at ep=1 and, under ep_decode.capacity_dispatch, at ep=2 on gloo ranks,
+graph under torch.compile(fullgraph=True) at ep=1 and, under ep_decode.capacity_dispatch, at ep=2 on gloo ranks
+(that case in tests/test_ep_decode.py's ranks, step 5, with this file's helpers),
 with the eager step's logits, routes and cache bit for bit; on CUDA it is captured in a CUDA graph
 (graph_decode.GraphedDecode) whose replays give the eager step's numbers. backend="eager" runs dynamo's graph
 with the same ops, so equality is exact; inductor's fused kernels would round differently.
 """
 import copy
-import os
 from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-import distributed
 from batching import decode_rows
 from config import load_config
-from ep_decode import capacity_dispatch
 from graph_decode import GraphedDecode, decode_step
 from model import KVCache, Transformer, route_dtype
 from paged_kv import PagedKVCache, pages_for
-from runs import free_port
 
-# tests/test_ep_decode.py's model: num_experts=8, top_k=3, a shared expert
-MODEL = ["model.vocab_size=64", "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.head_dim=8", "model.num_experts=8", "model.top_k=3", "model.moe_inter_dim=16",
-         "model.num_shared_experts=1", "model.max_seq_len=64", "model.init_std=0.3"]
+from test_ep_decode import MODEL  # its model: num_experts=8, top_k=3, a shared expert
 S, P = 8, 3  # cache columns of each slot; a page's columns (paged_kv), three pages a slot
 CACHES = ["static", "paged"]  # model.KVCache, paged_kv.PagedKVCache (what ContinuousBatch decodes over)
 
@@ -102,27 +94,6 @@ def test_the_decode_step_compiles_as_one_graph_with_eager_numbers(dtype, kind):
     torch.manual_seed(0)
     model = Transformer(cfg).to(dtype)
     assert_same_step(model, *decode_inputs(cfg, B=3, W=5, seed=1, dtype=dtype, kind=kind))
-
-
-def worker(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        cfg = load_config(None, MODEL + [f"ep={world}"])
-        torch.manual_seed(cfg.seed)
-        model = distributed.build_model(cfg, distributed.build_meshes(world, world))
-        with torch.no_grad(), distributed.gathered(model), capacity_dispatch(model, max_tokens=4):
-            # each rank its own rows and columns; the same bound (4 slots) on both; eager with FSDP's hooks
-            inputs = decode_inputs(cfg.model, B=3 + rank, W=4 + 2 * rank, seed=10 + rank, kind="paged")
-            assert_same_step(model, *inputs, traced_in=forward_hooks_set_aside(model))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_the_expert_parallel_decode_step_compiles_as_one_graph_with_eager_numbers():
-    """ep=2: the capacity dispatch's all-to-alls (functional collectives) and the experts' DTensor shards inside the
-    one graph; FSDP2's forward hooks, which torch keeps out of every graph, set aside (forward_hooks_set_aside)."""
-    mp.start_processes(worker, args=(2, free_port()), nprocs=2, join=True, start_method="spawn")
 
 
 def test_a_cuda_graph_is_refused_off_cuda_naming_the_setting():
