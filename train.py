@@ -318,7 +318,9 @@ def rl_loop(run: Run, start: int):
         m = next(steps) if steps is not None else rl_step(run, step)
         m["time"] = time.perf_counter() - run.t_start
         run.log(m)
-        bar.set_postfix(reward=f"{m.get('reward', math.nan):.2f}", zv=f"{m['filter/zero_variance_frac']:.2f}")
+        # the verifier's mean reward, or with reward.rm_only (no verifier read) the reward model's shaped one
+        shown = "reward/shaped_mean" if cfg.reward.rm_only else "reward"
+        bar.set_postfix(reward=f"{m.get(shown, math.nan):.2f}", zv=f"{m['filter/zero_variance_frac']:.2f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.rl_steps:
             run.evals["after_rl"] = run_eval(run, step + 1)
         checkpoint(run, run.opt, "rl", step)

@@ -111,16 +111,20 @@ def model_config(family: str, **overrides):
 
 
 def build_checkpoint(path: str, family: str = "qwen3_moe", *, seed: int = 0, num_ranks: int | None = None,
-                     specials: list[str] = QWEN_SPECIALS, **overrides) -> str:
+                     specials: list[str] = QWEN_SPECIALS, classifier: bool = False, **overrides) -> str:
     """Write a random `family` checkpoint with Qwen's tokenizer and chat template to path; returns path.
     num_ranks, specials: a vocabulary of Qwen's first num_ranks ranks and these specials (write_qwen_tokenizer),
-    the embedding sized to them; default all of Qwen's, padded to QWEN_VOCAB rows."""
+    the embedding sized to them; default all of Qwen's, padded to QWEN_VOCAB rows. classifier: a one-label
+    ...ForSequenceClassification (a reward model: reward.model=<path>) instead of a causal LM."""
     import transformers
     torch.manual_seed(seed)
     if num_ranks is not None:  # the specials follow the ranks
         overrides = dict(vocab_size=num_ranks + len(specials), eos_token_id=num_ranks + specials.index("<|im_end|>"),
                          pad_token_id=num_ranks + specials.index("<|endoftext|>"), **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(model_config(family, **overrides), dtype=torch.float32)
+    if classifier:
+        overrides = dict(num_labels=1, **overrides)
+    auto = transformers.AutoModelForSequenceClassification if classifier else transformers.AutoModelForCausalLM
+    model = auto.from_config(model_config(family, **overrides), dtype=torch.float32)
     model.save_pretrained(path)
     # after save_pretrained: its generation_config.json is replaced
     return write_qwen_tokenizer(path, num_ranks=num_ranks, specials=specials)
@@ -130,5 +134,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="write a small random HF checkpoint with Qwen's tokenizer")
     ap.add_argument("path")
     ap.add_argument("--family", default="qwen3_moe", choices=FAMILIES)
+    ap.add_argument("--classifier", action="store_true", help="a one-label sequence classifier: a reward model")
     args = ap.parse_args()
-    print(build_checkpoint(args.path, args.family))
+    print(build_checkpoint(args.path, args.family, classifier=args.classifier))
