@@ -42,7 +42,7 @@ Notable choices:
    of the sampled tokens and the routed experts come back with each (`return_logprob`,
    `return_routed_experts`); routes arrive as base64 int32 over all of SGLang's hidden layers
    and are mapped to this project's MoE layers (`decode_routed_experts`). A server that does not
-   capture them is refused at connect (`check_server`).
+   capture them is refused at connect (`sglang_server.check_server`).
 4. Weight sync: every rank gathers each sharded tensor (`full_tensor`, a collective); one rank
    sends them in HF names, bucket by bucket, inside begin/end_weight_update where the server
    has them, then flushes the prefix cache. Colocated, the node leader passes CUDA IPC handles
@@ -66,9 +66,6 @@ import multiprocessing
 import os
 import re
 import socket
-import time
-import urllib.error
-import urllib.request
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
@@ -83,6 +80,7 @@ from distributed import all_gather_list, barrier, rank_world
 from hf import hf_tensors, save_hf
 from model import ModelConfig, route_dtype
 from sampler import Rollout, SamplingParams, row_keys
+from sglang_server import ABSENT, SGLangServer, check_server, launch_wait_s, nccl_pairing, wait_until_serving
 from weights import DEFAULT_BUCKET_BYTES, Named, fp8_bf16_modules, full_tensor, quantize_fp8, weight_buckets
 
 if TYPE_CHECKING:
@@ -91,25 +89,10 @@ if TYPE_CHECKING:
 
 UPDATE_GROUP = "everyprompt_weight_sync"
 """Name of the NCCL group rank 0 broadcasts weights on (SGLang keeps one group per name)."""
-HTTP_TIMEOUT_S = 3600.0
-"""Seconds one HTTP call may take: a /generate call holds a whole batch of long completions."""
 GROUP_TIMEOUT_S = 1800.0
 """Seconds the weight-update group waits for the servers to join, or for one broadcast to complete."""
-FLUSH_RETRIES = 10
-"""Tries of /flush_cache, a second apart: SGLang refuses to flush while requests are still running."""
 SGLANG_SEED_BITS = 31
 """Per-request sampling_seed kept a non-negative int32, a range every SGLang version takes."""
-LAUNCH_LOAD_BYTES_PER_S = 1e9
-"""Checkpoint bytes a launching server is assumed to load per second (1 GB/s): slow on purpose, as from a shared
-filesystem every node reads at once, so the launch wait errs long rather than killing a server still loading."""
-LAUNCH_FIXED_S = 600.0
-"""Seconds a launch takes besides loading the weights: processes, NCCL, CUDA-graph capture over every batch size
-(minutes for a large MoE at TP 8), the first /health_generate."""
-HEALTH_POLL_S = 2.0
-"""Seconds between /health_generate probes of a launching server (launch_server_process's interval)."""
-HEALTH_CALL_TIMEOUT_S = 60.0
-"""Seconds one /health_generate probe may take: SGLang answers 503 after its own 20 s (SGLANG_HEALTH_CHECK_TIMEOUT)."""
-_ABSENT = object()  # what an HTTP call answers for a route this server's SGLang version lacks (404)
 LAUNCHED: list = []
 """How to stop each SGLang server this process launched (colocated), and its scheduler processes."""
 
@@ -274,162 +257,6 @@ def _ok(result, what: str):
         ok, msg = result.success, getattr(result, "message", "")
     if not ok:
         raise RuntimeError(f"SGLang {what} failed: {msg}")
-
-
-# ----------------------------------------------------------------------------- one server over HTTP
-
-
-class SGLangServer:
-    """`sglang.Engine`'s methods over one server's HTTP API (routes and bodies as in SGLang's
-    entrypoints/http_server.py), so SGLangEngine drives an in-process Engine and a server alike.
-    Raises RuntimeError on an error status or an unreachable server, naming the URL, the route
-    and SGLang's message. serialize: how /update_weights_from_tensor packs a bucket (SGLang's
-    MultiprocessingSerializer: CUDA IPC handles, for a colocated server on the same GPUs)."""
-
-    def __init__(self, url: str, *, serialize=None, timeout_s: float = HTTP_TIMEOUT_S):
-        self.url, self.serialize, self.timeout_s = url.rstrip("/"), serialize, timeout_s
-        self._info = None
-        self.version = None  # the server's SGLang version, once check_server has asked
-
-    def call(self, route: str, payload: dict | None = None, *, optional: bool = False):
-        """POST payload (GET when None) to route; the decoded answer. optional: a 404 (a route this
-        SGLang version lacks) answers _ABSENT instead of raising."""
-        data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(self.url + route, data=data, method="GET" if payload is None else "POST",
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                body = resp.read().decode()
-        except urllib.error.HTTPError as e:
-            if optional and e.code == 404:
-                return _ABSENT
-            message = e.read().decode(errors="replace")  # SGLang's error answer: {"error": {"message": ...}} or text
-            raise RuntimeError(f"SGLang {self.url}{route} answered {e.code}: {message}") from None
-        except urllib.error.URLError as e:
-            raise RuntimeError(f"SGLang server {self.url} is unreachable ({route}): {e.reason}") from None
-        try:
-            return json.loads(body) if body else None
-        except json.JSONDecodeError:  # /flush_cache answers plain text
-            return body
-
-    def generate(self, **request) -> list[dict]:
-        out = self.call("/generate", request)
-        return out if isinstance(out, list) else [out]  # a batch answers a list, one request a dict
-
-    def server_info(self) -> dict:
-        """The server's arguments and state (/server_info; /get_server_info before SGLang renamed it)."""
-        if self._info is None:
-            info = self.call("/server_info", optional=True)
-            self._info = self.call("/get_server_info") if info is _ABSENT else info
-        return self._info
-
-    @property
-    def tp_size(self) -> int:
-        """GPUs of the server, each a rank of the weight-update group (rank_offset + tp_rank, as the model
-        runner's init_weights_update_group numbers them)."""
-        info = self.server_info()
-        if info.get("pp_size", 1) != 1 or info.get("dp_size", 1) != 1:  # their ranks would collide in the group
-            raise RuntimeError(f"SGLang {self.url} runs pp_size={info.get('pp_size')} dp_size={info.get('dp_size')}; "
-                               f"the weight sync joins servers with tensor parallelism only (pp_size = dp_size = 1)")
-        return int(info["tp_size"])
-
-    def flush_cache(self):
-        for _ in range(FLUSH_RETRIES - 1):
-            try:
-                return self.call("/flush_cache", {})
-            except RuntimeError:
-                time.sleep(1.0)  # requests still running: SGLang flushes only an idle server
-        return self.call("/flush_cache", {})
-
-    def release_memory_occupation(self):
-        return self.call("/release_memory_occupation", {})  # no tags: all of srt/constants.py's (weights, KV, graphs)
-
-    def resume_memory_occupation(self):
-        return self.call("/resume_memory_occupation", {})
-
-    def begin_weight_update(self):
-        return self.call("/begin_weight_update", {}, optional=True)  # _ABSENT before SGLang PR 28001
-
-    def end_weight_update(self):
-        return self.call("/end_weight_update", {})
-
-    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True):
-        # one serialized copy per TP rank, as SGLang's HttpServerEngineAdapter sends them (each rank opens its own)
-        return self.call("/update_weights_from_tensor", dict(
-            serialized_named_tensors=[self.serialize(named_tensors) for _ in range(self.tp_size)], load_format=None,
-            flush_cache=flush_cache))
-
-    def init_weights_update_group(self, **group):
-        return self.call("/init_weights_update_group", group)
-
-    def update_weights_from_distributed(self, **bucket):
-        return self.call("/update_weights_from_distributed", bucket)
-
-
-SERVER_NCCL = {"0.5.23": (2, 30, 7)}
-"""The NCCL of each SGLang release's own environment, read from the wheels: sglang 0.5.23 pins torch 2.14.1, whose
-Linux wheel pins nvidia-nccl-cu13 2.30.7 (tools/check_install.py prints the pairing)."""
-TRAINER_NCCL = (2, 29, 7)
-"""The trainer's NCCL where it cannot be asked (no CUDA here): torch 2.13.0's Linux wheel pins nvidia-nccl-cu13
-2.29.7."""
-
-
-def nccl_pairing(server_version: str | None, url: str) -> str | None:
-    """Why the weight broadcast's NCCL communicator may not form, or None: it holds this process (the trainer's NCCL)
-    and the server's GPUs (its SGLang release's, SERVER_NCCL), and NCCL does not promise that two versions pair."""
-    ours = torch.cuda.nccl.version() if torch.cuda.is_available() else TRAINER_NCCL
-    theirs = SERVER_NCCL.get(server_version or "")
-    if theirs is None:
-        return (f"SGLang {url} runs version {server_version!r}, whose NCCL is not known here (SERVER_NCCL): the weight "
-                f"broadcast pairs it with this trainer's NCCL {'.'.join(map(str, ours))}, untested")
-    if tuple(theirs[:2]) != tuple(ours[:2]):
-        return (f"SGLang {url} (sglang {server_version}) runs NCCL {'.'.join(map(str, theirs))} and this trainer NCCL "
-                f"{'.'.join(map(str, ours))}: the weight broadcast pairs them in one communicator, which NCCL does not "
-                f"promise and which has not been tried; if init_weights_update_group fails or hangs, install the "
-                f"server's NCCL here (pip install nvidia-nccl-cu13=={'.'.join(map(str, theirs))})")
-    return None
-
-
-def check_server(server: SGLangServer) -> bool:
-    """Whether the server honours a request's sampling_seed (deterministic inference on); raises RuntimeError,
-    naming its URL and the flag to start it with, when it does not capture routed experts, without which no
-    rollout can be replayed. Reads /server_info: sglang 0.5.23 answers ServerArgs.resolved_dict(), its
-    arguments flat and as resolved (rl_on_policy_target turns deterministic inference on, for one)."""
-    info = server.server_info()
-    server.version = info.get("version")  # sglang's __version__, which /server_info adds (entrypoints/http_server.py)
-    if not info.get("enable_return_routed_experts"):  # absent before SGLang had the switch (PR 12162): no routes either
-        raise RuntimeError(f"SGLang {server.url} reports enable_return_routed_experts="
-                           f"{info.get('enable_return_routed_experts')}: it returns no routed experts, which router "
-                           f"replay needs; start it with --enable-return-routed-experts")
-    return bool(info.get("enable_deterministic_inference"))
-
-
-def launch_wait_s(model_path: str) -> float:
-    """Seconds to wait for a server launched on model_path to serve: its *.safetensors bytes at
-    LAUNCH_LOAD_BYTES_PER_S, plus LAUNCH_FIXED_S. SGLang's launch_server_process waits a fixed 300 s (a constant
-    in entrypoints/http_server_engine.py, 0.5.23: no argument, no environment variable), short of what 213 GB
-    at TP 8 and CUDA-graph capture can take."""
-    num_bytes = sum(e.stat().st_size for e in os.scandir(model_path) if e.name.endswith(".safetensors"))
-    return LAUNCH_FIXED_S + num_bytes / LAUNCH_LOAD_BYTES_PER_S
-
-
-def wait_until_serving(url: str, alive, wait_s: float):
-    """Return once the server at url answers /health_generate (a one-token generation: 200 once it serves),
-    probing every HEALTH_POLL_S as launch_server_process does. alive(): whether its process still runs.
-    Raises RuntimeError when the process has exited, TimeoutError after wait_s seconds."""
-    probe = SGLangServer(url, timeout_s=HEALTH_CALL_TIMEOUT_S)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            probe.call("/health_generate")
-            return
-        except (RuntimeError, OSError):  # not listening yet (RuntimeError), 503 while starting, a probe timed out
-            pass
-        if not alive():
-            raise RuntimeError(f"the SGLang server at {url} exited while starting (its log is above)")
-        time.sleep(HEALTH_POLL_S)
-    raise TimeoutError(f"the SGLang server at {url} did not serve within {wait_s:.0f} s (launch_wait_s: the "
-                       f"checkpoint at {LAUNCH_LOAD_BYTES_PER_S / 1e9:g} GB/s + {LAUNCH_FIXED_S:.0f} s)")
 
 
 def join_update_group(master_address: str, master_port: int, world_size: int, group_name: str, *,
@@ -676,8 +503,8 @@ class SGLangEngine:
         try:
             for server in self.servers:
                 begin = getattr(server, "begin_weight_update", None)  # an in-process Engine before 0.5.23 lacks it
-                result = begin() if begin is not None else _ABSENT
-                if result is not _ABSENT:
+                result = begin() if begin is not None else ABSENT
+                if result is not ABSENT:
                     _ok(result, "begin_weight_update")
                     opened.append(server)
             for bucket in weight_buckets(tensors, self.bucket_bytes):

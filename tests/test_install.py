@@ -44,9 +44,9 @@ def test_the_snapshot_holds_the_cuda_wheels_own_pins():
 def test_the_weight_broadcasts_nccl_pairing_is_read_from_the_wheels_as_the_engine_holds_it():
     """The trainer's torch and SGLang's own torch pin different NCCLs; sglang_engine warns of it at connect from
     its SERVER_NCCL and TRAINER_NCCL, which must be what the wheels say."""
-    import sglang_engine
+    import sglang_server
     line = check_install.nccl_pairing(requires())
-    server = sglang_engine.SERVER_NCCL[check_install.read_pins(["requirements-sglang.txt"])["sglang"]]
+    server = sglang_server.SERVER_NCCL[check_install.read_pins(["requirements-sglang.txt"])["sglang"]]
     assert f"nvidia-nccl-cu13=={'.'.join(map(str, server))} (torch==2.14.1)" in line
-    assert f"nvidia-nccl-cu13=={'.'.join(map(str, sglang_engine.TRAINER_NCCL))} (torch==2.13.0)" in line
+    assert f"nvidia-nccl-cu13=={'.'.join(map(str, sglang_server.TRAINER_NCCL))} (torch==2.13.0)" in line
     assert "different versions in one communicator" in line

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import sglang_engine
+import sglang_server
 from config import EngineConfig, TrainConfig, load_config, parse_sglang_urls
 from hf_config import config_to_hf
 from model import ModelConfig, Transformer, route_dtype
@@ -21,7 +22,8 @@ from weights import FP8
 from rollout import ENGINES, engine_builder
 from sampler import SamplingParams
 from weights import policy_tensors
-from sglang_engine import SGLangEngine, SGLangServer, build_sglang_engine
+from sglang_engine import SGLangEngine, build_sglang_engine
+from sglang_server import SGLangServer
 
 EOS = 1
 TOK = SimpleNamespace(stop_ids=(EOS,), pad_id=0)  # what build_sglang_engine reads of a tokenizer.Tokenizer
@@ -251,29 +253,29 @@ def test_the_colocated_server_is_started_with_what_connect_checks(tiny_cfg, log)
     args = sglang_engine.sglang_server_args("/ckpt", fp8=False)  # what the colocated launch passes to ServerArgs
     server = FakeSGLang(tiny_cfg, log, info=dict(enable_return_routed_experts=args["enable_return_routed_experts"],
                                                  enable_deterministic_inference=args["enable_deterministic_inference"]))
-    assert sglang_engine.check_server(SGLangServer(server.url)) is True
+    assert sglang_server.check_server(SGLangServer(server.url)) is True
 
 
 def test_the_launch_wait_grows_with_the_checkpoints_bytes(tmp_path):
     (tmp_path / "config.json").write_bytes(b"x" * 10**6)  # not weights: not counted
-    empty = sglang_engine.launch_wait_s(str(tmp_path))
-    assert empty == sglang_engine.LAUNCH_FIXED_S
+    empty = sglang_server.launch_wait_s(str(tmp_path))
+    assert empty == sglang_server.LAUNCH_FIXED_S
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 3 * 10**6)
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 10**6)
-    assert sglang_engine.launch_wait_s(str(tmp_path)) == pytest.approx(
-        empty + 4 * 10**6 / sglang_engine.LAUNCH_LOAD_BYTES_PER_S)
+    assert sglang_server.launch_wait_s(str(tmp_path)) == pytest.approx(
+        empty + 4 * 10**6 / sglang_server.LAUNCH_LOAD_BYTES_PER_S)
     # the issue's case: 213 GB at the stated 1 GB/s is well past SGLang's fixed 300 s
-    assert sglang_engine.LAUNCH_FIXED_S + 213e9 / sglang_engine.LAUNCH_LOAD_BYTES_PER_S > 300
+    assert sglang_server.LAUNCH_FIXED_S + 213e9 / sglang_server.LAUNCH_LOAD_BYTES_PER_S > 300
 
 
 def test_the_launch_wait_returns_once_the_server_serves_and_fails_when_it_died_or_ran_out(tiny_cfg, log):
     server = FakeSGLang(tiny_cfg, log)
-    sglang_engine.wait_until_serving(server.url, alive=lambda: True, wait_s=10)
+    sglang_server.wait_until_serving(server.url, alive=lambda: True, wait_s=10)
     assert routes(log) == ["/health_generate"]
     with pytest.raises(RuntimeError, match="exited while starting"):
-        sglang_engine.wait_until_serving("http://127.0.0.1:9", alive=lambda: False, wait_s=10)
+        sglang_server.wait_until_serving("http://127.0.0.1:9", alive=lambda: False, wait_s=10)
     with pytest.raises(TimeoutError, match="did not serve within 0 s"):
-        sglang_engine.wait_until_serving("http://127.0.0.1:9", alive=lambda: True, wait_s=0)
+        sglang_server.wait_until_serving("http://127.0.0.1:9", alive=lambda: True, wait_s=0)
 
 
 def test_fp8_sync_sends_e4m3_weights_with_inverse_scales_and_a_high_precision_router(tiny_cfg, log, monkeypatch):
@@ -461,9 +463,9 @@ def test_sglang_from_the_config_generates_sleeps_syncs_and_matches_the_trainer(t
 def test_the_weight_broadcasts_nccl_pairing_is_checked_at_connect(tiny_cfg, log):
     """An external server's SGLang version gives its NCCL (sglang 0.5.23: torch 2.14.1's 2.30.7, read from the
     wheels), which the trainer's (torch 2.13.0's 2.29.7 where no GPU answers) meets in the weight broadcast."""
-    assert "2.30.7" in sglang_engine.nccl_pairing("0.5.23", "http://s:1") and "2.29.7" in \
-        sglang_engine.nccl_pairing("0.5.23", "http://s:1")
-    assert "not known here" in sglang_engine.nccl_pairing("0.9.0", "http://s:1")
+    assert "2.30.7" in sglang_server.nccl_pairing("0.5.23", "http://s:1") and "2.29.7" in \
+        sglang_server.nccl_pairing("0.5.23", "http://s:1")
+    assert "not known here" in sglang_server.nccl_pairing("0.9.0", "http://s:1")
     server = FakeSGLang(tiny_cfg, log)
     with pytest.warns(UserWarning, match=r"NCCL 2\.30\.7 and this trainer NCCL 2\.29\.7"):
         build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=server.url), TOK, Transformer(tiny_cfg))

@@ -178,7 +178,7 @@ def _pinned(requires: dict[str, list[str]], pin: str, name: str) -> list[str]:
 
 def nccl_pairing(requires: dict[str, list[str]]) -> str:
     """The NCCL of the trainer's torch and of an SGLang server's own torch, which the weight broadcast pairs in one
-    communicator (sglang_engine.SERVER_NCCL holds the server's, and the engine warns at connect when they differ)."""
+    communicator (sglang_server.SERVER_NCCL holds the server's, and the engine warns at connect when they differ)."""
     trainer = f"torch=={read_pins(['requirements.txt'])['torch']}"
     server = _pinned(requires, f"sglang=={read_pins(['requirements-sglang.txt'])['sglang']}", "torch")
     ours = _pinned(requires, trainer, "nvidia-nccl-cu13")
