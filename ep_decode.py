@@ -68,6 +68,28 @@ def capacity_experts(experts: nn.Module, x_ND: torch.Tensor, ids_NK: torch.Tenso
     # --- receive: each source's rows for this rank's experts, re-sorted expert-major (torchtitan's _permute)
     recv_We = exchange(counts_E.view(W, e))  # (W, e): rows source w sends each of this rank's experts
     recv_WAD = exchange(send_WAD)  # (W, A, D): block w from source w, sorted by local expert, then padding
+    real_WA, pos_Z, inv_Z = expert_major(recv_We, A)
+    x_ZD = recv_WAD.view(W * A, D)[inv_Z]  # (Z, D): expert 0's rows from source 0, 1, ..., expert 1's, ..., padding
+    out_ZD = experts(x_ZD, recv_We.sum(0))  # (Z, D); padding rows lie past the last offset: unspecified, unread
+
+    # --- return: the outputs go back through the slots they came in, then the combine
+    back_WAD = torch.where(real_WA[..., None], out_ZD[pos_Z].view(W, A, D), 0)  # (Z, D) -> (W, A, D), source order
+    ret_WAD = exchange(back_WAD)  # (W, A, D): block w from rank w, in this rank's send slots
+    dest_R = pair_R[order_R] // e  # (R,) each sorted row's destination rank
+    slot_sorted_R = dest_R * A + torch.arange(N * K, device=dev) - start_W[dest_R]  # (R,) its slot in ret_WAD
+    slot_R = torch.empty_like(slot_sorted_R).scatter_(0, order_R, slot_sorted_R)  # (R,) pair p's slot, p = n*K + k
+    return combine(ret_WAD.view(W * A, D), slot_R.view(N, K), ids_NK, weights_NK, x_ND.dtype)
+
+
+def expert_major(recv_We: torch.Tensor, A: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each received row goes for the experts' grouped GEMMs (torchtitan's _permute, on the device): of W
+    source blocks of A slots, recv_We [W, e] real rows per (source, local expert) first in each block, sorted by
+    expert. Returns real_WA [W, A] (bool: a real row), pos_Z [Z] (each slot's expert-major position: expert 0's
+    rows from source 0, 1, ..., expert 1's, ..., the padding after every real row, in order) and inv_Z [Z], its
+    inverse permutation."""
+    W, e = recv_We.shape
+    dev = recv_We.device
+    slot_A = torch.arange(A, device=dev)
     end_We = recv_We.cumsum(1)  # (W, e) where each expert's rows end within source w's block
     begin_We = end_We - recv_We
     real_WA = slot_A < end_We[:, -1:]  # (W, A) real received rows
@@ -81,23 +103,21 @@ def capacity_experts(experts: nn.Module, x_ND: torch.Tensor, ids_NK: torch.Tenso
     # (Z,) a permutation of 0..Z-1: real rows to their expert-major positions, the padding after them in order
     pos_Z = torch.where(real_Z, pos_WA.flatten(), recv_We.sum() + pad_Z.cumsum(0) - 1)
     inv_Z = torch.empty_like(pos_Z).scatter_(0, pos_Z, torch.arange(W * A, device=dev))  # each index written once
-    x_ZD = recv_WAD.view(W * A, D)[inv_Z]  # (Z, D): expert 0's rows from source 0, 1, ..., expert 1's, ..., padding
-    out_ZD = experts(x_ZD, recv_We.sum(0))  # (Z, D); padding rows lie past the last offset: unspecified, unread
+    return real_WA, pos_Z, inv_Z
 
-    # --- return: the outputs go back through the slots they came in, then the combine
-    back_WAD = torch.where(real_WA[..., None], out_ZD[pos_Z].view(W, A, D), 0)  # (Z, D) -> (W, A, D), source order
-    ret_WAD = exchange(back_WAD)  # (W, A, D): block w from rank w, in this rank's send slots
-    dest_R = pair_R[order_R] // e  # (R,) each sorted row's destination rank
-    slot_sorted_R = dest_R * A + torch.arange(N * K, device=dev) - start_W[dest_R]  # (R,) its slot in ret_WAD
-    slot_R = torch.empty_like(slot_sorted_R).scatter_(0, order_R, slot_sorted_R)  # (R,) pair p's slot, p = n*K + k
+
+def combine(ret_ZD: torch.Tensor, slot_NK: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Each token's K expert outputs (rows slot_NK of ret_ZD) as torchtitan's combine sums them: weighted in fp32,
+    cast to dtype, added in ascending expert order in fp32, cast back once. Returns [N, D] in dtype."""
+    N, K = ids_NK.shape
     by_expert_NK = ids_NK.argsort(dim=1, stable=True)  # (N, K) each token's pairs in ascending expert order
-    y_NKD = ret_WAD.view(W * A, D)[slot_R.view(N, K).gather(1, by_expert_NK)]  # (N, K, D)
-    # torchtitan's combine: weighted in fp32, cast to the rows' dtype, scatter-added in expert order (in fp32)
-    y_NKD = (y_NKD.float() * weights_NK.gather(1, by_expert_NK)[..., None]).to(x_ND.dtype)
-    y_ND = torch.zeros(N, D, device=dev)
+    y_NKD = ret_ZD[slot_NK.gather(1, by_expert_NK)]  # (N, K, D)
+    y_NKD = (y_NKD.float() * weights_NK.gather(1, by_expert_NK)[..., None]).to(dtype)
+    y_ND = torch.zeros(N, ret_ZD.shape[1], device=ret_ZD.device)
     for k in range(K):
         y_ND = y_ND + y_NKD[:, k].float()
-    return y_ND.to(x_ND.dtype)
+    return y_ND.to(dtype)
 
 
 @contextmanager
