@@ -108,6 +108,35 @@ def hf_tensors(named_tensors, cfg: ModelConfig):
             yield from zip(keys, t.split(sizes, dim=0))  # row views of t, no copy
 
 
+def from_hf(name: str, sl: tuple[slice, ...], read, rows, *, tied: bool = False) -> torch.Tensor:
+    """Slice `sl` of our tensor `name`, assembled from HF's tensors: the inverse of hf_tensors, as load_hf reads a
+    checkpoint (each rank its own slice) and a stand-in SGLang server takes a weight sync (the whole tensor).
+    read(key, index): part `index` of HF tensor key; rows(key): its rows (dim 0, HF's [out, in]). tied: a tied
+    lm_head reads the embedding. Only the rows of each part that fall in the slice are read."""
+    keys = hf_names("embed.weight" if name == "lm_head.weight" and tied else name)
+
+    def concat(keys, sl, transpose):
+        """Slice sl of the parts concatenated along our dim 0, or, transposed, of their transposes along dim 1."""
+        # part `key` covers [start, start + n) of our concatenated dim; n is its HF dim 0 (rows, [out, in])
+        cat_dim, out, start = (1 if transpose else 0), [], 0
+        for key in keys:
+            n = rows(key)
+            # the slice's range in the concatenated dim, intersected with this part's
+            lo, hi = max(sl[cat_dim].start, start), min(sl[cat_dim].stop, start + n)
+            if lo < hi:
+                part = slice(lo - start, hi - start)  # the same range in the part's own rows
+                # transposed: HF rows are our columns, so take (rows, our row slice) and transpose
+                out.append(read(key, (part, sl[0])).T if transpose else read(key, (part, *sl[1:])))
+            start += n
+        return torch.cat(out, dim=cat_dim)
+
+    if "{e}" in keys[0]:  # stacked experts: HF stores each expert's [out, in] matrices
+        # sl[0] picks the experts (a rank's under EP); each expert's (D, 2I) or (I, D) block is read transposed
+        return torch.stack([concat([k.format(e=e) for k in keys], sl[1:], transpose=True)
+                            for e in range(sl[0].start, sl[0].stop)])
+    return concat(keys, sl, transpose=False)
+
+
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor a model of cfg reads (each expert's; lm_head.weight only untied) -> the shape config.json
     gives it: save_hf's conversion (`hf_tensors`) run over the model's tensors on meta, which hold no storage."""
@@ -207,22 +236,6 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
                              f"of the {x.numel()} values read)")
         return x
 
-    def read_concat(keys, sl, transpose):
-        """Slice `sl` of the parts concatenated along our dim 0, or, transposed, of their
-        transposes along dim 1; only the rows of each part that fall in the slice are read."""
-        # part `key` covers [start, start + n) of our concatenated dim; n is its HF dim 0 (rows, [out, in])
-        cat_dim, out, start = (1 if transpose else 0), [], 0
-        for key in keys:
-            n = sources[key][2][0]  # proven: the file's shape is config.json's
-            # the slice's range in the concatenated dim, intersected with this part's
-            lo, hi = max(sl[cat_dim].start, start), min(sl[cat_dim].stop, start + n)
-            if lo < hi:
-                rows = slice(lo - start, hi - start)  # the same range in the part's own rows
-                # transposed: HF rows are our columns, so take (rows, our row slice) and transpose
-                out.append(read(key, (rows, sl[0])).T if transpose else read(key, (rows, *sl[1:])))
-            start += n
-        return torch.cat(out, dim=cat_dim)
-
     offsets = getattr(model, "local_offsets", {})  # set by parallelize for sharded tensors
     with torch.no_grad():
         for name, t in policy_tensors(model):
@@ -232,15 +245,9 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
             start = offsets.get(name, (0,) * local.dim())  # an unsharded tensor starts at offset 0 in every dim
             sl = tuple(slice(o, o + n) for o, n in zip(start, local.shape))  # this rank's slice, per dim
             # a tied lm_head that to_empty untied (a parallelized model's) reads the embedding, as HF ties them
-            keys = hf_names("embed.weight" if name == "lm_head.weight" and model.cfg.tie_embeddings else name)
-            if "{e}" in keys[0]:  # stacked experts: HF stores each expert's [out, in] matrices
-                # sl[0] picks this rank's experts (EP); each expert's (D, 2I) or (I, D) block is read transposed
-                src = torch.stack([read_concat([k.format(e=e) for k in keys], sl[1:], transpose=True)
-                                   for e in range(sl[0].start, sl[0].stop)])
-            else:
-                src = read_concat(keys, sl, transpose=False)
+            src = from_hf(name, sl, read, lambda key: sources[key][2][0], tied=model.cfg.tie_embeddings)
             # every part's shape is proven and the model's config is the file's: a slice of another shape is a bug here
-            assert tuple(src.shape) == tuple(local.shape), (keys, tuple(src.shape), tuple(local.shape))
+            assert tuple(src.shape) == tuple(local.shape), (name, tuple(src.shape), tuple(local.shape))
             local.copy_(src)  # in place: the model keeps its Parameter (and DTensor) objects
         # the softmax router's expert_bias is not persistent, so no checkpoint fills it, and to_empty left it
         # uninitialised
