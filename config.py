@@ -461,9 +461,11 @@ RELATIONS: list[tuple[Callable[[TrainConfig], Any], Callable[[TrainConfig], str]
     (lambda c: c.engine.name != "sglang" or c.init_hf or c.init_from,
      lambda c: "engine.name='sglang' serves a hub-layout checkpoint folder: set init_hf (or init_from, an earlier "
                "run's output folder); both are empty"),
-    (lambda c: c.engine.name != "sglang" or torch.device(c.device).type == "cuda",
-     lambda c: f"device={c.device!r}: engine.name='sglang' needs device='cuda' (SGLang runs on CUDA GPUs only, and "
-               f"its weight sync uses CUDA IPC or NCCL)"),
+    (lambda c: c.engine.name != "sglang" or c.engine.urls or torch.device(c.device).type == "cuda",
+     lambda c: f"device={c.device!r}: engine.name='sglang' with colocated servers (engine.sglang_urls='') needs "
+               f"device='cuda' (SGLang runs on CUDA GPUs only, and its weight sync uses CUDA IPC); a trainer on the "
+               f"CPU reaches external servers only (set engine.sglang_urls; its weight sync then goes over gloo, as "
+               f"tools/sglang_standin.py takes it)"),
     (lambda c: not (c.engine.slots and c.engine.kv_tokens and too_few_pages(c.engine.kv_tokens, c.prompt_limit(),
                                                           c.sampling.max_new_tokens, c.engine.page_size)),
      lambda c: "engine." + too_few_pages(c.engine.kv_tokens, c.prompt_limit(), c.sampling.max_new_tokens,

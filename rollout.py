@@ -1,7 +1,7 @@
 """Rollout engines: the interface an RL step uses, their registry, and the native engine.
 
 This file owns the rollout side of an RL step: `Engine` (the protocol both engines implement:
-generate, update_weights, phase, sleep, wake, memory, weight_version), `ENGINES` (name ->
+generate, update_weights, phase, sleep, wake, memory, counters, weight_version), `ENGINES` (name ->
 builder, what engine.name picks) with `build_engine` and the async producer's `producer_engine`,
 and `NativeEngine` (prefill and decode over a static KV cache in plain PyTorch, CPU or GPU, on its
 own copy of the weights or on the sharded policy itself), with its bucketed weight sync.
@@ -224,6 +224,11 @@ class NativeEngine:
             weights = weight_bytes(self.model)
         live = {"kv_live": self.kv_live_bytes} if self.slots else {}
         return {**weights, "kv_cache": self.kv_bytes, **live}
+
+    def counters(self) -> dict[str, int]:
+        """What this rank's engine counted in this phase: with slots, the rows preempted for pages (engine.kv_tokens
+        too small for the step's live tokens)."""
+        return {"preemptions": self.preemptions} if self.slots else {}
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Named, version: int):
@@ -448,7 +453,10 @@ class Engine(Protocol):
         and stamp `version` (RL steps trained, the weight_version) on what it generates from then on.
     phase(): around a step's (or an eval's) generate calls: gathering weights or switching process
         groups happens once per phase. sleep() / wake(): release and take back the engine's memory
-        around the trainer's update. memory(): {name: bytes} this rank holds for it (logged).
+        around the trainer's update. memory(): {name: bytes} this rank holds for it (logged as
+        engine/<name>_bytes). counters(): {name: count} of what it counted in this phase (logged as
+        engine/<name>; NativeEngine's preemptions, none for SGLang, whose scheduler keeps its own).
+    weight_version: the version stamped on what it generates now (the async loop reads it).
     """
     weight_version: int
 
@@ -464,6 +472,8 @@ class Engine(Protocol):
     def wake(self) -> None: ...
 
     def memory(self) -> dict[str, int]: ...
+
+    def counters(self) -> dict[str, int]: ...
 
 
 def build_native_engine(cfg: TrainConfig, tok: Tokenizer, policy: nn.Module) -> NativeEngine:

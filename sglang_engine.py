@@ -1,7 +1,7 @@
 """SGLangEngine: rollouts from SGLang servers, with routed-expert capture, FP8 and weight sync.
 
 An engine of rollout.Engine's interface (`generate`, `update_weights`, `phase`, `sleep`, `wake`,
-`memory`, `weight_version`), returning sampler.Rollout records, so the trainer and its router
+`memory`, `counters`, `weight_version`), returning sampler.Rollout records, so the trainer and its router
 replay (R3, arXiv 2510.11370) need not know which engine ran; `sleep()` / `wake()` release and
 resume its memory while the trainer trains. `build_sglang_engine(cfg, tok, policy)` builds it
 for a run (engine.name='sglang', rollout.ENGINES). SGLang is imported lazily (GPU machines only,
@@ -80,7 +80,8 @@ from distributed import all_gather_list, barrier, rank_world
 from hf import hf_tensors, save_hf
 from model import ModelConfig, route_dtype
 from sampler import Rollout, SamplingParams, row_keys
-from sglang_server import ABSENT, SGLangServer, check_server, launch_wait_s, nccl_pairing, wait_until_serving
+from sglang_server import (ABSENT, AUTO_DTYPE, SGLangServer, check_server, launch_wait_s, nccl_pairing, served_dtype,
+                           wait_until_serving)
 from weights import DEFAULT_BUCKET_BYTES, Named, fp8_bf16_modules, full_tensor, quantize_fp8, weight_buckets
 
 if TYPE_CHECKING:
@@ -260,22 +261,25 @@ def _ok(result, what: str):
 
 
 def join_update_group(master_address: str, master_port: int, world_size: int, group_name: str, *,
-                      backend: str = "nccl"):
-    """Join SGLang's weight-update group as rank 0 (hosting the rendezvous); returns `broadcast(tensor)`,
-    which sends a tensor to every server rank. The servers join with SGLang's init_custom_process_group
-    (srt/utils.py: a TCP rendezvous, a PrefixStore named group_name, a group outside the default one);
-    this follows the same recipe with the same torch.distributed private helpers, so the two meet."""
+                      backend: str = "nccl", rank: int = 0):
+    """Join SGLang's weight-update group as `rank` (the trainer is rank 0, hosting the rendezvous); returns
+    `broadcast(tensor)`, which sends a tensor from rank 0 to every other rank (on them: receives into it). The
+    servers join with SGLang's init_custom_process_group (srt/utils.py: a TCP rendezvous, a PrefixStore named
+    group_name, a group outside the default one); this follows the same recipe with the same torch.distributed
+    private helpers, so the two meet (tools/sglang_standin.py joins with it too, over gloo)."""
     import inspect
     from datetime import timedelta
 
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
     timeout = timedelta(seconds=GROUP_TIMEOUT_S)
-    store, rank, world = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
+    store, rank, world = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     # the options keyword was renamed across torch versions
     options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
         else "pg_options"
+    for stale in [g for g, name in _world.pg_names.items() if name == group_name]:  # an earlier engine's in this
+        dist.destroy_process_group(stale)  # process (a second run in one process: tests, a notebook); names are unique
     group, _ = _new_process_group_helper(world, rank, [], Backend(backend), PrefixStore(group_name, store),
                                          group_name=group_name, timeout=timeout, **{options: None})
     _world.pg_group_ranks[group] = {i: i for i in range(world)}  # group ranks are the update group's own
@@ -285,15 +289,12 @@ def join_update_group(master_address: str, master_port: int, world_size: int, gr
     return broadcast
 
 
-SERVED_DTYPE = torch.bfloat16  # the dtype SGLang serves these checkpoints in: fp32 master weights go as bf16
-
-
-def _as_served(name: str, t: torch.Tensor) -> torch.Tensor:
-    """t as the server holds it: fp32 weights in SERVED_DTYPE (half the bytes of the trainer's master copy),
-    except GLM-4.5's e_score_correction_bias, which SGLang keeps in fp32."""
+def _as_served(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as the server holds it: fp32 weights in the server's dtype (bf16: half the bytes of the trainer's
+    master copy), except GLM-4.5's e_score_correction_bias, which SGLang keeps in fp32."""
     if t.dtype != torch.float32 or name.endswith("e_score_correction_bias"):
         return t
-    return t.to(SERVED_DTYPE)
+    return t.to(dtype)
 
 
 def _free_port() -> int:
@@ -333,7 +334,7 @@ class SGLangEngine:
 
     def __init__(self, model_path: str, cfg: ModelConfig, *, eos_id, fp8: bool = False, tp_size: int = 1, ep_size: int = 1,
                  mem_fraction_static: float = 0.8, seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 **server_kwargs):
+                 num_tokens: int | None = None, **server_kwargs):
         _import_sglang()  # first, so a CPU machine fails with what to install before reading any file
         from sglang.srt.entrypoints.http_server import launch_server
         from sglang.srt.server_args import ServerArgs
@@ -360,29 +361,33 @@ class SGLangEngine:
         wait_until_serving(url, process.is_alive, launch_wait_s(model_path))
         server = SGLangServer(url, serialize=lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True))
         # cfg: the served model's shape (the run's), whose layer counts, top_k and dense layers decode the routes
-        self._setup([server], cfg, eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes,
-                    colocated=True)
+        self._setup([server], cfg, eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes, colocated=True,
+                    num_tokens=num_tokens)
 
     @classmethod
     def from_engine(cls, engine, cfg: ModelConfig, *, eos_id, fp8: bool = False,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, leader: bool = True, colocated: bool = False,
-                    join_group=None) -> SGLangEngine:
+                    join_group=None, group_backend: str = "nccl", num_tokens: int | None = None) -> SGLangEngine:
         """Wrap running engines: an `sglang.Engine` (or anything with its methods), or a list of them
         (external servers: requests spread over them by group id).
 
         leader: this rank sends the weights and releases / resumes the memory (others only generate
         and take part in the gathers). colocated: sleep() and wake() release and resume the memory.
         join_group: `join_update_group` or a stand-in: weights go by NCCL broadcast; None: by
-        update_weights_from_tensor (CUDA IPC).
+        update_weights_from_tensor (CUDA IPC). group_backend: that group's, "nccl" between GPUs, "gloo" from a
+        trainer on CPU (tools/sglang_standin.py's tests; there is no NCCL to pair). num_tokens: the tokenizer's
+        ids; SGLang samples over every row of the embedding, and ids past these are counted (`counters`).
         """
         self = cls.__new__(cls)  # skips __init__: no sglang import, no CUDA check (how the CPU tests build one)
         self._setup(engine if isinstance(engine, list) else [engine], cfg, eos_id=eos_id, fp8=fp8,
-                    bucket_bytes=bucket_bytes, leader=leader, colocated=colocated, join_group=join_group)
+                    bucket_bytes=bucket_bytes, leader=leader, colocated=colocated, join_group=join_group,
+                    group_backend=group_backend, num_tokens=num_tokens)
         return self
 
     def _setup(self, servers: list, cfg: ModelConfig, *, eos_id, fp8: bool, bucket_bytes: int, leader: bool = True,
-               colocated: bool = False, join_group=None):
+               colocated: bool = False, join_group=None, group_backend: str = "nccl", num_tokens: int | None = None):
         self.servers, self.cfg, self.eos_id, self.fp8, self.bucket_bytes = servers, cfg, eos_id, fp8, bucket_bytes
+        self.num_tokens, self.ids_past_tokenizer = num_tokens, 0
         self.leader, self.colocated, self.join_group = leader, colocated, join_group
         # at connect, not at the first rollout: HTTP servers are asked; an in-process Engine or a stand-in is not
         asked = [s for s in servers if hasattr(s, "server_info")]
@@ -391,9 +396,15 @@ class SGLangEngine:
             warnings.warn(f"SGLang {', '.join(unseeded)} runs without --enable-deterministic-inference: it ignores "
                           f"each request's sampling_seed, so these rollouts are not reproducible", stacklevel=3)
         self.seeded = len(asked) == len(servers) and not unseeded  # every request's sampling_seed honoured
-        if join_group is not None and leader:  # weights by NCCL broadcast: the trainer's NCCL meets each server's
+        self.group_backend = group_backend
+        if join_group is not None and leader and self.group_backend == "nccl":  # the trainer's NCCL meets each server's
             for problem in filter(None, (nccl_pairing(s.version, s.url) for s in asked)):
                 warnings.warn(problem, stacklevel=3)
+        dtypes = {served_dtype(s.server_info()) for s in asked} or {AUTO_DTYPE}  # an in-process Engine: its default
+        if len(dtypes) > 1:
+            raise RuntimeError(f"the SGLang servers {', '.join(s.url for s in asked)} serve different dtypes "
+                               f"{sorted(map(str, dtypes))}: one weight sync sends one")
+        self.served_dtype = dtypes.pop()  # what the sync casts fp32 master weights to
         self.weight_version = 0
         self.asleep = False  # memory released (sleep) and not yet resumed
         self.stale = False  # resumed (wake) but not yet refilled by update_weights: the weights hold no values
@@ -414,8 +425,11 @@ class SGLangEngine:
         request = sglang_request(prompts, params, n=n, seed=seed, eos_id=self.eos_id, group_ids=groups)
         outs = self._generate(request, [groups[i // n] for i in range(len(prompts) * n)])
         # output i is sample i % n of prompt i // n, the order sglang_request built
-        return [decode_sglang_output(out, prompts[i // n], cfg=self.cfg, weight_version=self.weight_version,
-                                     group_id=groups[i // n]) for i, out in enumerate(outs)]
+        rollouts = [decode_sglang_output(out, prompts[i // n], cfg=self.cfg, weight_version=self.weight_version,
+                                         group_id=groups[i // n]) for i, out in enumerate(outs)]
+        if self.num_tokens is not None:  # padded embedding rows, which the tokenizer cannot decode
+            self.ids_past_tokenizer += sum(i >= self.num_tokens for r in rollouts for i in r.completion_ids)
+        return rollouts
 
     def _generate(self, request: dict, row_groups: list[int]) -> list[dict]:
         """Each row's output, in row order: row r goes to server row_groups[r] % S (a group's rows together,
@@ -443,13 +457,20 @@ class SGLangEngine:
 
     @contextmanager
     def phase(self):
-        """A rollout phase, as NativeEngine's: nothing to gather (the server holds its own weights)."""
+        """A rollout phase, as NativeEngine's: nothing to gather (the server holds its own weights); the counters
+        start again."""
+        self.ids_past_tokenizer = 0
         yield
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank's process holds for the engine, as NativeEngine.memory: none (the server's
         memory belongs to the server's processes)."""
         return {}
+
+    def counters(self) -> dict[str, int]:
+        """As NativeEngine.counters: the sampled ids past the tokenizer's in this phase (padded embedding rows,
+        which decode to nothing; a trained model gives them no mass). SGLang's own retractions are in its log."""
+        return {"ids_past_tokenizer": self.ids_past_tokenizer} if self.num_tokens is not None else {}
 
     def sleep(self):
         """Release the colocated server's memory (weights, KV cache, CUDA graphs) before the trainer
@@ -485,7 +506,8 @@ class SGLangEngine:
             raise RuntimeError("SGLangEngine.update_weights while asleep: call wake() first")
         # lazily, one tensor at a time: shards gathered whole, renamed and split into HF's per-matrix layout
         tensors = hf_tensors(((n, full_tensor(t)) for n, t in named_tensors), self.cfg)
-        tensors = ((k, _as_served(k, t)) for k, t in tensors)  # bf16 on the wire (FP8 below is quantised from it)
+        # in the server's dtype on the wire (FP8 below is quantised from it)
+        tensors = ((k, _as_served(k, t, self.served_dtype)) for k, t in tensors)
         if not self.leader:
             for _ in tensors:  # take part in every gather; the leader sends
                 pass
@@ -544,13 +566,20 @@ class SGLangEngine:
         tps = [server.tp_size for server in self.servers]
         offsets = [1 + before for before in accumulate([0] + tps[:-1])]
         address, port, world = _address_toward(self.servers[0].url), _free_port(), 1 + sum(tps)
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            calls = [pool.submit(server.init_weights_update_group, master_address=address, master_port=port,
-                                 rank_offset=offset, world_size=world, group_name=UPDATE_GROUP, backend="nccl")
-                     for server, offset in zip(self.servers, offsets)]
-            broadcast = self.join_group(address, port, world, UPDATE_GROUP)
-            for call in calls:
-                _ok(call.result(), "init_weights_update_group")
+        for server in self.servers:  # the group an earlier run formed: SGLang refuses a second of the same name
+            server.destroy_weights_update_group(group_name=UPDATE_GROUP)
+        pool = ThreadPoolExecutor(len(self.servers))
+        calls = [pool.submit(server.init_weights_update_group, master_address=address, master_port=port,
+                             rank_offset=offset, world_size=world, group_name=UPDATE_GROUP,
+                             backend=self.group_backend) for server, offset in zip(self.servers, offsets)]
+        try:
+            broadcast = self.join_group(address, port, world, UPDATE_GROUP, backend=self.group_backend)
+        except BaseException:  # raise now: the servers' calls wait for this rank, which is not coming
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        for call in calls:
+            _ok(call.result(), "init_weights_update_group")
+        pool.shutdown()
         return broadcast
 
 
@@ -588,8 +617,10 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
     engine_cfg = cfg.engine
     rank, _ = rank_world()
     if engine_cfg.urls:
+        backend = "nccl" if torch.device(cfg.device).type == "cuda" else "gloo"  # gloo: a CPU trainer's stand-in
         return SGLangEngine.from_engine([SGLangServer(u) for u in engine_cfg.urls], cfg.model, eos_id=tok.stop_ids,
-                                        fp8=engine_cfg.fp8, leader=rank == 0, join_group=join_update_group)
+                                        fp8=engine_cfg.fp8, leader=rank == 0, join_group=join_update_group,
+                                        group_backend=backend, num_tokens=tok.enc.n_vocab)
     check_colocated_install()
     path = cfg.init_hf or cfg.init_from
     if engine_cfg.fp8:  # colocated SGLang serves FP8 from a blockwise-FP8 checkpoint
@@ -605,11 +636,12 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
     if local_rank == 0:
         ep = local_world if cfg.model.num_experts % local_world == 0 else 1  # SGLang's EP splits experts evenly
         engine = SGLangEngine(path, cfg.model, eos_id=tok.stop_ids, fp8=engine_cfg.fp8, tp_size=local_world, ep_size=ep,
-                              mem_fraction_static=engine_cfg.sglang_mem_fraction, seed=cfg.seed)
+                              mem_fraction_static=engine_cfg.sglang_mem_fraction, seed=cfg.seed,
+                              num_tokens=tok.enc.n_vocab)
     # every rank learns its node leader's URL (torchrun numbers a node's ranks consecutively); the gather also
     # waits for the leaders' servers to be up
     node_url = all_gather_list([engine.servers[0].url if engine is not None else None])[rank - local_rank]
     if engine is None:  # a non-leader rank: generates through its node's server, sends no weights
         engine = SGLangEngine.from_engine(SGLangServer(node_url), cfg.model, eos_id=tok.stop_ids, fp8=engine_cfg.fp8,
-                                          leader=False, colocated=True)
+                                          leader=False, colocated=True, num_tokens=tok.enc.n_vocab)
     return engine

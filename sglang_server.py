@@ -116,6 +116,15 @@ class SGLangServer:
     def init_weights_update_group(self, **group):
         return self.call("/init_weights_update_group", group)
 
+    def destroy_weights_update_group(self, **group):
+        """Leave the group of this name an earlier trainer formed (a server outlives the run that connected to
+        it, and joins one group per name); a server that holds none answers 400, and one whose SGLang lacks the
+        route 404: both are fine here, init_weights_update_group's answer is what counts."""
+        try:
+            return self.call("/destroy_weights_update_group", group, optional=True)
+        except RuntimeError as e:
+            return e
+
     def update_weights_from_distributed(self, **bucket):
         return self.call("/update_weights_from_distributed", bucket)
 
@@ -142,6 +151,26 @@ def nccl_pairing(server_version: str | None, url: str) -> str | None:
                 f"promise and which has not been tried; if init_weights_update_group fails or hangs, install the "
                 f"server's NCCL here (pip install nvidia-nccl-cu13=={'.'.join(map(str, theirs))})")
     return None
+
+
+SERVED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+                 "float32": torch.float32, "float": torch.float32}
+"""SGLang's --dtype values (server_args.py's choices) and the dtype a server then holds its weights in."""
+AUTO_DTYPE = torch.bfloat16
+"""What --dtype auto (the default) holds these checkpoints' weights in: bf16, as they are published."""
+
+
+def served_dtype(info: dict) -> torch.dtype:
+    """The dtype a server holds its weights in, from its /server_info ("dtype", its --dtype), so a weight sync sends
+    what the server keeps: fp32 only to a server that serves fp32 (tools/sglang_standin.py on CPU). Raises
+    RuntimeError naming a dtype this project cannot send."""
+    name = info.get("dtype", "auto")
+    if name == "auto":
+        return AUTO_DTYPE
+    if name not in SERVED_DTYPES:
+        raise RuntimeError(f"SGLang serves dtype={name!r}; the weight sync sends one of "
+                           f"{', '.join(map(repr, ['auto', *SERVED_DTYPES]))}")
+    return SERVED_DTYPES[name]
 
 
 def check_server(server: SGLangServer) -> bool:

@@ -440,8 +440,10 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids, specials as their strings; bytes that are not UTF-8 (a completion cut inside a
-        character) decode to U+FFFD, as transformers' decode does."""
-        return self.enc.decode(ids)
+        character) decode to U+FFFD, as transformers' decode does. An id past the table (a padded row of the
+        embedding: SGLang samples over every row, the native engine never does) decodes to nothing, as the
+        tokenizers library's decode does; SGLangEngine counts them (engine/ids_past_tokenizer)."""
+        return self.enc.decode([i for i in ids if 0 <= i < self.enc.n_vocab])
 
     def prompt_ids(self, question: str, system: str = "") -> list[int]:
         """A question's prompt ids. With a chat template: the template rendered with messages

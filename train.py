@@ -182,8 +182,7 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     m = rollout_metrics(step, groups, correct, lengths, {**filtered, **counts}, t_generate)
     m.update(shaping)
     m.update({f"engine/{k}_bytes": v for k, v in run.engine.memory().items()})  # this rank's: no replica if sharded
-    if cfg.engine.slots:  # rows preempted for pages (engine.kv_tokens too small for the step's live tokens)
-        m["engine/preemptions"] = run.engine.preemptions
+    m.update({f"engine/{k}": v for k, v in run.engine.counters().items()})  # e.g. rows preempted for KV pages
     return m, kept_batch(run, groups, keep_P, zero_var_P, adv)
 
 

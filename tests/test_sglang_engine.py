@@ -26,7 +26,8 @@ from sglang_engine import SGLangEngine, build_sglang_engine
 from sglang_server import SGLangServer
 
 EOS = 1
-TOK = SimpleNamespace(stop_ids=(EOS,), pad_id=0)  # what build_sglang_engine reads of a tokenizer.Tokenizer
+TOK = SimpleNamespace(stop_ids=(EOS,), pad_id=0, enc=SimpleNamespace(n_vocab=256))  # what build_sglang_engine
+# reads of a tokenizer.Tokenizer
 PARAMS = SamplingParams(max_new_tokens=4)
 
 
@@ -133,7 +134,7 @@ def check_engine(args: list[str]) -> TrainConfig:
 @pytest.mark.parametrize("change, field", [
     (["engine.name=vllm"], r"engine\.name='vllm': need one of 'native', 'sglang'"),
     (["init_from="], "init_hf"),
-    (["device=cpu"], r"device='cpu': engine\.name='sglang' needs device='cuda'"),
+    (["device=cpu"], r"device='cpu': engine\.name='sglang' with colocated servers .* needs device='cuda'"),
     (["engine.sglang_urls=localhost:30000"], r"engine\.sglang_urls="),  # no scheme
     (["engine.sglang_urls=http://10.0.0.2:30000/generate"], r"engine\.sglang_urls="),  # a route, not a base URL
     (["engine.sglang_urls=http://a:1,,http://b:2"], r"engine\.sglang_urls="),  # an empty entry
@@ -152,6 +153,8 @@ def test_a_config_sglang_can_run_passes_and_native_needs_nothing(run_folder):
     cfg = check_engine(sglang_args(run_folder) + ["engine.sglang_urls= http://10.0.0.2:30000, https://h:1 "])
     assert cfg.engine.urls == ["http://10.0.0.2:30000", "https://h:1"]
     assert check_engine(sglang_args(run_folder)).engine.urls == []  # colocated
+    # a CPU trainer reaches external servers (tools/sglang_standin.py), its weight sync over gloo
+    assert check_engine(sglang_args(run_folder) + ["device=cpu", "engine.sglang_urls=http://h:1"]).device == "cpu"
     assert check_engine([]).engine.name == "native"  # the defaults
     assert engine_builder("sglang") is build_sglang_engine and set(ENGINES) == {"native", "sglang"}
 
@@ -205,7 +208,8 @@ def test_external_sync_forms_the_nccl_group_once_and_broadcasts_every_bucket_in_
     a, b = FakeSGLang(tiny_cfg, log, tp_size=2), FakeSGLang(tiny_cfg, log, sessions=False)
     joined, sent = [], []
     monkeypatch.setattr(sglang_engine, "join_update_group",
-                        lambda *group: joined.append(group) or (lambda t: sent.append((t.dtype, tuple(t.shape)))))
+                        lambda *group, backend: joined.append((*group, backend)) or
+                        (lambda t: sent.append((t.dtype, tuple(t.shape)))))
     model = Transformer(tiny_cfg)
     engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=f"{a.url},{b.url}"), TOK, model)
     engine.bucket_bytes = 16 << 10
@@ -216,7 +220,7 @@ def test_external_sync_forms_the_nccl_group_once_and_broadcasts_every_bucket_in_
     # rank 0 is this trainer rank; server a's 2 GPUs are ranks 1-2, server b's one GPU rank 3
     assert [(inits[u]["rank_offset"], inits[u]["world_size"], inits[u]["backend"]) for u in (a.url, b.url)] == [
         (1, 4, "nccl"), (3, 4, "nccl")]
-    assert joined[0][2:] == (4, inits[a.url]["group_name"]) and inits[b.url]["master_port"] == joined[0][1]
+    assert joined[0][2:] == (4, inits[a.url]["group_name"], "nccl") and inits[b.url]["master_port"] == joined[0][1]
     buckets = [body for u, r, body in log if r == "/update_weights_from_distributed" and u == a.url]
     assert len(buckets) > 2 and not any(g["flush_cache"] for g in buckets)
     # what the servers expect, in order, is what was broadcast, and it is the whole model in HF names
@@ -280,7 +284,7 @@ def test_the_launch_wait_returns_once_the_server_serves_and_fails_when_it_died_o
 
 def test_fp8_sync_sends_e4m3_weights_with_inverse_scales_and_a_high_precision_router(tiny_cfg, log, monkeypatch):
     server = FakeSGLang(tiny_cfg, log)
-    monkeypatch.setattr(sglang_engine, "join_update_group", lambda *group: lambda t: None)
+    monkeypatch.setattr(sglang_engine, "join_update_group", lambda *group, backend: lambda t: None)
     model = Transformer(tiny_cfg)
     engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=server.url, fp8=True), TOK, model)
     engine.update_weights(policy_tensors(model), version=1)
@@ -364,7 +368,8 @@ def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_wri
     engine = build_sglang_engine(cfg, TOK, policy)
     assert isinstance(engine, Launched) and len(launched) == 1
     path, kw, before, files = launched[0]
-    assert kw == dict(eos_id=TOK.stop_ids, fp8=fp8, tp_size=2, ep_size=2, mem_fraction_static=0.5, seed=cfg.seed)
+    assert kw == dict(eos_id=TOK.stop_ids, fp8=fp8, tp_size=2, ep_size=2, mem_fraction_static=0.5, seed=cfg.seed,
+                      num_tokens=TOK.enc.n_vocab)
     assert before == ["barrier"]  # what rank 0 wrote is complete before any server loads it
     if not fp8:
         assert path == "/ckpt"  # init_hf as it is: nothing written

@@ -118,3 +118,23 @@ def test_an_async_checkpoint_holds_the_predictor_the_producer_used_and_resume_re
     assert last["step"] == 2
     # the resumed producer started from the checkpointed predictor: its count spans the steps before the resume
     assert last["predictor"]["count"] == generated_by_step()[2] > first[1]["count"]
+
+
+def test_every_engine_attribute_the_rl_step_reads_is_declared_on_the_protocol_and_each_engine_has_it():
+    """What train.py, evaluation.py and shaping.py read of `run.engine` is rollout.Engine's, and both engines
+    (rollout.ENGINES' classes) define it: a method, or an attribute their code sets (SGLang's crash on
+    `run.engine.preemptions`, issue 31, was an undeclared one)."""
+    import rollout
+    import sglang_engine
+    declared = {n for n in vars(rollout.Engine) if not n.startswith("_")} | set(rollout.Engine.__annotations__)
+    read = set()
+    for name in ("train", "evaluation", "shaping"):
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, name + ".py")).read())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "engine" \
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "run":
+                read.add(node.attr)
+    assert read and read <= declared, sorted(read - declared)
+    for cls in (rollout.NativeEngine, sglang_engine.SGLangEngine):
+        source = open(os.path.join(ROOT, cls.__module__ + ".py")).read()
+        missing = [n for n in declared if not hasattr(cls, n) and f"self.{n}" not in source]
+        assert not missing, (cls.__name__, missing)
