@@ -1,6 +1,7 @@
-"""FSDP2 as this project calls it, on the lent GPU machine's torch (2.11) as on this one's: a rollout phase
-(distributed.gathered) ends with every unit resharded and no forward records left, also after an error
-mid-forward."""
+"""FSDP2 as this project calls it, on the lent GPU machine's torch (2.11, without torchtitan) as on this one's:
+a rollout phase (distributed.gathered) ends with every unit resharded and no forward records left, also after an
+error mid-forward; and every FSDP2 name the project's code uses exists in torch 2.11, whose API
+tools/fsdp_api.json holds (read from its wheel by tools/fsdp_api.py --refresh)."""
 import contextlib
 import os
 
@@ -87,3 +88,51 @@ def test_an_error_mid_forward_in_a_rollout_phase_leaves_the_policy_ready_to_trai
     for name in want[1]:
         assert torch.equal(got[1][name], want[1][name]), name
 
+
+# ----------------------------------------------------------------------------- the names, against torch 2.11's
+
+def fsdp_api():
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import fsdp_api
+    return fsdp_api
+
+
+def apis():
+    api = fsdp_api()
+    return api.load_snapshot(), {"torch": torch.__version__, **api.installed_api()}
+
+
+def test_every_fsdp2_name_the_project_uses_exists_in_torch_2_11():
+    api = fsdp_api()
+    target, current = apis()
+    problems, uses = api.check_project(target, current)
+    assert not problems, "\n".join(problems)
+    used = {u.rsplit(": ", 1)[1] for u in uses}
+    # the rollout phase's calls (distributed.gathered, end_phase) are among those found and checked
+    assert {".unshard", ".reshard", ".set_reshard_after_forward", "._post_forward_indices"} <= used, used
+
+
+def test_the_fsdp2_check_finds_what_only_a_newer_torch_has():
+    api = fsdp_api()
+    target, current = apis()
+    current = {**current, "torch": "newer"}
+    current["classes"]["FSDPModule"]["methods"]["reset_iter_state"] = []  # 2.13's, whatever torch runs this test
+    code = ("from torch.distributed.fsdp import fully_shard, no_such_name\n"
+            "model.reset_iter_state()\n"
+            "fully_shard(block, mesh=mesh, no_such_option=1)\n"
+            "MixedPrecisionPolicy(param_dtype=torch.bfloat16, no_such_field=None)\n"
+            "u.set_reshard_after_forward(False, recurse=False)\n"  # all there in 2.11
+            "proc.wait(timeout=5)\n")  # a generic name: not FSDP2's call
+    problems, _ = api.check_source(code, "x.py", target, current)
+    assert [p.split(": ", 1)[0] for p in problems] == ["x.py:1", "x.py:2", "x.py:3", "x.py:4"], problems
+    assert "no_such_name" in problems[0] and "reset_iter_state" in problems[1]
+
+
+def test_the_snapshot_is_torch_2_11s_fsdp2_as_its_wheel_has_it():
+    target, _ = apis()
+    assert target["torch"] == "2.11.0" and target["wheel"].startswith("torch-2.11.0-cp312-")
+    methods = target["classes"]["FSDPModule"]["methods"]
+    assert {"unshard", "reshard", "set_reshard_after_forward", "set_requires_gradient_sync"} <= set(methods)
+    assert "reset_iter_state" not in methods  # added after 2.11: why distributed.end_phase exists
+    assert {"mesh", "mp_policy", "ignored_params", "reshard_after_forward"} <= set(target["functions"]["fully_shard"])

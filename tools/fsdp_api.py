@@ -1,0 +1,216 @@
+"""Does torch 2.11, the lent GPU machine's, have every FSDP2 name this project's code uses?
+
+The project is developed on a newer torch, whose FSDP2 has more (2.13's FSDPModule.reset_iter_state, which
+2.11's lacks, once ended every rollout phase). This lists torch 2.11's FSDP2 API, read from its wheel's
+sources (ast, no import), and checks the project's .py files (ast) against it:
+1. every name imported from a torch.distributed.fsdp module exists in that module of 2.11;
+2. every attribute the code reads or calls whose name is a member (method, field, property, enum member) of one
+   of FSDP2's classes below, in the installed torch or in 2.11, is a member of one of them in 2.11 (so a method
+   or private field only a newer torch has is found, whatever object it is reached through);
+3. every keyword passed to such a method, or to fully_shard / MixedPrecisionPolicy, is one of its parameters
+   in 2.11.
+
+    python tools/fsdp_api.py            # check the project against tools/fsdp_api.json
+    python tools/fsdp_api.py --refresh  # re-read torch 2.11's FSDP2 sources from its wheel on PyPI into that file
+
+--refresh reads only the few source files below, by HTTP range requests into the wheel (check_install's
+remote_wheel), not the whole 530 MB wheel. PyPI's torch 2.11.0 wheel is the CUDA 13.0 build the machine has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SNAPSHOT = os.path.join(ROOT, "tools", "fsdp_api.json")
+TORCH = "2.11.0"  # the lent GPU machine's torch (its Python: 3.12)
+PYTHON = "cp312"
+PACKAGE = "torch.distributed.fsdp"
+# FSDP2's sources, relative to torch/distributed/fsdp/: what its public API and the state the project touches
+# (distributed.end_phase) are defined in
+SOURCES = ["__init__.py", "_fully_shard/__init__.py", "_fully_shard/_fully_shard.py", "_fully_shard/_fsdp_api.py",
+           "_fully_shard/_fsdp_common.py", "_fully_shard/_fsdp_state.py", "_fully_shard/_fsdp_param_group.py",
+           "_fully_shard/_fsdp_collectives.py"]
+CLASSES = ["FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "TrainingState", "FSDPState",
+           "FSDPStateContext", "FSDPParamGroup", "FSDPCommContext", "AllGatherState", "AllGatherResult"]
+FUNCTIONS = ["fully_shard"]
+POLICIES = ["MixedPrecisionPolicy", "OffloadPolicy"]  # dataclasses whose fields are fully_shard's options
+# members of FSDP2's classes too common to say an FSDP2 object is reached (a Popen's wait, a tensor's device):
+# checked like the others, left out of --uses
+GENERIC = {"device", "init", "wait", "event", "lazy_init", "modules"}
+SKIP_DIRS = {"__pycache__", "out", "node_modules"}  # and every hidden folder (.venv, .git)
+
+
+def module_name(path: str) -> str:
+    """'_fully_shard/_fsdp_state.py' -> 'torch.distributed.fsdp._fully_shard._fsdp_state'."""
+    parts = path[:-3].split("/")
+    return ".".join([PACKAGE, *(p for p in parts if p != "__init__")])
+
+
+def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    a = fn.args
+    return [x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs] if x.arg not in ("self", "cls")]
+
+
+def read_api(sources: dict[str, str]) -> dict:
+    """The API of FSDP2 sources {path under torch/distributed/fsdp/: text}: each module's top-level names,
+    each class of CLASSES's methods (name -> parameters, an overload's merged) and other members (class-level
+    fields, enum members, and every `self.x` a method assigns), and each function of FUNCTIONS's parameters."""
+    modules, classes, functions = {}, {}, {}
+    for path, text in sorted(sources.items()):
+        tree = ast.parse(text)
+        names = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in FUNCTIONS:
+                functions[node.name] = sorted(set(functions.get(node.name, [])) | set(_params(node)))
+        modules[module_name(path)] = sorted(names)
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in CLASSES):
+            methods, members = {}, set()
+            for node in cls.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    methods[node.name] = sorted(set(methods.get(node.name, [])) | set(_params(node)))
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    members.update(t.id for t in targets if isinstance(t, ast.Name))
+            for node in ast.walk(cls):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+                members.update(t.attr for t in targets if isinstance(t, ast.Attribute)
+                               and isinstance(t.value, ast.Name) and t.value.id == "self")
+            classes[cls.name] = {"methods": dict(sorted(methods.items())), "members": sorted(members - set(methods))}
+    return {"modules": modules, "classes": classes, "functions": functions}
+
+
+def installed_api() -> dict:
+    """read_api of the installed torch's FSDP2 sources (this machine's torch, whatever its version)."""
+    import torch.distributed.fsdp as fsdp
+    base = os.path.dirname(fsdp.__file__)
+    sources = {}
+    for path in SOURCES:
+        if os.path.exists(os.path.join(base, path)):
+            with open(os.path.join(base, path)) as f:
+                sources[path] = f.read()
+    return read_api(sources)
+
+
+def wheel_api(version: str = TORCH) -> dict:
+    """read_api of torch==version's wheel on PyPI, reading only SOURCES from it (HTTP range requests)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from check_install import remote_wheel
+    with remote_wheel("torch", version, PYTHON) as z:
+        have = set(z.namelist())
+        sources = {p: z.read(f"torch/distributed/fsdp/{p}").decode() for p in SOURCES
+                   if f"torch/distributed/fsdp/{p}" in have}
+        wheel = z.filename
+    return {"torch": version, "wheel": wheel, **read_api(sources)}
+
+
+def project_files(root: str = ROOT) -> list[str]:
+    """The project's .py files (hidden folders, caches and run folders left out)."""
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x not in SKIP_DIRS)
+        out += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
+    return out
+
+
+def _members(api: dict) -> set[str]:
+    return {name for c in api["classes"].values() for name in [*c["methods"], *c["members"]]}
+
+
+def _call_params(api: dict, name: str) -> list[str] | None:
+    """The parameters of a call named `name` that the keyword check reads: an FSDPModule method (what the
+    project calls on a sharded module), a function of FUNCTIONS, or a policy's constructor (a dataclass: its
+    fields); None for any other name (a generic one, as `wait` or `init`, says nothing of what is called)."""
+    if name in api["classes"]["FSDPModule"]["methods"]:
+        return api["classes"]["FSDPModule"]["methods"][name]
+    if name in api["functions"]:
+        return api["functions"][name]
+    if name in POLICIES:
+        return api["classes"][name]["members"]
+    return None
+
+
+def check_source(text: str, where: str, target: dict, current: dict) -> tuple[list[str], list[str]]:
+    """(problems, uses) of one file's FSDP2 names against target's API (torch 2.11's), current being the installed
+    torch's: each a line 'where:line: ...'."""
+    problems, uses = [], []
+    tracked = _members(target) | _members(current)
+    have = _members(target)
+    for node in ast.walk(ast.parse(text)):
+        at = f"{where}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
+            for a in node.names:
+                uses.append(f"{at}: from {node.module} import {a.name}")
+                if node.module not in target["modules"]:
+                    problems.append(f"{at}: {node.module} is not among the modules read (tools/fsdp_api.py SOURCES)")
+                elif a.name not in target["modules"][node.module]:
+                    problems.append(f"{at}: {node.module}.{a.name} is not in torch {target['torch']}")
+        elif isinstance(node, ast.Attribute) and node.attr in tracked:
+            if node.attr not in GENERIC and not node.attr.startswith("__"):
+                uses.append(f"{at}: .{node.attr}")
+            if node.attr not in have:
+                problems.append(f"{at}: .{node.attr} is a member of FSDP2's classes in torch {current['torch']}, "
+                                f"of none in torch {target['torch']}")
+        if isinstance(node, ast.Call) and node.keywords:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            params = _call_params(target, name) if name else None
+            for k in node.keywords:
+                if params is not None and k.arg is not None and k.arg not in params:
+                    problems.append(f"{at}: {name}(..., {k.arg}=...) has no such parameter in torch {target['torch']}")
+    order = lambda line: int(line.split(":")[1])  # noqa: E731  ast.walk is breadth-first: back to line order
+    return sorted(problems, key=order), sorted(uses, key=order)
+
+
+def check_project(target: dict, current: dict, files: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """check_source over the project's files: (problems, uses)."""
+    problems, uses = [], []
+    for path in files or project_files():
+        with open(path) as f:
+            p, u = check_source(f.read(), os.path.relpath(path, ROOT), target, current)
+        problems += p
+        uses += u
+    return problems, uses
+
+
+def load_snapshot() -> dict:
+    with open(SNAPSHOT) as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--refresh", action="store_true", help=f"re-read torch {TORCH}'s FSDP2 sources from its wheel")
+    ap.add_argument("--uses", action="store_true", help="also list every FSDP2 name the project uses, and where")
+    args = ap.parse_args()
+    if args.refresh:
+        api = wheel_api()
+        with open(SNAPSHOT, "w") as f:
+            json.dump(api, f, indent=1, sort_keys=True)
+            f.write("\n")
+        print(f"read {api['wheel']}: {len(api['modules'])} modules, {len(api['classes'])} classes")
+    import torch
+    target, current = load_snapshot(), {"torch": torch.__version__, **installed_api()}
+    problems, uses = check_project(target, current)
+    if args.uses:
+        print("\n".join(uses))
+    print(f"{len(uses)} uses of FSDP2 names in the project's .py files, checked against torch {target['torch']} "
+          f"({target['wheel']}): " + ("all there" if not problems else f"{len(problems)} missing"))
+    print("\n".join(problems))
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()
