@@ -363,14 +363,14 @@ def gathered(model):
 def end_phase(model, units: list) -> None:
     """Reshard every FSDP unit of the root `model` (units: its FSDPModules) and clear what FSDP2 records per
     forward iteration: what torch 2.13's `FSDPModule.reset_iter_state` does after forwards, in calls torch 2.11
-    (the lent GPU machine's) has, which lacks that method (tools/fsdp_api.json lists what it has).
+    (the lent GPU machine's) has, which lacks that method (tools/torch_api.json lists what it has).
 
     What a phase of forwards leaves: each unit's post-forward record (the comm context's post_forward_order and
     each group's _post_forward_indices, which the next backward pops to choose what to prefetch: stale ones would
     prefetch the wrong unit), and, where a forward was cut short by an error, units in the FORWARD state (in which
     reshard() is a no-op), the iteration's forward root, and an all-gather not yet waited on. Backward's state
     (reduce-scatters, all-reduces) is not touched: a phase runs no backward. Private fields of FSDP2's state, the
-    same in torch 2.11 and 2.13 (tests/test_fsdp_api.py checks each name against 2.11's wheel).
+    same in torch 2.11 and 2.13 (tests/test_torch_api.py checks each name against 2.11's wheel).
     """
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState

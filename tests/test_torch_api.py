@@ -1,7 +1,7 @@
-"""FSDP2 as this project calls it, on the lent GPU machine's torch (2.11, without torchtitan) as on this one's:
-a rollout phase (distributed.gathered) ends with every unit resharded and no forward records left, also after an
-error mid-forward; and every FSDP2 name the project's code uses exists in torch 2.11, whose API
-tools/fsdp_api.json holds (read from its wheel by tools/fsdp_api.py --refresh)."""
+"""The project on the lent GPU machine's torch (2.11) as on this one's: a rollout phase (distributed.gathered)
+ends with every FSDP2 unit resharded and no forward records left, also after an error mid-forward; and every
+FSDP2 name and private torch module the project's code uses exists in torch 2.11, whose API tools/torch_api.json
+holds (read from its wheel by tools/torch_api.py --refresh)."""
 import contextlib
 import os
 
@@ -91,20 +91,20 @@ def test_an_error_mid_forward_in_a_rollout_phase_leaves_the_policy_ready_to_trai
 
 # ----------------------------------------------------------------------------- the names, against torch 2.11's
 
-def fsdp_api():
+def torch_api():
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-    import fsdp_api
-    return fsdp_api
+    import torch_api
+    return torch_api
 
 
 def apis():
-    api = fsdp_api()
-    return api.load_snapshot(), {"torch": torch.__version__, **api.installed_api()}
+    api = torch_api()
+    return api.load_snapshot(), api.installed_api()
 
 
 def test_every_fsdp2_name_the_project_uses_exists_in_torch_2_11():
-    api = fsdp_api()
+    api = torch_api()
     target, current = apis()
     problems, uses = api.check_project(target, current)
     assert not problems, "\n".join(problems)
@@ -114,7 +114,7 @@ def test_every_fsdp2_name_the_project_uses_exists_in_torch_2_11():
 
 
 def test_the_fsdp2_check_finds_what_only_a_newer_torch_has():
-    api = fsdp_api()
+    api = torch_api()
     target, current = apis()
     current = {**current, "torch": "newer"}
     current["classes"]["FSDPModule"]["methods"]["reset_iter_state"] = []  # 2.13's, whatever torch runs this test
@@ -123,10 +123,13 @@ def test_the_fsdp2_check_finds_what_only_a_newer_torch_has():
             "fully_shard(block, mesh=mesh, no_such_option=1)\n"
             "MixedPrecisionPolicy(param_dtype=torch.bfloat16, no_such_field=None)\n"
             "u.set_reshard_after_forward(False, recurse=False)\n"  # all there in 2.11
-            "proc.wait(timeout=5)\n")  # a generic name: not FSDP2's call
+            "proc.wait(timeout=5)\n"  # a generic name: not FSDP2's call
+            "from torch.utils._pytree import tree_flatten, no_such_function\n"  # a private module's names
+            "import torch._no_such_private_module\n")
     problems, _ = api.check_source(code, "x.py", target, current)
-    assert [p.split(": ", 1)[0] for p in problems] == ["x.py:1", "x.py:2", "x.py:3", "x.py:4"], problems
-    assert "no_such_name" in problems[0] and "reset_iter_state" in problems[1]
+    assert [p.split(": ", 1)[0] for p in problems] == ["x.py:1", "x.py:2", "x.py:3", "x.py:4", "x.py:7", "x.py:8"], \
+        problems
+    assert "no_such_name" in problems[0] and "reset_iter_state" in problems[1] and "no_such_function" in problems[4]
 
 
 def test_the_snapshot_is_torch_2_11s_fsdp2_as_its_wheel_has_it():
