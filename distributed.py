@@ -331,9 +331,10 @@ def gathered(model):
     Every FSDP unit is all-gathered once (in its param_dtype: bf16 in a bf16 run, the router gates
     fp32) and stays gathered through every forward of the phase, instead of being gathered and
     freed around each decode step's forward; experts split by expert parallelism stay split, their
-    tokens sent by the all-to-all as in training. On exit every unit is resharded (FSDP2's
-    reset_iter_state), so the trainer finds the model as it left it. A collective: every rank of the
-    policy's meshes enters and leaves together. A model without FSDP units passes through.
+    tokens sent by the all-to-all as in training. On exit every unit is resharded and FSDP's records of
+    the phase's forwards cleared (`end_phase`), so the trainer finds the model as it left it. A
+    collective: every rank of the policy's meshes enters and leaves together. A model without FSDP
+    units passes through.
     """
     from torch.distributed.fsdp import FSDPModule
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -356,7 +357,45 @@ def gathered(model):
     finally:
         for u in inner:
             u.set_reshard_after_forward(True, recurse=False)
-        model.reset_iter_state()  # reshards every unit and clears FSDP's per-iteration forward records
+        end_phase(model, units)
+
+
+def end_phase(model, units: list) -> None:
+    """Reshard every FSDP unit of the root `model` (units: its FSDPModules) and clear what FSDP2 records per
+    forward iteration: what torch 2.13's `FSDPModule.reset_iter_state` does after forwards, in calls torch 2.11
+    (the lent GPU machine's) has, which lacks that method (tools/torch_api.json lists what it has).
+
+    What a phase of forwards leaves: each unit's post-forward record (the comm context's post_forward_order and
+    each group's _post_forward_indices, which the next backward pops to choose what to prefetch: stale ones would
+    prefetch the wrong unit), and, where a forward was cut short by an error, units in the FORWARD state (in which
+    reshard() is a no-op), the iteration's forward root, and an all-gather not yet waited on. Backward's state
+    (reduce-scatters, all-reduces) is not touched: a phase runs no backward. Private fields of FSDP2's state, the
+    same in torch 2.11 and 2.13 (tests/test_torch_api.py checks each name against 2.11's wheel).
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    root = model._get_fsdp_state()
+    stream = root._device_handle.current_stream()
+    if (pending := root._comm_ctx.all_gather_state) is not None:  # the last all-gather's buffer, kept for reuse
+        if pending.event is not None:
+            stream.wait_event(pending.event)
+        root._comm_ctx.all_gather_state = None
+    root._comm_ctx.post_forward_order.clear()
+    root._state_ctx.iter_forward_root = None
+    for u in units:
+        state = u._get_fsdp_state()
+        state._training_state = TrainingState.IDLE
+        group = state._fsdp_param_group
+        if group is not None:
+            if (result := group._all_gather_result) is not None:  # an unshard never waited on: wait, then drop
+                if result.all_gather_event is not None:
+                    stream.wait_event(result.all_gather_event)
+                if isinstance(result.all_gather_work, dist.Work):
+                    result.all_gather_work.wait()
+                group._all_gather_result = None
+            group._training_state = TrainingState.IDLE
+            group._post_forward_indices.clear()
+        u.reshard()
 
 
 def padded_microbatches(micro: list[list[int]]) -> list[list[int]]:

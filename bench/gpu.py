@@ -1,23 +1,27 @@
-"""The GPU check: one command on one H200 that reads what the memory plan assumes and times the GPU path; one table.
+"""The GPU check: one command on the lent GPU that reads what the memory plan assumes and times the GPU path; one table.
 
-Written for a lent machine (torch >= 2.11, transformers, tiktoken; no torchtitan: one GPU; no sglang,
-reasoning-gym or math-verify: random prompts and a random init, for the checks are about memory,
-kernels, numbers and speed, not learning; nothing fetched). It has not run on a GPU: none has been lent
-to this project yet, so neither its numbers nor its run time (meant to stay under 8 minutes) are known.
-`--device cpu` runs the same code at toy widths, section 4's subprocess included, and skips the memory
-readings (tests/test_gpu.py): a check of the script, not of a number. Sections, in order; each is
-guarded (one that raises prints its error in its row and the rest still run), and one that would
-start past --budget_s is skipped:
+Written for the lent machine (one H100 80 GB, sometimes an H200; torch 2.11 with CUDA 13, transformers,
+tiktoken; no torchtitan: one GPU needs none; no sglang, reasoning-gym or math-verify: random prompts and a
+random init, for the checks are about memory, kernels, numbers and speed, not learning; nothing fetched).
+It has not run on a GPU yet, so neither its numbers nor its run time are known. The planned figures come
+from bench/gpu_plans.json, computed with the project's torch (`--write_plans`; gpu_plans.py says why).
+`--smoke` runs the same code on the CPU at toy widths, section 4's subprocess included, and skips the
+memory readings (tests/test_gpu.py, with torchtitan hidden as on the machine): a check of the script, not
+of a number. Sections, in order; each is guarded (one that raises prints its error in its row and the
+rest still run), one that would start past --budget_s is skipped, and at --end_s a watchdog writes what
+was read and ends the run (exit status CUT_SHORT_EXIT):
 
 1. Versions: Python, torch, CUDA, cuDNN, NCCL, the GPU and its memory, the driver.
 2. Memory outside the caching allocator (torch.cuda.mem_get_info's used less memory_reserved) after
    CUDA init and after a one-rank NCCL group's first collective, beside plan.CUDA_CONTEXT_GIB and
    plan.NCCL_COMMUNICATOR_GIB (one rank has no peers: a lower bound of a communicator's buffers).
-3. GLM-4.5-Air's widths (configs/100b.py) cut to 3 blocks, the dense first and 2 MoE, sharded as
-   distributed.build_model shards the policy (FSDP2 bf16 mixed precision on the one-rank mesh,
-   activation checkpointing): training steps of one 8192-token micro-batch with routes replayed; the
-   peak allocated and reserved memory and the GPU's used memory against plan.trainer_memory and
-   plan.with_margins; the memory outside the allocator once the kernels are loaded.
+3. GLM-4.5-Air's widths (configs/100b.py) cut to 3 blocks, the dense first and 2 MoE, with as many of its
+   128 routed experts per MoE layer as the GPU's free memory holds by the plans (gpu_plans.choose_cut:
+   fewer on an 80 GB card; the first line says which and why), sharded as distributed.build_model shards
+   the policy (FSDP2 bf16 mixed precision on the one-rank mesh, activation checkpointing): training
+   steps of one 8192-token micro-batch with routes replayed; the peak allocated and reserved memory and
+   the GPU's used memory against plan.trainer_memory and plan.with_margins; the memory outside the
+   allocator once the kernels are loaded.
 4. The native engine on that sharded policy (NativeEngine(policy=...), the multi-rank path): rollout
    phases (engine.phase(): weights gathered, generate, freed) alternating with training steps, the
    allocated memory back to its baseline after each, and the reserved memory over the allocated (the
@@ -38,10 +42,13 @@ start past --budget_s is skipped:
    the rows in the same KV memory, and with the decode step in a CUDA graph (engine.cuda_graph): tokens/s,
    the share of rows whose tokens equal the static engine's, the pool's use and preemptions.
 
-Results go to --out (bench/results/gpu.json), rewritten after each section, so a run cut short keeps
-what it read. Shapes: B, T, S, V, L, K, E (letters of the README's legend).
+Results go to --out ($OUT/gpu.json where the device tool sets $OUT: only what is written there comes
+back from the machine; else bench/results/gpu.json), rewritten after each section, so a run cut short
+keeps what it read. Shapes: B, T, S, V, L, K, E (letters of the README's legend).
 
-    timeout 480 python bench/gpu.py [--quick] [--out PATH]
+    timeout 470 python3 bench/gpu.py --out $OUT/gpu.json   # on the lent machine (README: the GPU check)
+    python bench/gpu.py --smoke                            # on a CPU: the script's check
+    python bench/gpu.py --write_plans                      # here, after a change to the plan or the configs
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -64,52 +72,34 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+import gpu_plans  # noqa: E402  (bench/gpu_plans.py)
 import plan  # noqa: E402
 import weights  # noqa: E402
-from config import EngineConfig, TrainConfig, parse_args  # noqa: E402
+from config import EngineConfig, TrainConfig  # noqa: E402
 from distributed import Meshes, build_model, mixed_precision, parallelize, setup_distributed  # noqa: E402
 from espo import mismatch_metrics  # noqa: E402
 from mismatch import trainer_logprobs  # noqa: E402  (bench/mismatch.py)
 from model import Transformer  # noqa: E402
 from rollout import NativeEngine, decode_step  # noqa: E402
 from sampler import row_keys  # noqa: E402
+from gpu_plans import CPU_SHAPES, GPU_SHAPES, Shapes  # noqa: E402
 from weights import policy_tensors, quantize_fp8  # noqa: E402
 
 GiB = 2 ** 30
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak, SXM (NVIDIA's datasheets)
-BUDGET_S = 360  # no section starts later, so the last ones (7, 8: a minute or two) end within the 8 minutes allowed
-SUBPROCESS_TIMEOUT_S = 240  # section 4's second allocator setting (imports, CUDA init, a build, 4 steps), at most
+# The run's time, inside the README's `timeout 470` (the device tool's command, itself under its 600 s limit):
+# no section starts after BUDGET_S, so the last one has END_S - BUDGET_S; at END_S the watchdog writes what was
+# read and exits, 20 s before timeout would kill the run with its last reading lost
+TIMEOUT_S = 470
+END_S = TIMEOUT_S - 20
+BUDGET_S = 330
+CUT_SHORT_EXIT = 3  # the exit status of a run the watchdog ended (1 is Python's for an error, 2 argparse's)
+SUBPROCESS_TIMEOUT_S = 150  # section 4's second allocator setting (imports, CUDA init, a build, 4 steps), at most
+SUBPROCESS_END_S = 10  # and it is killed this long before END_S, so the watchdog never leaves it running
 LABEL = 40  # the table's label column
 # SDPA without its math kernel, as section 5 runs the prefill. Written here, not taken from model.py's own
 # list: the check must not borrow what it checks
 NOT_MATH = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-# GLM-4.5-Air cut to a dense block and two MoE ones (two, so the peak falls where a deep model's does: plan.py's
-# choice 3); one process, so ep=1
-WIDE_CUT = ["model.n_layers=3", "model.first_k_dense_replace=1", "activation_checkpoint=True", "ep=1", "compile=False"]
-# the same layout (sigmoid router, shared expert, partial rotary, qkv bias, GQA) at widths a CPU runs in seconds
-TOY_WIDTHS = ["model.vocab_size=512", "model.dim=128", "model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=32",
-              "model.num_experts=16", "model.top_k=4", "model.moe_inter_dim=64", "model.dense_inter_dim=256"]
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """Sections 3-6's sizes: an H200's (the 100B recipe's lengths) or a CPU's toy ones."""
-    microbatch_tokens: int  # sections 3-4's training micro-batch (one row)
-    train_steps: int  # section 3's: the second holds the AdamW state the first made, as the plan's do
-    phase_prompts: int  # section 4's generate call: distinct prompts, samples of each, their lengths
-    phase_samples: int
-    phase_prompt_tokens: int
-    phase_new_tokens: int
-    prefill_rows: int  # sections 5-6: distinct prompts, one row each
-    prefill_tokens: int
-    decode_cols: int  # section 6's cache columns S, and the decode steps timed at its end
-    decode_steps: int
-
-
-GPU_SHAPES = Shapes(microbatch_tokens=8192, train_steps=3, phase_prompts=4, phase_samples=4, phase_prompt_tokens=256,
-                    phase_new_tokens=32, prefill_rows=16, prefill_tokens=2048, decode_cols=10240, decode_steps=32)
-CPU_SHAPES = Shapes(microbatch_tokens=128, train_steps=2, phase_prompts=2, phase_samples=2, phase_prompt_tokens=16,
-                    phase_new_tokens=4, prefill_rows=4, prefill_tokens=64, decode_cols=128, decode_steps=8)
 PHASE_ROUNDS = 3  # section 4's rollout phases, each followed by a training step
 
 
@@ -138,17 +128,22 @@ def _outside_allocator() -> int:
     return total - free - torch.cuda.memory_reserved()
 
 
+class Skip(Exception):
+    """A section that cannot run here: its one row says why (not an error)."""
+
+
 @dataclass
 class Bench:
-    """What the sections share: the arguments, both configs and sizes, the plan's figures (computed before any
-    process group: plan.py runs one of its own, fake), the one-rank meshes, and the models built so far."""
+    """What the sections share: the arguments, both configs and sizes, the plans read from bench/gpu_plans.json
+    (gpu_plans.py), the one-rank meshes, and the models built so far."""
     args: argparse.Namespace
-    small_cfg: TrainConfig  # sections 7-8's (configs/small.py)
-    wide_cfg: TrainConfig  # sections 3-6's (GLM-4.5-Air cut to 3 blocks)
+    small_cfg: TrainConfig  # sections 7-9's (configs/small.py)
+    wide_cfg: TrainConfig | None  # sections 3-6's (GLM-4.5-Air cut to 3 blocks), None where no cut fits
+    cut: str  # which cut sections 3-6 run, and why (or why none)
     shapes: Shapes
-    plans: dict
+    plans: dict  # gpu_plans.read_plans()
     cuda: bool
-    deadline: float = float("inf")  # time.perf_counter() past which no section starts
+    end: float = float("inf")  # time.perf_counter() of the watchdog's end (Report.watch)
     meshes: Meshes | None = None
     wide: Wide | None = None
     small_model: nn.Module | None = None
@@ -160,6 +155,8 @@ class Bench:
         return self.meshes
 
     def wide_model(self) -> Wide:
+        if self.wide_cfg is None:
+            raise Skip(self.cut)
         if self.wide is None:
             self.wide = Wide(self.wide_cfg, self.one_rank())
         return self.wide
@@ -171,44 +168,56 @@ class Bench:
         if self.cuda:
             torch.cuda.empty_cache()
 
-    def plan(self, name: str):
-        """A figure computed at start; RuntimeError with the planner's own error where it failed."""
-        if isinstance(self.plans.get(name), Exception):
-            raise RuntimeError(f"the plan's {name} failed: {self.plans[name]}")
-        return self.plans[name]
-
-
-def compute_plans(small: TrainConfig, wide: TrainConfig) -> dict:
-    """The plan's figures, each an Exception where it failed (reported by the section that reads it)."""
-    jobs = {"small_train": lambda: plan.trainer_memory(small, 1, activation_checkpoint=small.activation_checkpoint),
-            "small_generate": lambda: plan.engine_memory(small)["generate"],  # the call's: weights are measured apart
-            "wide_train": lambda: plan.trainer_memory(wide, 1, activation_checkpoint=True)}
-    out = {}
-    for name, job in jobs.items():
-        try:
-            out[name] = job()
-        except Exception as e:  # noqa: BLE001  one failed figure fails only the rows that print it
-            out[name] = e
-    return out
+    def plan(self, which: str) -> dict:
+        """The plan of sections 3-6 ("wide") or 7 ("small") for this run's config and sizes, from
+        bench/gpu_plans.json; RuntimeError where it holds none for them (a config changed since --write_plans)."""
+        cfg = self.wide_cfg if which == "wide" else self.small_cfg
+        shapes = self.shapes if which == "wide" else None
+        found = [p for p in self.plans.values() if p["config"] == gpu_plans.digest(cfg, shapes)]
+        if not found:
+            raise RuntimeError(f"bench/gpu_plans.json has no plan for this run's {which} config: run "
+                               f"python bench/gpu.py --write_plans where the project's torch is")
+        return found[0]
 
 
 class Report:
-    """Runs each section guarded, prints its rows under its title, and rewrites the JSON after each."""
+    """Runs each section guarded, prints its rows under its title, and rewrites the JSON after each. A watchdog
+    (`watch`) ends the run at a fixed time whatever a section is doing: it writes the JSON, naming the section
+    cut short, and exits with CUT_SHORT_EXIT."""
 
     def __init__(self, path: str, budget_s: float, header: dict):
         self.path, self.budget_s, self.t0 = path, budget_s, time.perf_counter()
         self.out = {**header, "done": False, "sections": {}}
+        self.running = "setup"  # the section under way, for the watchdog
+        self.lock = threading.Lock()  # the watchdog's thread and the sections' both write the JSON
+
+    def watch(self, end_s: float):
+        """At end_s seconds after the start, write what was read, name the section cut short, and exit: a run
+        past its `timeout` would be killed with its last section's reading lost and no last line."""
+        timer = threading.Timer(max(0.0, end_s - (time.perf_counter() - self.t0)), self._cut_short, args=(end_s,))
+        timer.daemon = True  # a run done before end_s exits without waiting for it
+        timer.start()
+
+    def _cut_short(self, end_s: float):
+        with self.lock:
+            self.out["cut_short"] = f"{self.running}: still running at {end_s:.0f} s"
+            self._write()
+        print(f"cut short at {end_s:.0f} s: {self.running} was still running; {self.path} holds the sections "
+              f"before it", flush=True)
+        os._exit(CUT_SHORT_EXIT)  # from this thread: the main one may be inside a kernel or a collective
 
     def run(self, title: str, section, b: Bench, on_error=None) -> dict:
         """section(b) -> (rows [(label, value)], data); its error or a skip becomes its one row. on_error runs after
         an error (sections 3-6: the model is rebuilt, not reused half-way through a step)."""
-        start = time.perf_counter()
+        start, self.running = time.perf_counter(), title
         print(title, flush=True)
         if start - self.t0 > self.budget_s:
             rows, data = [("skipped", f"out of time: {start - self.t0:.0f} s of the {self.budget_s:.0f} s budget")], {}
         else:
             try:
                 rows, data = section(b)
+            except Skip as e:
+                rows, data = [("skipped", str(e))], {}
             except Exception as e:  # noqa: BLE001  a failed section must not stop the rest
                 rows, data = [("error", f"{type(e).__name__}: {(str(e).strip() or '?').splitlines()[0][:160]}")], {
                     "error": traceback.format_exc()}
@@ -220,15 +229,23 @@ class Report:
                     torch.cuda.empty_cache()
         for label, value in rows:
             print(f"  {label:<{LABEL - 2}} {value}", flush=True)
-        self.out["sections"][section.__name__] = {"title": title, "rows": rows, "seconds": time.perf_counter() - start,
-                                                  **data}
-        self.save()
+        with self.lock:
+            self.out["sections"][section.__name__] = {"title": title, "rows": rows,
+                                                      "seconds": time.perf_counter() - start, **data}
+            self._write()
         return data
 
-    def save(self):
+    def save(self, **fields):
+        """Add fields to the JSON's top level and write it."""
+        with self.lock:
+            self.out.update(fields)
+            self._write()
+
+    def _write(self):
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        with open(self.path, "w") as f:
+        with open(self.path + ".tmp", "w") as f:  # whole or not at all, were the watchdog to exit mid-write
             json.dump(self.out, f, indent=1, default=str)
+        os.replace(self.path + ".tmp", self.path)
 
 
 # ----------------------------------------------------------------------------- 1, 2: the machine
@@ -328,7 +345,7 @@ def wide_training(b: Bench):
     data = {"step_seconds": times, "micro-batch": [B, T], "params": params}
     if not b.cuda:
         return rows + [("memory", "skipped: needs CUDA")], data
-    planned = b.plan("wide_train")["total"]
+    planned = b.plan("wide")["train"]["total"]
     alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     free, total = torch.cuda.mem_get_info()
     used, outside = total - free, _outside_allocator()
@@ -389,11 +406,16 @@ def phase_rounds_other_allocator(b: Bench):
     """phase_rounds in a subprocess of this script with expandable_segments switched: the allocator reads its
     settings once, at CUDA init, and this process's GPU memory (the wide model's) is freed first. On a CPU the
     setting means nothing: it runs as a check of the plumbing."""
+    if b.wide_cfg is None:
+        raise Skip(b.cut)
     b.release_wide()
     conf = [p for p in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if p and "expandable" not in p]
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": ",".join([*conf, f"expandable_segments:{not _expandable()}"])}
-    cmd = [sys.executable, os.path.abspath(__file__), "--phases_only", "--device", b.args.device]
-    timeout = min(SUBPROCESS_TIMEOUT_S, max(60.0, b.deadline - time.perf_counter()))
+    experts = ["--experts", str(b.wide_cfg.model.num_experts)] if b.cuda else []  # the same cut
+    cmd = [sys.executable, os.path.abspath(__file__), "--phases_only", "--device", b.args.device, *experts]
+    timeout = min(SUBPROCESS_TIMEOUT_S, b.end - SUBPROCESS_END_S - time.perf_counter())
+    if timeout < 30:  # imports and CUDA init alone take about that
+        raise Skip(f"out of time: {timeout:.0f} s left for the subprocess before the watchdog")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if out.returncode:
         raise RuntimeError(f"the subprocess exited {out.returncode}: {out.stderr.strip()[-600:]}")
@@ -461,8 +483,7 @@ def long_decode(b: Bench):
             ("host syncs in a sharded decode step", syncs)]
     data = {"tokens/s": U * steps / seconds, "step_ms": seconds / steps * 1e3, "decode host syncs": syncs}
     if b.cuda:
-        call = dataclasses.replace(cfg, max_prompt_tokens=T, sampling=dataclasses.replace(params, max_new_tokens=C))
-        planned = plan.generate_peak(call, 1, U, U)  # U rows of U distinct prompts
+        planned = b.plan("wide")["decode"]  # plan.generate_peak of U rows of U distinct prompts, S columns
         rows.insert(1, ("generate call peak memory", f"{_gib(peak)}  {_ratio(planned, peak)}"))
         data.update(peak_bytes=peak, planned_bytes=planned, ratio=planned / peak)
     return rows, data
@@ -543,14 +564,15 @@ def engine_throughput(cfg, model) -> dict:
 
 def small_throughput(b: Bench):
     cfg, model = b.small_cfg, small_model(b)
-    train = train_throughput(cfg, model, steps=3 if b.args.quick else 10)
+    train = train_throughput(cfg, model, steps=1 if b.args.smoke else 3 if b.args.quick else 10)
     gen = engine_throughput(cfg, model)
     rows = [("train", f"{train['tokens/s']:,.0f} tokens/s  MFU {train['mfu']:.1%}  micro-batch {train['micro-batch']}"),
             ("engine generate", f"{gen['tokens/s']:,.0f} tokens/s  {gen['rows']} rows x {cfg.sampling.max_new_tokens} "
                                 f"new tokens, prompts of {cfg.prompt_limit()}"),
             ("host syncs in a decode step", gen["decode host syncs"])]
     if b.cuda:
-        train["planned_bytes"], gen["planned_bytes"] = b.plan("small_train")["total"], b.plan("small_generate")
+        planned = b.plan("small")
+        train["planned_bytes"], gen["planned_bytes"] = planned["train"]["total"], planned["generate"]
         rows.insert(1, ("train peak memory", f"{_gib(train['peak_bytes'])}  "
                                              f"{_ratio(train['planned_bytes'], train['peak_bytes'])}"))
         rows.insert(3, ("engine generate peak memory", f"{_gib(gen['peak_bytes'])}  "
@@ -584,7 +606,7 @@ def mismatch(cfg, model, prompts: int) -> dict:
 
 
 def fp8_mismatch(b: Bench):
-    mm = mismatch(b.small_cfg, small_model(b), prompts=8 if b.args.quick else 64)
+    mm = mismatch(b.small_cfg, small_model(b), prompts=2 if b.args.smoke else 8 if b.args.quick else 64)
     rows = [("FP8 matmuls", mm["scaled_mm"]),
             ("rollouts vs bf16 trainer", f"{'KL':>9} {'max|dlogp|':>11} {'routes differ':>14}")]
     for name in (f"{e} engine, replay {r}" for e in ("fp8", "bf16") for r in ("off", "on")):
@@ -600,7 +622,7 @@ def continuous_paged(b: Bench):
     seeds; on CUDA also with the decode step in a CUDA graph (engine.cuda_graph). Rows stop at random (stop ids),
     so lengths are long-tailed; tokens equal to the static engine's (share of rows), tokens/s and the pool's use."""
     cfg, model = b.small_cfg, small_model(b)
-    rows = 64 if b.args.quick or not b.cuda else min(cfg.gen_batch_rows, 512)
+    rows = 16 if b.args.smoke else 64 if b.args.quick or not b.cuda else min(cfg.gen_batch_rows, 512)
     stops = list(range(1, 1 + max(1, cfg.model.vocab_size // 200)))  # about 1 in 200 per token: a long tail
     prompts = torch.randint(len(stops) + 1, cfg.model.vocab_size, (rows // cfg.group_size, 32)).tolist()
     C = min(cfg.sampling.max_new_tokens, 256)
@@ -640,41 +662,78 @@ def continuous_paged(b: Bench):
 
 # ----------------------------------------------------------------------------- the run
 
+def default_out() -> str:
+    """$OUT/gpu.json where the device tool's $OUT is set (what a command writes there comes back; the working copy
+    does not), else bench/results/gpu.json."""
+    return os.path.join(os.environ["OUT"], "gpu.json") if os.environ.get("OUT") else \
+        os.path.join(ROOT, "bench", "results", "gpu.json")
+
+
+def choose(a: argparse.Namespace, plans: dict) -> tuple[TrainConfig | None, str]:
+    """Sections 3-6's config and why: on a GPU the cut gpu_plans.choose_cut picks for its free memory (or the
+    --experts given); on a CPU the toy widths, with the cut each GPU of plan.GPU_MEMORY_GIB would get."""
+    if a.device != "cuda":
+        cards = "; ".join(f"{name}: {gpu_plans.choose_cut(plans, int((gib - plan.CUDA_CONTEXT_GIB) * GiB))[0]}"
+                          for name, gib in plan.GPU_MEMORY_GIB.items())
+        return gpu_plans.wide_config(a.device, None), f"CPU: toy widths (a GPU's experts from the plans: {cards})"
+    if a.experts:
+        return gpu_plans.wide_config(a.device, a.experts), f"{a.experts} experts (--experts)"
+    free = torch.cuda.mem_get_info()[0]  # after this process's CUDA context: what the sections can have
+    experts, why = gpu_plans.choose_cut(plans, free)
+    return (gpu_plans.wide_config(a.device, experts) if experts else None), why
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="sections 7-8: smaller batches and fewer steps")
-    ap.add_argument("--config", default=os.path.join(ROOT, "configs", "small.py"), help="sections 7-8's config")
-    ap.add_argument("--device", default="cuda", help="'cpu' runs the same code at toy widths (the tests' check)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu.json"))
+    ap.add_argument("--quick", action="store_true", help="sections 7-9: smaller batches and fewer steps")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the tests' check of the script: --device cpu --quick on configs/tiny.py, smaller still")
+    ap.add_argument("--config", default=os.path.join(ROOT, gpu_plans.SMALL), help="sections 7-9's config")
+    ap.add_argument("--device", default="cuda", help="'cpu' runs the same code at toy widths")
+    ap.add_argument("--out", default=default_out(), help="the JSON (default: $OUT/gpu.json, else "
+                                                         "bench/results/gpu.json)")
     ap.add_argument("--budget_s", type=float, default=BUDGET_S, help="no section starts after this many seconds")
+    ap.add_argument("--end_s", type=float, default=END_S, help="the watchdog: the run ends at this many seconds")
+    ap.add_argument("--write_plans", action="store_true", help=f"compute the plans into {gpu_plans.PLANS} (with "
+                                                                "this machine's torch: the project's, not the GPU's)")
+    ap.add_argument("--experts", type=int, default=0, choices=[0, *gpu_plans.EXPERT_CUTS],
+                    help="sections 3-6's routed experts (0: the most the plans fit in free memory)")
     ap.add_argument("--phases_only", action="store_true", help=argparse.SUPPRESS)  # section 4's second process
     a = ap.parse_args()
+    if a.write_plans:
+        got = gpu_plans.write_plans()
+        print(f"wrote {gpu_plans.PLANS}: {', '.join(got['plans'])} (torch {got['torch']})")
+        return
+    if a.smoke:
+        a.device, a.quick, a.config = "cpu", True, os.path.join(ROOT, "configs", "tiny.py")
     if a.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/gpu.py needs a CUDA GPU (--device cpu only checks that the script runs)")
+        sys.exit("bench/gpu.py needs a CUDA GPU (--smoke only checks that the script runs)")
     if a.device == "cuda" and not a.phases_only:  # as train.main sets it, before CUDA starts; the subprocess's is given
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    quick = ["microbatch_tokens=4096", "gen_batch_rows=256", "sampling.max_new_tokens=16"] if a.quick else []
-    small = parse_args([a.config, f"device={a.device}", "dtype=bfloat16", "max_prompt_tokens=64", *quick])
     cuda = a.device == "cuda"
+    small = gpu_plans.small_config(a.config, a.device, quick=a.quick, smoke=a.smoke)
     shapes = GPU_SHAPES if cuda else CPU_SHAPES
-    wide = parse_args([os.path.join(ROOT, "configs", "100b.py"), f"device={a.device}", "dtype=bfloat16", *WIDE_CUT,
-                       f"microbatch_tokens={shapes.microbatch_tokens}", *([] if cuda else TOY_WIDTHS)])
+    written = gpu_plans.read_plans()  # {} where the file is absent: every planned figure's row then says so
+    plans = written.get("plans", {})
     torch.backends.cuda.matmul.allow_tf32 = True  # as train.py: the fp32 matmuls left (the router's) on TF32
     torch.manual_seed(0)
+    wide, cut = choose(a, plans)
     if a.phases_only:  # the last stdout line is what the parent reads
-        b = Bench(a, small, wide, shapes, plans={}, cuda=cuda)
+        b = Bench(a, small, wide, cut, shapes, plans=plans, cuda=cuda)
         rows, data = phase_rounds(b)
         print(json.dumps({"rows": rows, "data": data}, default=str))
         return
-    plans = compute_plans(small, wide)  # first: plan.py's fake process group must not meet the real one
-    b = Bench(a, small, wide, shapes, plans=plans, cuda=cuda)
+    b = Bench(a, small, wide, cut, shapes, plans=plans, cuda=cuda)
     device = torch.cuda.get_device_name() if cuda else "CPU"
-    widths = "GLM-4.5-Air's widths" if cuda else "GLM-4.5-Air's layout at toy widths (CPU)"
-    print(f"bench/gpu.py on {device}, torch {torch.__version__}; sections 3-6: {widths}, 3 blocks; sections 7-8: "
-          f"{os.path.basename(a.config)} ({plan.param_counts(small.model)['total'] / 1e6:.0f}M params); bf16")
+    blocks = f"GLM-4.5-Air, 3 blocks, {wide.model.num_experts} experts" if wide else "skipped"
+    print(f"bench/gpu.py on {device}, torch {torch.__version__}; sections 3-6: {f'{blocks} ({cut})' if cuda else cut}"
+          f"; sections 7-9: {os.path.basename(a.config)} ({plan.param_counts(small.model)['total'] / 1e6:.0f}M "
+          f"params); bf16; writing {a.out}", flush=True)
     report = Report(a.out, a.budget_s, {"device": device, "torch": torch.__version__, "quick": a.quick,
-                                        "plans": {k: v for k, v in plans.items() if not isinstance(v, Exception)}})
-    b.deadline = report.t0 + a.budget_s
+                                        "smoke": a.smoke, "cut": cut, "plans_torch": written.get("torch"),
+                                        "experts": wide.model.num_experts if wide else None})
+    report.watch(a.end_s)
+    b.end = report.t0 + a.end_s
     report.run("1. versions", versions, b)
     report.run("2. memory outside the allocator: CUDA context, NCCL", context_and_nccl, b)
     report.run("3. 3 GLM-4.5-Air blocks (1 dense, 2 MoE): training, activation checkpointing, routes replayed",
@@ -689,17 +748,15 @@ def main():
     report.run(f"7. {os.path.basename(a.config)}: training and generation", small_throughput, b)
     kl = report.run("8. FP8 vs bf16 rollouts against the bf16 trainer", fp8_mismatch, b)
     report.run("9. continuous batching over pages (and in a CUDA graph) vs static calls", continuous_paged, b)
-    report.out.update(done=True, seconds=time.perf_counter() - report.t0)
     ratio = kl.get("kl_ratio_replay_off_over_on", float("nan"))
-    report.out["kl_ratio_replay_off_over_on"] = ratio
-    report.save()
+    report.save(done=True, seconds=time.perf_counter() - report.t0, kl_ratio_replay_off_over_on=ratio)
     sections = report.out["sections"].values()
     failed = [x["title"].split(".")[0] for x in sections if "error" in x]
     skipped = [x["title"].split(".")[0] for x in sections if x["rows"][0][0] == "skipped"]
     print(f"{ratio:.1f}x lower FP8 train-inference KL with router replay (bf16 trainer, random-init "
           f"{os.path.basename(a.config)} model, {device}; {time.perf_counter() - report.t0:.0f} s"
           f"{'; errors in sections ' + ', '.join(failed) if failed else ''}"
-          f"{'; out of time: sections ' + ', '.join(skipped) if skipped else ''})")
+          f"{'; skipped: sections ' + ', '.join(skipped) if skipped else ''})")
 
 
 if __name__ == "__main__":

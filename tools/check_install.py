@@ -117,20 +117,28 @@ class _RangeFile(io.RawIOBase):
         return len(data)
 
 
-def wheel_requires(name: str, version: str) -> list[str]:
-    """The Requires-Dist lines of the TARGET wheel of name==version on PyPI."""
+def remote_wheel(name: str, version: str, python: str = "cp311") -> zipfile.ZipFile:
+    """The Linux x86_64 wheel of name==version on PyPI (a pure-Python one, or the `python` build), open as a zip
+    read by HTTP range requests: only its central directory and the members read are fetched.
+    Raises ValueError when PyPI has none."""
     index = f"https://pypi.org/simple/{canonical(name)}/"
     req = urllib.request.Request(index, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         files = json.load(r)["files"]
     prefix = f"{canonical(name).replace('-', '_')}-{version}-"
-    # a wheel for TARGET: a pure-Python one, or its own build
     wheels = [f for f in files if f["filename"].lower().startswith(prefix) and f["filename"].endswith(".whl")
-              and ("-py3-none-any" in f["filename"] or "cp311-cp311-manylinux" in f["filename"]
+              and ("-py3-none-any" in f["filename"] or f"{python}-{python}-manylinux" in f["filename"]
                    and f["filename"].endswith("x86_64.whl"))]
     if not wheels:
-        raise ValueError(f"no Linux x86_64 cp311 wheel of {name}=={version} on PyPI")
-    with zipfile.ZipFile(io.BufferedReader(_RangeFile(wheels[0]["url"]), buffer_size=1 << 16)) as z:
+        raise ValueError(f"no Linux x86_64 {python} wheel of {name}=={version} on PyPI")
+    z = zipfile.ZipFile(io.BufferedReader(_RangeFile(wheels[0]["url"]), buffer_size=1 << 16))
+    z.filename = wheels[0]["filename"]  # which wheel was read (a zip opened on a file object has no name)
+    return z
+
+
+def wheel_requires(name: str, version: str) -> list[str]:
+    """The Requires-Dist lines of the TARGET wheel of name==version on PyPI."""
+    with remote_wheel(name, version) as z:  # TARGET's: CPython 3.11
         member = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         metadata = Parser().parsestr(z.read(member).decode())
     return metadata.get_all("Requires-Dist") or []
