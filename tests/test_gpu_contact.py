@@ -29,17 +29,18 @@ def fake_metadata(installed: dict, sglang_requires: list):
 
 
 @pytest.mark.parametrize("installed, refused", [
-    ({"torch": "2.13.0+cu130"}, "needs sglang in this environment"),  # the trainer's environment as installed
+    ({"torch": "2.13.0+cu130"}, "needs sglang in this environment"),  # the trainer's environment alone
+    ({"torch": "2.13.0+cu130", "sglang": "0.5.21"}, None),  # requirements.txt + requirements-sglang.txt
     ({"torch": "2.13.0+cu130", "sglang": "0.5.23"}, "sglang 0.5.23 needs torch==2.14.1, and this environment has "
-                                                    "torch 2.13.0"),  # forced in beside it
-    ({"torch": "2.14.1", "sglang": "0.5.23"}, None),  # an environment where both agree
+                                                    "torch 2.13.0"),  # a release that pins another torch
 ])
 def test_a_colocated_sglang_server_needs_an_sglang_that_accepts_the_trainers_torch(monkeypatch, installed, refused):
-    monkeypatch.setattr(sglang_engine, "metadata", fake_metadata(installed, ["torch==2.14.1", "transformers==5.19.0"]))
+    pins = {"0.5.21": ["torch==2.13.0", "transformers==5.12.1"], "0.5.23": ["torch==2.14.1", "transformers==5.19.0"]}
+    monkeypatch.setattr(sglang_engine, "metadata", fake_metadata(installed, pins.get(installed.get("sglang"), [])))
     if refused is None:
         sglang_engine.check_colocated_install()
     else:
-        with pytest.raises(ValueError, match=refused + ".*engine.sglang_urls"):
+        with pytest.raises(ValueError, match=refused + ".*requirements-sglang.txt.*engine.sglang_urls"):
             sglang_engine.check_colocated_install()
 
 

@@ -288,7 +288,7 @@ def test_sglang_payload_of_the_wrong_size_is_a_value_error(tiny_cfg):
 
 
 class _FakeSGLang:
-    """Records the calls SGLangEngine makes; begin/end exist only when sessions=True (0.5.23 vs 0.5.7)."""
+    """Records the calls SGLangEngine makes; begin/end exist only when sessions=True (0.5.21 vs 0.5.7)."""
 
     def __init__(self, sessions: bool):
         self.calls = []

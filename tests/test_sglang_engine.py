@@ -39,7 +39,7 @@ class FakeSGLang(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.cfg, self.log, self.tp_size, self.sessions = cfg, log, tp_size, sessions
         self.info = dict(enable_return_routed_experts=True, enable_deterministic_inference=True,
-                         version="0.5.23") | (info or {})
+                         version="0.5.21") | (info or {})
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -460,12 +460,36 @@ def test_sglang_from_the_config_generates_sleeps_syncs_and_matches_the_trainer(t
     assert mismatch_metrics(infer, trainer)["mismatch/max_abs_logp"] < 0.1
 
 
-def test_the_weight_broadcasts_nccl_pairing_is_checked_at_connect(tiny_cfg, log):
-    """An external server's SGLang version gives its NCCL (sglang 0.5.23: torch 2.14.1's 2.30.7, read from the
-    wheels), which the trainer's (torch 2.13.0's 2.29.7 where no GPU answers) meets in the weight broadcast."""
-    assert "2.30.7" in sglang_server.nccl_pairing("0.5.23", "http://s:1") and "2.29.7" in \
-        sglang_server.nccl_pairing("0.5.23", "http://s:1")
-    assert "not known here" in sglang_server.nccl_pairing("0.9.0", "http://s:1")
-    server = FakeSGLang(tiny_cfg, log)
-    with pytest.warns(UserWarning, match=r"NCCL 2\.30\.7 and this trainer NCCL 2\.29\.7"):
-        build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=server.url), TOK, Transformer(tiny_cfg))
+@pytest.mark.parametrize("release, ours, refused", [
+    ("0.5.21", (2, 29, 7), None),  # requirements-sglang.txt's release: torch 2.13.0's NCCL, the trainer's
+    ("0.5.23", (2, 29, 7), r"sglang 0\.5\.23 with NCCL 2\.30\.7 and this trainer NCCL 2\.29\.7: NCCL refuses a "
+                           r"communicator of two versions.*requirements-sglang\.txt.*nvidia-nccl-cu13==2\.30\.7"),
+    ("0.5.21", (2, 29, 8), r"sglang 0\.5\.21 with NCCL 2\.29\.7 and this trainer NCCL 2\.29\.8"),  # patch counts too
+    ("0.9.0", (2, 29, 7), r"sglang 0\.9\.0, whose NCCL is not known here.*exactly this trainer's NCCL 2\.29\.7"),
+])
+def test_a_server_whose_nccl_is_not_exactly_the_trainers_is_refused_at_connect_naming_both(tiny_cfg, log, monkeypatch,
+                                                                                           release, ours, refused):
+    """The weight broadcast puts the trainer and every server GPU in one NCCL communicator, which NCCL forms only
+    between equal versions (major, minor and patch): a server of another NCCL, or of a release whose NCCL is not
+    known, is refused when connecting, before any rollout, not at the first weight sync."""
+    monkeypatch.setattr(sglang_server, "trainer_nccl", lambda: ours)  # this process's NCCL, as a GPU would report it
+    server = FakeSGLang(tiny_cfg, log, info=dict(version=release))
+    run = sglang_cfg(tiny_cfg, sglang_urls=server.url)
+    if refused is None:
+        build_sglang_engine(run, TOK, Transformer(tiny_cfg))
+        return
+    with pytest.raises(RuntimeError, match=f"SGLang {server.url} runs {refused}"):
+        build_sglang_engine(run, TOK, Transformer(tiny_cfg))
+    assert routes(log) == ["/server_info"]  # nothing generated, no group formed
+
+
+def test_without_cuda_the_weight_update_group_has_no_nccl_to_compare(tiny_cfg, log, monkeypatch):
+    monkeypatch.setattr(sglang_server.torch.cuda, "is_available", lambda: False)
+    assert sglang_server.trainer_nccl() is None and sglang_server.nccl_pairing("0.9.0", "http://s:1") is None
+
+
+def test_a_colocated_server_pairs_no_nccl_with_the_trainer(tiny_cfg, log, monkeypatch):
+    """Colocated, weights go by CUDA IPC (no NCCL group), so connect asks nothing of NCCL, whatever the release."""
+    monkeypatch.setattr(sglang_server, "trainer_nccl", lambda: (2, 29, 7))
+    server = FakeSGLang(tiny_cfg, log, info=dict(version="0.9.0"))
+    SGLangEngine.from_engine(SGLangServer(server.url), tiny_cfg, eos_id=EOS, colocated=True)
