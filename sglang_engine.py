@@ -83,7 +83,8 @@ from hf import hf_tensors, save_hf
 from model import ModelConfig, route_dtype
 from sampler import Rollout, SamplingParams, row_keys
 from sglang_server import ABSENT, SGLangServer, check_server, launch_wait_s, nccl_pairing, wait_until_serving
-from weights import DEFAULT_BUCKET_BYTES, Named, fp8_bf16_modules, full_tensor, quantize_fp8, weight_buckets
+from weights import (DEFAULT_BUCKET_BYTES, Named, fp8_bf16_modules, full_tensor, quantize_fp8, sglang_ep,
+                     weight_buckets)
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -609,7 +610,7 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
         raise ValueError("engine.sglang_mem_fraction=0 reached the colocated launch unsized: plan.colocated_sglang "
                          "gives the fraction (train.prepare sets it)")
     if local_rank == 0:
-        ep = local_world if cfg.model.num_experts % local_world == 0 else 1  # SGLang's EP splits experts evenly
+        ep = sglang_ep(cfg.model, local_world)  # what fp8_bf16_modules assumed of this server
         engine = SGLangEngine(path, cfg.model, eos_id=tok.stop_ids, fp8=engine_cfg.fp8, tp_size=local_world, ep_size=ep,
                               mem_fraction_static=engine_cfg.sglang_mem_fraction, seed=cfg.seed)
     # every rank learns its node leader's URL (torchrun numbers a node's ranks consecutively); the gather also

@@ -101,6 +101,12 @@ def routes(log, url=None) -> list[str]:
     return [r for u, r, _ in log if url is None or u in (url, None)]
 
 
+def fp8_servable(cfg: ModelConfig, **widths) -> ModelConfig:
+    """cfg widened where SGLang's blockwise FP8 needs whole 128-blocks on one GPU (weights.fp8_bf16_modules): the
+    experts always (else it refuses the model), q|k|v by default (64-wide heads: q 256, k and v 128 each)."""
+    return dataclasses.replace(cfg, **(dict(head_dim=64, moe_inter_dim=128) | widths))
+
+
 def sglang_cfg(model, **engine) -> TrainConfig:
     """A run's settings with engine.name='sglang' (`engine`: the section's other fields); the policy is `model`."""
     return TrainConfig(engine=EngineConfig(name="sglang", **engine), init_hf="/ckpt", device="cuda", model=model)
@@ -279,10 +285,11 @@ def test_the_launch_wait_returns_once_the_server_serves_and_fails_when_it_died_o
 
 
 def test_fp8_sync_sends_e4m3_weights_with_inverse_scales_and_a_high_precision_router(tiny_cfg, log, monkeypatch):
-    server = FakeSGLang(tiny_cfg, log)
+    cfg = fp8_servable(tiny_cfg)
+    server = FakeSGLang(cfg, log)
     monkeypatch.setattr(sglang_engine, "join_update_group", lambda *group: lambda t: None)
-    model = Transformer(tiny_cfg)
-    engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=server.url, fp8=True), TOK, model)
+    model = Transformer(cfg)
+    engine = build_sglang_engine(sglang_cfg(cfg, sglang_urls=server.url, fp8=True), TOK, model)
     engine.update_weights(policy_tensors(model), version=1)
     buckets = [g for _, r, g in log if r == "/update_weights_from_distributed"]
     dtypes = {n: d for g in buckets for n, d in zip(g["names"], g["dtypes"])}
@@ -359,8 +366,9 @@ def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_wri
     monkeypatch.setattr(sglang_engine, "check_colocated_install", lambda: None)  # as if sglang accepted this torch
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two GPUs on this node: TP 2, and EP 2 (it divides 8 experts)
-    cfg = dataclasses.replace(sglang_cfg(tiny_cfg, fp8=fp8, sglang_mem_fraction=0.5), out_dir=str(tmp_path / "out"))
-    policy = Transformer(tiny_cfg)
+    model_cfg = fp8_servable(tiny_cfg, head_dim=tiny_cfg.head_dim)  # 8-wide heads: q split over 2 GPUs is 16 wide
+    cfg = dataclasses.replace(sglang_cfg(model_cfg, fp8=fp8, sglang_mem_fraction=0.5), out_dir=str(tmp_path / "out"))
+    policy = Transformer(model_cfg)
     engine = build_sglang_engine(cfg, TOK, policy)
     assert isinstance(engine, Launched) and len(launched) == 1
     path, kw, before, files = launched[0]
@@ -381,7 +389,7 @@ def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_wri
     assert saved["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert saved["model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == FP8
     assert "model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv" in saved
-    ours = dict(sglang_engine.hf_tensors(policy_tensors(policy), tiny_cfg))  # and the rest is this policy's
+    ours = dict(sglang_engine.hf_tensors(policy_tensors(policy), model_cfg))  # and the rest is this policy's
     assert torch.equal(saved["model.embed_tokens.weight"], ours["model.embed_tokens.weight"].to(torch.bfloat16))
 
 
