@@ -178,7 +178,8 @@ def readme_launches() -> list[dict[str, str]]:
     """The flags of each `sglang.launch_server` command in the README (continuation lines joined)."""
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read().replace("\\\n", " ")
-    commands = [line.split("sglang.launch_server", 1)[1] for line in text.splitlines() if "sglang.launch_server" in line]
+    launch = "python -m sglang.launch_server"
+    commands = [line.split(launch, 1)[1] for line in text.splitlines() if launch in line]
     out = []
     for command in commands:
         words = command.split()
