@@ -18,7 +18,8 @@ entrypoints/http_server.py (routes and bodies), entrypoints/http_server_engine.p
 arg_groups/fields/ (server arguments, flat in /server_info), sampling/sampling_batch_info.py
 (sampling_seed), constants.py (memory tags), the model runner's weight updater; PRs 12162
 (routed experts), 28710 / 28001 (weight-update sessions). Each use below names what it was checked
-against (the 0.5.23 wheel where it says so).
+against: the sglang 0.5.21 wheel's code (requirements-sglang.txt), which shares the trainer's torch 2.13.0 and
+its NCCL (sglang_server.py lists the routes and answers).
 
 Shapes: T, C, L, K (letters of the README's legend; T is one prompt's tokens here, as in rollout.py).
 
@@ -47,7 +48,8 @@ Notable choices:
    sends them in HF names, bucket by bucket, inside begin/end_weight_update where the server
    has them, then flushes the prefix cache. Colocated, the node leader passes CUDA IPC handles
    (/update_weights_from_tensor: NCCL cannot pair two ranks on one GPU); external, rank 0
-   broadcasts each tensor over an NCCL group formed once with every server's GPUs. A barrier
+   broadcasts each tensor over an NCCL group formed once with every server's GPUs (a server whose
+   NCCL is not exactly the trainer's is refused at connect: `sglang_server.nccl_pairing`). A barrier
    after the sync keeps every rank from generating on old weights.
 5. FP8 serves a blockwise-FP8 checkpoint (DeepSeek-V3's recipe, arXiv 2412.19437; see
    weights.py) and syncs weights quantised on the trainer's side (`quantize_fp8`, HF names).
@@ -82,7 +84,8 @@ from model import ModelConfig, route_dtype
 from sampler import Rollout, SamplingParams, row_keys
 from sglang_server import (ABSENT, AUTO_DTYPE, SGLangServer, check_server, launch_wait_s, nccl_pairing, served_dtype,
                            wait_until_serving)
-from weights import DEFAULT_BUCKET_BYTES, Named, fp8_bf16_modules, full_tensor, quantize_fp8, weight_buckets
+from weights import (DEFAULT_BUCKET_BYTES, Named, fp8_bf16_modules, full_tensor, quantize_fp8, sglang_ep,
+                     weight_buckets)
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -124,13 +127,14 @@ def _import_sglang():
 def sglang_server_args(model_path: str, *, fp8: bool, tp_size: int = 1, ep_size: int = 1,
                        mem_fraction_static: float = 0.8, seed: int = 0, **extra) -> dict:
     """Keyword arguments of SGLang's ServerArgs for a colocated server (names as in server_args.py, whose fields
-    sglang 0.5.23 declares in arg_groups/fields/)."""
+    sglang 0.5.21 declares in arg_groups/fields/ and ServerArgs(**args) takes flat)."""
     # skip_tokenizer_init: token ids in and out, the trainer's tokenizer's; enable_return_routed_experts: the
     # server-side switch a request's return_routed_experts needs; enable_memory_saver: what makes
     # release_memory_occupation / resume_memory_occupation work; enable_deterministic_inference: the switch without
-    # which SGLang drops every request's sampling_seed (sampling_batch_info.py). Its cost, as 0.5.23 resolves it:
-    # batch-invariant kernels, the pytorch sampler, attention fa3 on Hopper (flashinfer on Blackwell, where the radix
-    # cache is then off), and with TP > 1 NCCL's tree all-reduce in place of the custom one
+    # which SGLang drops every request's sampling_seed (sampling_batch_info.py). Its cost, as 0.5.21 resolves it
+    # (arg_groups/overrides.py, attention_hook.py): batch-invariant kernels, the pytorch sampler, attention fa3 on
+    # Hopper (flashinfer on Blackwell, where the radix cache is then off), and with TP > 1 NCCL's tree all-reduce in
+    # place of the custom one
     args = dict(model_path=model_path, tp_size=tp_size, ep_size=ep_size, mem_fraction_static=mem_fraction_static,
                 random_seed=seed, skip_tokenizer_init=True, enable_return_routed_experts=True,
                 enable_memory_saver=True, enable_deterministic_inference=True)
@@ -324,13 +328,14 @@ class SGLangEngine:
     SGLANG_RETURN_ORIGINAL_LOGPROB is set, which would not match the trainer). `seeded`: whether
     every server honours the requests' sampling_seed (deterministic inference on; see `check_server`).
     Raises ImportError / RuntimeError without sglang or CUDA, RuntimeError at connect from a server
-    that does not capture routed experts, TimeoutError when a launched server does not serve within
-    `launch_wait_s`.
+    that does not capture routed experts or (weights by NCCL broadcast) whose NCCL is not the trainer's,
+    TimeoutError when a launched server does not serve within `launch_wait_s`.
     """
     sharded = False  # NativeEngine's flag for decoding on the sharded policy: a server holds its own weights
     # Weight-update sessions: sglang PRs 28710 and 28001 added begin_weight_update /
-    # end_weight_update (Engine methods and HTTP routes) and make update_weights_from_* assert that a
-    # session is open; older versions (0.5.7) have neither and take updates without them.
+    # end_weight_update (Engine methods and HTTP routes); from them on (0.5.21 included) update_weights_from_*
+    # fail outside a session (managers/scheduler_components/weight_updater.py); older versions (0.5.7) have
+    # neither and take updates without them.
 
     def __init__(self, model_path: str, cfg: ModelConfig, *, eos_id, fp8: bool = False, tp_size: int = 1, ep_size: int = 1,
                  mem_fraction_static: float = 0.8, seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -349,7 +354,7 @@ class SGLangEngine:
         port = _free_port()
         args = sglang_server_args(model_path, fp8=fp8, tp_size=tp_size, ep_size=ep_size, seed=seed,
                                   mem_fraction_static=mem_fraction_static, host="127.0.0.1", port=port, **server_kwargs)
-        # launch_server_process's steps (http_server_engine.py, 0.5.23) with a wait sized to the checkpoint in place
+        # launch_server_process's steps (http_server_engine.py, 0.5.21) with a wait sized to the checkpoint in place
         # of its fixed 300 s: resolve here, since a forked child cannot initialise CUDA once this process has
         server_args = ServerArgs(**args)
         server_args.resolve_once()
@@ -397,9 +402,10 @@ class SGLangEngine:
                           f"each request's sampling_seed, so these rollouts are not reproducible", stacklevel=3)
         self.seeded = len(asked) == len(servers) and not unseeded  # every request's sampling_seed honoured
         self.group_backend = group_backend
-        if join_group is not None and leader and self.group_backend == "nccl":  # the trainer's NCCL meets each server's
-            for problem in filter(None, (nccl_pairing(s.version, s.url) for s in asked)):
-                warnings.warn(problem, stacklevel=3)
+        if join_group is not None and leader and group_backend == "nccl":  # the trainer's NCCL must be each server's
+            problems = [p for p in (nccl_pairing(s.version, s.url) for s in asked) if p is not None]
+            if problems:  # refused at connect: NCCL would refuse the group only at the first weight sync
+                raise RuntimeError("; ".join(problems))
         dtypes = {served_dtype(s.server_info()) for s in asked} or {AUTO_DTYPE}  # an in-process Engine: its default
         if len(dtypes) > 1:
             raise RuntimeError(f"the SGLang servers {', '.join(s.url for s in asked)} serve different dtypes "
@@ -524,7 +530,7 @@ class SGLangEngine:
         opened = []
         try:
             for server in self.servers:
-                begin = getattr(server, "begin_weight_update", None)  # an in-process Engine before 0.5.23 lacks it
+                begin = getattr(server, "begin_weight_update", None)  # an Engine before the sessions (0.5.7) lacks it
                 result = begin() if begin is not None else ABSENT
                 if result is not ABSENT:
                     _ok(result, "begin_weight_update")
@@ -585,10 +591,11 @@ class SGLangEngine:
 
 def check_colocated_install():
     """A colocated server runs in the trainer's environment, so the sglang installed there must accept its torch:
-    sglang 0.5.23 pins torch==2.14.1 and this project torch 2.13.0 (tools/check_install.py), so today it cannot.
-    Raises ValueError saying so, and what runs instead (external servers in their own environment)."""
-    instead = ("run SGLang servers in an environment of their own (pip install -r requirements-sglang.txt) and "
-               "set engine.sglang_urls")
+    requirements-sglang.txt's sglang 0.5.21 pins torch==2.13.0, this project's (tools/check_install.py resolves
+    the two files together); another release may pin another (0.5.23: torch==2.14.1). Raises ValueError naming
+    both torches, or a missing sglang, and the fix."""
+    instead = ("pip install -r requirements-sglang.txt in this environment (its sglang pins this project's torch), "
+               "or run SGLang servers elsewhere and set engine.sglang_urls")
     try:
         sglang, torch_pins = metadata.version("sglang"), [r for r in metadata.requires("sglang") or []
                                                           if re.match(r"torch\s*==", r)]
@@ -634,7 +641,7 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
         raise ValueError("engine.sglang_mem_fraction=0 reached the colocated launch unsized: plan.colocated_sglang "
                          "gives the fraction (train.prepare sets it)")
     if local_rank == 0:
-        ep = local_world if cfg.model.num_experts % local_world == 0 else 1  # SGLang's EP splits experts evenly
+        ep = sglang_ep(cfg.model, local_world)  # what fp8_bf16_modules assumed of this server
         engine = SGLangEngine(path, cfg.model, eos_id=tok.stop_ids, fp8=engine_cfg.fp8, tp_size=local_world, ep_size=ep,
                               mem_fraction_static=engine_cfg.sglang_mem_fraction, seed=cfg.seed,
                               num_tokens=tok.enc.n_vocab)

@@ -1,13 +1,24 @@
 """One SGLang server over its HTTP API (`SGLangServer`: sglang.Engine's methods as routes, so sglang_engine's
 SGLangEngine drives an in-process Engine and a server alike) and what is checked or waited for when connecting to
 one: routed-expert capture and deterministic inference (`check_server`), the NCCL the weight broadcast pairs with
-(`nccl_pairing`), and a launched server's wait (`launch_wait_s`, `wait_until_serving`). Needs no sglang package:
-the routes and answers are SGLang's documented ones (entrypoints/http_server.py, 0.5.23), tested on CPU against a
-stand-in server; none has met a real one.
+(`nccl_pairing`), and a launched server's wait (`launch_wait_s`, `wait_until_serving`). Needs no sglang package,
+and none has met a real server: tested on CPU against a stand-in. Every route, body and answer is checked against
+the sglang 0.5.21 wheel's code (python/sglang/srt/; requirements-sglang.txt pins it):
+
+- entrypoints/http_server.py: /server_info answers ServerArgs.resolved_dict() flat (tp_size, pp_size, dp_size,
+  enable_return_routed_experts, enable_deterministic_inference; dtype as given, "auto" unresolved) plus "version"
+  (/get_server_info is its deprecated alias); /flush_cache answers text, 400 while requests run;
+  /release_memory_occupation and /resume_memory_occupation answer nothing; /begin_weight_update,
+  /end_weight_update, /update_weights_from_tensor, /init_weights_update_group and /update_weights_from_distributed
+  answer {"success", "message"}, 400 on failure; /health_generate is 503 until a one-token generation returns.
+- managers/scheduler_components/weight_updater.py: update_weights_from_tensor and _distributed fail outside a
+  begin/end_weight_update session (a 404 for /begin_weight_update is taken as a release before sessions, as 0.5.7
+  was); managers/io_struct.py gives the bodies' fields; tp_worker.py takes one serialized copy per TP rank.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import time
@@ -129,28 +140,52 @@ class SGLangServer:
         return self.call("/update_weights_from_distributed", bucket)
 
 
-SERVER_NCCL = {"0.5.23": (2, 30, 7)}
-"""The NCCL of each SGLang release's own environment, read from the wheels: sglang 0.5.23 pins torch 2.14.1, whose
-Linux wheel pins nvidia-nccl-cu13 2.30.7 (tools/check_install.py prints the pairing)."""
-TRAINER_NCCL = (2, 29, 7)
-"""The trainer's NCCL where it cannot be asked (no CUDA here): torch 2.13.0's Linux wheel pins nvidia-nccl-cu13
-2.29.7."""
+SERVER_NCCL = {"0.5.21": (2, 29, 7), "0.5.23": (2, 30, 7)}
+"""The NCCL of each SGLang release's own environment, read from the wheels' METADATA (tools/wheel_requires.json;
+tests/test_install.py ties these to it): sglang 0.5.21 pins torch 2.13.0, whose Linux wheel pins nvidia-nccl-cu13
+2.29.7, as the trainer's torch does (requirements.txt); sglang 0.5.23 pins torch 2.14.1 and so 2.30.7."""
+
+
+def trainer_nccl() -> tuple[int, int, int] | None:
+    """The NCCL this process's weight broadcast runs, (major, minor, patch): the loaded library's ncclGetVersion,
+    the number NCCL's init compares (torch.cuda.nccl.version() is the one torch was built against, blind to a
+    reinstalled nvidia-nccl-cu13); torch's where the library cannot be opened. None without CUDA: there the
+    weight-update group is gloo's, with no NCCL to pair."""
+    if not torch.cuda.is_available():
+        return None
+    code = ctypes.c_int()
+    try:  # by soname: the copy libtorch_cuda loaded at import
+        ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(code))
+    except (OSError, AttributeError):
+        return tuple(torch.cuda.nccl.version()[:3])
+    return code.value // 10000, code.value // 100 % 100, code.value % 100  # NCCL_VERSION_CODE since NCCL 2.9
 
 
 def nccl_pairing(server_version: str | None, url: str) -> str | None:
-    """Why the weight broadcast's NCCL communicator may not form, or None: it holds this process (the trainer's NCCL)
-    and the server's GPUs (its SGLang release's, SERVER_NCCL), and NCCL does not promise that two versions pair."""
-    ours = torch.cuda.nccl.version() if torch.cuda.is_available() else TRAINER_NCCL
+    """Why the weight broadcast's NCCL communicator cannot form, or None. It holds this process and the server's
+    GPUs, and NCCL refuses a communicator whose members run different versions (src/init.cc, initTransportsRank:
+    "Mismatched NCCL version detected", major, minor and patch compared exactly), which would show only at the
+    first weight sync, after a whole rollout phase. The server's NCCL is its release's (SERVER_NCCL); a release
+    missing there is refused too, as nothing at connect proves it pairs. None without CUDA here (`trainer_nccl`)."""
+    ours = trainer_nccl()
+    if ours is None:
+        return None
     theirs = SERVER_NCCL.get(server_version or "")
+    if theirs == ours:
+        return None
+    fix = "run the servers with the sglang of requirements-sglang.txt (its torch pins the trainer's NCCL)"
     if theirs is None:
-        return (f"SGLang {url} runs version {server_version!r}, whose NCCL is not known here (SERVER_NCCL): the weight "
-                f"broadcast pairs it with this trainer's NCCL {'.'.join(map(str, ours))}, untested")
-    if tuple(theirs[:2]) != tuple(ours[:2]):
-        return (f"SGLang {url} (sglang {server_version}) runs NCCL {'.'.join(map(str, theirs))} and this trainer NCCL "
-                f"{'.'.join(map(str, ours))}: the weight broadcast pairs them in one communicator, which NCCL does not "
-                f"promise and which has not been tried; if init_weights_update_group fails or hangs, install the "
-                f"server's NCCL here (pip install nvidia-nccl-cu13=={'.'.join(map(str, theirs))})")
-    return None
+        return (f"SGLang {url} runs sglang {server_version}, whose NCCL is not known here (SERVER_NCCL holds "
+                f"{', '.join(SERVER_NCCL)}), and the weight broadcast needs exactly this trainer's NCCL "
+                f"{_dotted(ours)}: {fix}, or add that release to SERVER_NCCL from its torch's pin of nvidia-nccl-cu13 "
+                f"(tools/check_install.py reads the wheels)")
+    return (f"SGLang {url} runs sglang {server_version} with NCCL {_dotted(theirs)} and this trainer NCCL "
+            f"{_dotted(ours)}: NCCL refuses a communicator of two versions, so the weight broadcast cannot form; "
+            f"{fix}, or install the server's NCCL here (pip install nvidia-nccl-cu13=={_dotted(theirs)})")
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
 
 
 SERVED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
@@ -176,8 +211,9 @@ def served_dtype(info: dict) -> torch.dtype:
 def check_server(server: SGLangServer) -> bool:
     """Whether the server honours a request's sampling_seed (deterministic inference on); raises RuntimeError,
     naming its URL and the flag to start it with, when it does not capture routed experts, without which no
-    rollout can be replayed. Reads /server_info: sglang 0.5.23 answers ServerArgs.resolved_dict(), its
-    arguments flat and as resolved (rl_on_policy_target turns deterministic inference on, for one)."""
+    rollout can be replayed. Reads /server_info: sglang 0.5.21 answers ServerArgs.resolved_dict(), its
+    arguments flat and as resolved (rl_on_policy_target turns deterministic inference on, for one:
+    arg_groups/attention_hook.py, handle_deterministic_inference)."""
     info = server.server_info()
     server.version = info.get("version")  # sglang's __version__, which /server_info adds (entrypoints/http_server.py)
     if not info.get("enable_return_routed_experts"):  # absent before SGLang had the switch (PR 12162): no routes either
@@ -190,7 +226,7 @@ def check_server(server: SGLangServer) -> bool:
 def launch_wait_s(model_path: str) -> float:
     """Seconds to wait for a server launched on model_path to serve: its *.safetensors bytes at
     LAUNCH_LOAD_BYTES_PER_S, plus LAUNCH_FIXED_S. SGLang's launch_server_process waits a fixed 300 s (a constant
-    in entrypoints/http_server_engine.py, 0.5.23: no argument, no environment variable), short of what 213 GB
+    in entrypoints/http_server_engine.py, 0.5.21: no argument, no environment variable), short of what 213 GB
     at TP 8 and CUDA-graph capture can take."""
     num_bytes = sum(e.stat().st_size for e in os.scandir(model_path) if e.name.endswith(".safetensors"))
     return LAUNCH_FIXED_S + num_bytes / LAUNCH_LOAD_BYTES_PER_S

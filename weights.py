@@ -228,32 +228,51 @@ def to_fp8_modules(model: Transformer, dtype: torch.dtype) -> Transformer:
     return model
 
 
+def sglang_ep(cfg: ModelConfig, tp: int) -> int:
+    """The expert parallel of an SGLang server on `tp` GPUs for this model: all of them where they divide the
+    routed experts (SGLang splits experts evenly: fused_moe_triton/layer.py asserts it), else 1. What
+    build_sglang_engine launches and the README's commands pass as --ep-size, and what fp8_bf16_modules assumes."""
+    return tp if cfg.num_experts % tp == 0 else 1
+
+
 def fp8_bf16_modules(cfg: ModelConfig, tp: int) -> list[str]:
-    """HF names of the linear modules SGLang cannot hold in blockwise FP8 when it splits them over `tp` GPUs:
-    the share of a split dim on one GPU must be whole 128-wide blocks (SGLang's check of block-quantised
-    shapes as it builds a server; GLM-4.5-Air at tp 8: the dense MLP's 10944 / 8 = 1368, the shared
-    expert's 1408 / 8 = 176). They stay bf16: hf.save_hf lists them as the checkpoint's ignored_layers, and
-    the FP8 weight sync sends them bf16. Routed experts are split by expert (expert parallel) where tp
-    divides their number; otherwise their width is split, and a width that is not whole blocks raises
-    ValueError. Key/value heads fewer than tp are copied to every GPU, not split."""
-    def whole(width: int) -> bool:
-        return width % tp == 0 and width // tp % WEIGHT_BLOCK[0] == 0
-    if tp == 1:
-        return []
-    if cfg.num_experts % tp and not whole(cfg.moe_inter_dim):
-        raise ValueError(f"engine.fp8 at tensor parallel {tp}: the routed experts (width {cfg.moe_inter_dim}) split "
-                         f"{tp} ways are not whole {WEIGHT_BLOCK[0]}-wide blocks, and {tp} does not divide "
-                         f"num_experts={cfg.num_experts} to split them by expert")
+    """HF names of the linear modules a blockwise-FP8 SGLang server on `tp` GPUs (expert parallel `sglang_ep`)
+    cannot hold in FP8. They stay bf16: hf.save_hf lists them as the checkpoint's ignored_layers (which SGLang
+    serves unquantised), and the FP8 weight sync sends them bf16.
+
+    SGLang's rule (sglang 0.5.21, layers/quantization/fp8.py, Fp8LinearMethod.validate_block_quant_shapes), with
+    128-wide blocks: each part one GPU holds of a fused column-parallel module (q|k|v, gate|up) is whole blocks,
+    even on one GPU; on several, so is each GPU's share of a row-parallel module's inputs (o_proj, down_proj).
+    Key/value heads fewer than tp are copied, one head a GPU (layers/linear.py, QKVParallelLinear). The dense MLP
+    and a shared expert are tensor parallel over all tp GPUs (models/glm4_moe.py; under expert parallelism
+    GLM-4.5's shared expert is not fused into the routed ones). Routed experts cannot stay bf16 one by one: their
+    width on each GPU of the MoE's tensor parallel (tp / ep) must be whole blocks (Fp8MoEMethod.create_weights),
+    or ValueError. GLM-4.5-Air at tp 8 (ep 8): the dense MLP (10944 / 8 = 1368) and the shared expert (1408 / 8 =
+    176) stay bf16; attention (12 query heads and one key/value head of 128 a GPU) and the experts (1408 wide,
+    each whole on one GPU) are FP8; on one GPU its dense MLP's gate and up (10944 wide) stay bf16."""
+    block = WEIGHT_BLOCK[0]
+
+    def whole(width: int, ways: int) -> bool:  # width split `ways` ways, each share whole blocks
+        return width % ways == 0 and width // ways % block == 0
+    ep = sglang_ep(cfg, tp)
+    if not whole(cfg.moe_inter_dim, tp // ep):
+        raise ValueError(f"engine.fp8 on {tp} GPUs (expert parallel {ep}): the routed experts' width "
+                         f"{cfg.moe_inter_dim} split {tp // ep} ways is not whole {block}-wide blocks, which SGLang's "
+                         f"blockwise FP8 refuses; serve this model in bf16 (engine.fp8=false)")
+    q_width = cfg.n_heads * cfg.head_dim
+    kv_ok = whole(cfg.n_kv_heads * cfg.head_dim, tp) if cfg.n_kv_heads >= tp else cfg.head_dim % block == 0
     names = []
     for i in range(cfg.n_layers):
-        attn, heads_ok = f"model.layers.{i}.self_attn", whole(cfg.n_heads * cfg.head_dim)
-        if not heads_ok or cfg.n_kv_heads >= tp and not whole(cfg.n_kv_heads * cfg.head_dim):
-            names += [f"{attn}.{p}_proj" for p in "qkvo"]
+        attn = f"model.layers.{i}.self_attn"
+        if not (whole(q_width, tp) and kv_ok):  # q|k|v are one fused module: all bf16 or none
+            names += [f"{attn}.{p}_proj" for p in "qkv"]
+        if tp > 1 and not whole(q_width, tp):  # o_proj's inputs are the query heads
+            names.append(f"{attn}.o_proj")
         dense = i < cfg.first_k_dense_replace
-        mlp = f"model.layers.{i}.mlp" + ("" if dense else ".shared_experts")
         width = cfg.dense_inter_dim if dense else cfg.num_shared_experts * cfg.moe_inter_dim
-        if width and not whole(width):
-            names += [f"{mlp}.{p}_proj" for p in ("gate", "up", "down")]
+        mlp = f"model.layers.{i}.mlp" + ("" if dense else ".shared_experts")
+        if width and not whole(width, tp):  # gate|up fused, column-parallel; down row-parallel over the same width
+            names += [f"{mlp}.gate_proj", f"{mlp}.up_proj"] + ([f"{mlp}.down_proj"] if tp > 1 else [])
     return names
 
 

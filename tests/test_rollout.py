@@ -288,7 +288,7 @@ def test_sglang_payload_of_the_wrong_size_is_a_value_error(tiny_cfg):
 
 
 class _FakeSGLang:
-    """Records the calls SGLangEngine makes; begin/end exist only when sessions=True (0.5.23 vs 0.5.7)."""
+    """Records the calls SGLangEngine makes; begin/end exist only when sessions=True (0.5.21 vs 0.5.7)."""
 
     def __init__(self, sessions: bool):
         self.calls = []
@@ -325,7 +325,8 @@ def test_sglang_fp8_sync_sends_e4m3_weights_with_inverse_scales(tiny_cfg):
     sent = {}
     fake = _FakeSGLang(True)
     fake.update_weights_from_tensor = lambda named_tensors, flush_cache=True: sent.update(named_tensors) or (True, "")
-    SGLangEngine.from_engine(fake, tiny_cfg, eos_id=EOS, fp8=True).update_weights(Transformer(tiny_cfg).named_parameters(), 1)
+    cfg = dataclasses.replace(tiny_cfg, head_dim=64, moe_inter_dim=128)  # whole 128-blocks, as SGLang's FP8 needs
+    SGLangEngine.from_engine(fake, cfg, eos_id=EOS, fp8=True).update_weights(Transformer(cfg).named_parameters(), 1)
     assert sent["model.layers.0.self_attn.q_proj.weight"].dtype == FP8
     assert sent["model.layers.0.self_attn.q_proj.weight_scale_inv"].dtype == torch.float32
     # the router and lm_head are never FP8: bf16, the dtype SGLang serves (the fp32 masters are not sent)

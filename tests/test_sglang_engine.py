@@ -40,7 +40,7 @@ class FakeSGLang(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.cfg, self.log, self.tp_size, self.sessions = cfg, log, tp_size, sessions
         self.info = dict(enable_return_routed_experts=True, enable_deterministic_inference=True,
-                         version="0.5.23") | (info or {})
+                         version="0.5.21") | (info or {})
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -100,6 +100,12 @@ def log(monkeypatch):
 
 def routes(log, url=None) -> list[str]:
     return [r for u, r, _ in log if url is None or u in (url, None)]
+
+
+def fp8_servable(cfg: ModelConfig, **widths) -> ModelConfig:
+    """cfg widened where SGLang's blockwise FP8 needs whole 128-blocks on one GPU (weights.fp8_bf16_modules): the
+    experts always (else it refuses the model), q|k|v by default (64-wide heads: q 256, k and v 128 each)."""
+    return dataclasses.replace(cfg, **(dict(head_dim=64, moe_inter_dim=128) | widths))
 
 
 def sglang_cfg(model, **engine) -> TrainConfig:
@@ -283,10 +289,11 @@ def test_the_launch_wait_returns_once_the_server_serves_and_fails_when_it_died_o
 
 
 def test_fp8_sync_sends_e4m3_weights_with_inverse_scales_and_a_high_precision_router(tiny_cfg, log, monkeypatch):
-    server = FakeSGLang(tiny_cfg, log)
+    cfg = fp8_servable(tiny_cfg)
+    server = FakeSGLang(cfg, log)
     monkeypatch.setattr(sglang_engine, "join_update_group", lambda *group, backend: lambda t: None)
-    model = Transformer(tiny_cfg)
-    engine = build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=server.url, fp8=True), TOK, model)
+    model = Transformer(cfg)
+    engine = build_sglang_engine(sglang_cfg(cfg, sglang_urls=server.url, fp8=True), TOK, model)
     engine.update_weights(policy_tensors(model), version=1)
     buckets = [g for _, r, g in log if r == "/update_weights_from_distributed"]
     dtypes = {n: d for g in buckets for n, d in zip(g["names"], g["dtypes"])}
@@ -363,8 +370,9 @@ def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_wri
     monkeypatch.setattr(sglang_engine, "check_colocated_install", lambda: None)  # as if sglang accepted this torch
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two GPUs on this node: TP 2, and EP 2 (it divides 8 experts)
-    cfg = dataclasses.replace(sglang_cfg(tiny_cfg, fp8=fp8, sglang_mem_fraction=0.5), out_dir=str(tmp_path / "out"))
-    policy = Transformer(tiny_cfg)
+    model_cfg = fp8_servable(tiny_cfg, head_dim=tiny_cfg.head_dim)  # 8-wide heads: q split over 2 GPUs is 16 wide
+    cfg = dataclasses.replace(sglang_cfg(model_cfg, fp8=fp8, sglang_mem_fraction=0.5), out_dir=str(tmp_path / "out"))
+    policy = Transformer(model_cfg)
     engine = build_sglang_engine(cfg, TOK, policy)
     assert isinstance(engine, Launched) and len(launched) == 1
     path, kw, before, files = launched[0]
@@ -386,7 +394,7 @@ def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_wri
     assert saved["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert saved["model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == FP8
     assert "model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv" in saved
-    ours = dict(sglang_engine.hf_tensors(policy_tensors(policy), tiny_cfg))  # and the rest is this policy's
+    ours = dict(sglang_engine.hf_tensors(policy_tensors(policy), model_cfg))  # and the rest is this policy's
     assert torch.equal(saved["model.embed_tokens.weight"], ours["model.embed_tokens.weight"].to(torch.bfloat16))
 
 
@@ -465,12 +473,36 @@ def test_sglang_from_the_config_generates_sleeps_syncs_and_matches_the_trainer(t
     assert mismatch_metrics(infer, trainer)["mismatch/max_abs_logp"] < 0.1
 
 
-def test_the_weight_broadcasts_nccl_pairing_is_checked_at_connect(tiny_cfg, log):
-    """An external server's SGLang version gives its NCCL (sglang 0.5.23: torch 2.14.1's 2.30.7, read from the
-    wheels), which the trainer's (torch 2.13.0's 2.29.7 where no GPU answers) meets in the weight broadcast."""
-    assert "2.30.7" in sglang_server.nccl_pairing("0.5.23", "http://s:1") and "2.29.7" in \
-        sglang_server.nccl_pairing("0.5.23", "http://s:1")
-    assert "not known here" in sglang_server.nccl_pairing("0.9.0", "http://s:1")
-    server = FakeSGLang(tiny_cfg, log)
-    with pytest.warns(UserWarning, match=r"NCCL 2\.30\.7 and this trainer NCCL 2\.29\.7"):
-        build_sglang_engine(sglang_cfg(tiny_cfg, sglang_urls=server.url), TOK, Transformer(tiny_cfg))
+@pytest.mark.parametrize("release, ours, refused", [
+    ("0.5.21", (2, 29, 7), None),  # requirements-sglang.txt's release: torch 2.13.0's NCCL, the trainer's
+    ("0.5.23", (2, 29, 7), r"sglang 0\.5\.23 with NCCL 2\.30\.7 and this trainer NCCL 2\.29\.7: NCCL refuses a "
+                           r"communicator of two versions.*requirements-sglang\.txt.*nvidia-nccl-cu13==2\.30\.7"),
+    ("0.5.21", (2, 29, 8), r"sglang 0\.5\.21 with NCCL 2\.29\.7 and this trainer NCCL 2\.29\.8"),  # patch counts too
+    ("0.9.0", (2, 29, 7), r"sglang 0\.9\.0, whose NCCL is not known here.*exactly this trainer's NCCL 2\.29\.7"),
+])
+def test_a_server_whose_nccl_is_not_exactly_the_trainers_is_refused_at_connect_naming_both(tiny_cfg, log, monkeypatch,
+                                                                                           release, ours, refused):
+    """The weight broadcast puts the trainer and every server GPU in one NCCL communicator, which NCCL forms only
+    between equal versions (major, minor and patch): a server of another NCCL, or of a release whose NCCL is not
+    known, is refused when connecting, before any rollout, not at the first weight sync."""
+    monkeypatch.setattr(sglang_server, "trainer_nccl", lambda: ours)  # this process's NCCL, as a GPU would report it
+    server = FakeSGLang(tiny_cfg, log, info=dict(version=release))
+    run = sglang_cfg(tiny_cfg, sglang_urls=server.url)
+    if refused is None:
+        build_sglang_engine(run, TOK, Transformer(tiny_cfg))
+        return
+    with pytest.raises(RuntimeError, match=f"SGLang {server.url} runs {refused}"):
+        build_sglang_engine(run, TOK, Transformer(tiny_cfg))
+    assert routes(log) == ["/server_info"]  # nothing generated, no group formed
+
+
+def test_without_cuda_the_weight_update_group_has_no_nccl_to_compare(tiny_cfg, log, monkeypatch):
+    monkeypatch.setattr(sglang_server.torch.cuda, "is_available", lambda: False)
+    assert sglang_server.trainer_nccl() is None and sglang_server.nccl_pairing("0.9.0", "http://s:1") is None
+
+
+def test_a_colocated_server_pairs_no_nccl_with_the_trainer(tiny_cfg, log, monkeypatch):
+    """Colocated, weights go by CUDA IPC (no NCCL group), so connect asks nothing of NCCL, whatever the release."""
+    monkeypatch.setattr(sglang_server, "trainer_nccl", lambda: (2, 29, 7))
+    server = FakeSGLang(tiny_cfg, log, info=dict(version="0.9.0"))
+    SGLangEngine.from_engine(SGLangServer(server.url), tiny_cfg, eos_id=EOS, colocated=True)

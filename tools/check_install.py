@@ -4,7 +4,9 @@ A CPU install cannot show it: torch's CPU build requires no triton, its CUDA bui
 exact NCCL). This reads each pinned wheel's own METADATA (Requires-Dist) for Linux x86_64,
 CPython 3.11, and checks every install set's pins against every requirement of every pinned
 wheel: a requirement on a package we pin, whose version range our pin is outside of, is a
-conflict that pip would refuse (or, installed step by step, would silently move a package).
+conflict that pip would refuse (or, installed step by step, would silently move a package). What a
+pinned wheel pins exactly (sglang's transformers and kernels) counts as pinned too. It then prints the
+NCCL of each known SGLang release against the trainer's, which the weight broadcast needs equal.
 
     python tools/check_install.py            # check the install sets against tools/wheel_requires.json
     python tools/check_install.py --refresh  # re-read the wheels' METADATA from PyPI into that file
@@ -34,15 +36,21 @@ SNAPSHOT = os.path.join(ROOT, "tools", "wheel_requires.json")
 TARGET = {**default_environment(), "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
           "python_version": "3.11", "python_full_version": "3.11.7", "implementation_name": "cpython",
           "platform_python_implementation": "CPython", "os_name": "posix"}
-# Each install set: the requirement files one environment installs. The trainer and an SGLang server
-# are separate environments; "colocated" is both in one, which the pins below show cannot resolve today.
+# Each install set: the requirement files one environment installs. Every one must resolve: sglang 0.5.21 pins the
+# trainer's torch (and so its NCCL), tokenizers and transformers, so trainer, servers and tests share one environment.
 INSTALL_SETS = {
     "trainer (Linux, CUDA)": ["requirements.txt"],
     "tests and benches": ["requirements-bench.txt"],
     "SGLang server (its own environment)": ["requirements-sglang.txt"],
     "colocated SGLang (one environment)": ["requirements.txt", "requirements-sglang.txt"],
+    "GPU tests with SGLang (one environment)": ["requirements-dev.txt", "requirements-sglang.txt"],
 }
-EXPECTED_TO_CONFLICT = {"colocated SGLang (one environment)"}  # README: SGLang runs in its own environment
+SERVER_RELEASES = ("0.5.21", "0.5.23")
+"""SGLang releases whose NCCL sglang_server.SERVER_NCCL holds (tests/test_install.py ties the two): the pinned one
+and the one pinned before it; --refresh reads each one's wheel, this prints each one's NCCL against the trainer's."""
+READ = ("torch", "torchtitan", "sglang", "transformers", "trl", "sglang-kernel", "sgl-deep-ep")
+"""The wheels whose METADATA --refresh reads, when an install set pins them or a read wheel pins them exactly: ours
+that pin others, and sglang's compiled kernels, which pin torch."""
 
 
 def read_pins(files: list[str], root: str = ROOT) -> dict[str, str]:
@@ -69,19 +77,49 @@ def canonical(name: str) -> str:
 
 
 def conflicts(pins: dict[str, str], requires: dict[str, list[str]]) -> list[str]:
-    """Each requirement of a pinned wheel (requires: "name==version" -> its Requires-Dist lines) on a package
-    we pin, whose range our pin is outside of, in words."""
+    """Each requirement of a pinned wheel (requires: "name==version" -> its Requires-Dist lines) on a pinned
+    package, whose range the pin is outside of, in words. Pinned: ours, and what a pinned wheel pins exactly of a
+    package we leave free (`with_implied`: sglang's transformers and kernels, say, whose own requirements count)."""
+    pins = with_implied(pins, requires)
     out = []
     for name, version in pins.items():
-        for line in requires.get(f"{name}=={version}", []):
-            req = Requirement(line)
-            if req.marker is not None and not req.marker.evaluate({**TARGET, "extra": ""}):
-                continue  # another platform's, or an extra's
+        for req in _requirements(requires.get(f"{name}=={version}", [])):
             ours = pins.get(canonical(req.name))
             if ours is not None and not req.specifier.contains(ours, prereleases=True):
                 out.append(f"{name}=={version} requires {req.name}{req.specifier}, and {canonical(req.name)}=={ours} "
                            f"is pinned")
     return out
+
+
+def with_implied(pins: dict[str, str], requires: dict[str, list[str]]) -> dict[str, str]:
+    """pins, plus every exact pin a pinned wheel in the snapshot makes of a package not yet pinned, followed through
+    the wheels it brings (the first pin of a package wins; a later, different one shows as a conflict)."""
+    pins, todo = dict(pins), list(pins.items())
+    while todo:
+        name, version = todo.pop(0)
+        for pin in exact_pins(requires.get(f"{name}=={version}", [])):
+            other, other_version = pin.split("==")
+            if other not in pins:
+                pins[other] = other_version
+                todo.append((other, other_version))
+    return pins
+
+
+def exact_pins(lines: list[str]) -> list[str]:
+    """["name==version"] of each requirement among lines (Requires-Dist) that pins one version on TARGET."""
+    out = []
+    for req in _requirements(lines):
+        spec = next(iter(req.specifier), None) if len(req.specifier) == 1 else None
+        if spec is not None and spec.operator == "==":
+            out.append(f"{canonical(req.name)}=={spec.version}")
+    return out
+
+
+def _requirements(lines: list[str]) -> list[Requirement]:
+    """The requirements among lines that hold on TARGET without extras (another platform's or an extra's are left
+    out)."""
+    reqs = [Requirement(line) for line in lines]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate({**TARGET, "extra": ""})]
 
 
 class _RangeFile(io.RawIOBase):
@@ -126,9 +164,11 @@ def remote_wheel(name: str, version: str, python: str = "cp311") -> zipfile.ZipF
     with urllib.request.urlopen(req, timeout=60) as r:
         files = json.load(r)["files"]
     prefix = f"{canonical(name).replace('-', '_')}-{version}-"
+    # a wheel for `python`: a pure-Python one, its own build, or a stable-ABI build for an older CPython (abi3)
     wheels = [f for f in files if f["filename"].lower().startswith(prefix) and f["filename"].endswith(".whl")
-              and ("-py3-none-any" in f["filename"] or f"{python}-{python}-manylinux" in f["filename"]
-                   and f["filename"].endswith("x86_64.whl"))]
+              and ("-py3-none-any" in f["filename"] or f["filename"].endswith("x86_64.whl")
+                   and (f"-{python}-{python}-manylinux" in f["filename"]
+                        or (m := re.search(r"-cp3(\d+)-abi3-manylinux", f["filename"])) and int(m[1]) <= int(python[3:])))]
     if not wheels:
         raise ValueError(f"no Linux x86_64 {python} wheel of {name}=={version} on PyPI")
     z = zipfile.ZipFile(io.BufferedReader(_RangeFile(wheels[0]["url"]), buffer_size=1 << 16))
@@ -144,58 +184,67 @@ def wheel_requires(name: str, version: str) -> list[str]:
     return metadata.get_all("Requires-Dist") or []
 
 
+def refresh() -> dict[str, list[str]]:
+    """Read the METADATA of every READ wheel an install set pins, of each SERVER_RELEASES sglang, and of every READ
+    wheel those pin exactly, into SNAPSHOT."""
+    wanted = sorted({f"{n}=={v}" for files in INSTALL_SETS.values() for n, v in read_pins(files).items() if n in READ}
+                    | {f"sglang=={v}" for v in SERVER_RELEASES})
+    requires = {}
+    while wanted:
+        pin = wanted.pop(0)
+        if pin not in requires:
+            requires[pin] = wheel_requires(*pin.split("=="))
+            print(f"read {pin}: {len(requires[pin])} requirements", flush=True)
+            wanted += [p for p in exact_pins(requires[pin]) if p.split("==")[0] in READ]
+    with open(SNAPSHOT, "w") as f:
+        json.dump(requires, f, indent=1, sort_keys=True)
+    return requires
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--refresh", action="store_true", help="re-read the pinned wheels' METADATA from PyPI")
     args = ap.parse_args()
     if args.refresh:
-        wanted = sorted({f"{n}=={v}" for files in INSTALL_SETS.values() for n, v in read_pins(files).items()
-                         if n in ("torch", "torchtitan", "sglang", "transformers", "trl")})
-        requires = {}
-        for pin in wanted:
-            requires[pin] = wheel_requires(*pin.split("=="))
-            print(f"read {pin}: {len(requires[pin])} requirements", flush=True)
-        for pin in _pinned(requires, next(p for p in wanted if p.startswith("sglang==")), "torch"):  # its own torch
-            requires[pin] = wheel_requires(*pin.split("=="))
-            print(f"read {pin} (sglang's): {len(requires[pin])} requirements", flush=True)
-        with open(SNAPSHOT, "w") as f:
-            json.dump(requires, f, indent=1, sort_keys=True)
+        refresh()
     with open(SNAPSHOT) as f:
         requires = json.load(f)
     failed = False
     for name, files in INSTALL_SETS.items():
         found = conflicts(read_pins(files), requires)
-        expected = name in EXPECTED_TO_CONFLICT
-        failed |= bool(found) != expected
-        verdict = "resolves" if not found else ("conflicts, as expected" if expected else "CONFLICTS")
-        print(f"{name}: {verdict}" + "".join(f"\n  {c}" for c in found))
-    print(nccl_pairing(requires))
+        failed |= bool(found)
+        print(f"{name}: " + ("resolves" if not found else "CONFLICTS" + "".join(f"\n  {c}" for c in found)))
+    for line in nccl_pairing(requires):
+        print(line)
     sys.exit(1 if failed else 0)
 
 
-def _pinned(requires: dict[str, list[str]], pin: str, name: str) -> list[str]:
-    """["name==version"] for the exact pin of `name` among pin's requirements on TARGET, or []."""
-    for line in requires.get(pin, []):
-        req = Requirement(line)
-        if canonical(req.name) == name and (req.marker is None or req.marker.evaluate({**TARGET, "extra": ""})):
-            spec = next(iter(req.specifier), None)
-            if spec is not None and spec.operator == "==":
-                return [f"{name}=={spec.version}"]
-    return []
+def server_nccl(requires: dict[str, list[str]], release: str) -> str | None:
+    """The nvidia-nccl-cu13 version an SGLang release's environment runs (sglang -> its exact torch -> that torch's
+    exact NCCL, on TARGET), or None when the snapshot does not hold the chain."""
+    torch = [p for p in exact_pins(requires.get(f"sglang=={release}", [])) if p.startswith("torch==")]
+    return trainer_nccl(requires, torch[0]) if torch else None
 
 
-def nccl_pairing(requires: dict[str, list[str]]) -> str:
-    """The NCCL of the trainer's torch and of an SGLang server's own torch, which the weight broadcast pairs in one
-    communicator (sglang_server.SERVER_NCCL holds the server's, and the engine warns at connect when they differ)."""
-    trainer = f"torch=={read_pins(['requirements.txt'])['torch']}"
-    server = _pinned(requires, f"sglang=={read_pins(['requirements-sglang.txt'])['sglang']}", "torch")
-    ours = _pinned(requires, trainer, "nvidia-nccl-cu13")
-    theirs = _pinned(requires, server[0], "nvidia-nccl-cu13") if server else []
-    if not ours or not theirs:
-        return "weight broadcast NCCL: not in the snapshot (run --refresh)"
-    same = ours[0] == theirs[0]
-    return (f"weight broadcast NCCL: trainer {ours[0]} ({trainer}), SGLang server {theirs[0]} ({server[0]}): "
-            + ("the same" if same else "different versions in one communicator, untested (a warning at connect)"))
+def trainer_nccl(requires: dict[str, list[str]], torch: str) -> str | None:
+    """The nvidia-nccl-cu13 version torch (a "torch==version" pin) pins on TARGET, or None outside the snapshot."""
+    nccl = [p for p in exact_pins(requires.get(torch, [])) if p.startswith("nvidia-nccl-cu13==")]
+    return nccl[0].split("==")[1] if nccl else None
+
+
+def nccl_pairing(requires: dict[str, list[str]]) -> list[str]:
+    """One line per SERVER_RELEASES sglang: its NCCL against the trainer's torch's, which the weight broadcast holds
+    in one communicator; NCCL refuses two versions, and so does sglang_server.nccl_pairing at connect."""
+    torch = f"torch=={read_pins(['requirements.txt'])['torch']}"
+    ours = trainer_nccl(requires, torch)
+    lines = []
+    for release in SERVER_RELEASES:
+        theirs = server_nccl(requires, release)
+        verdict = ("not in the snapshot (run --refresh)" if ours is None or theirs is None else
+                   "the same: the weight broadcast pairs" if theirs == ours else
+                   "differs: NCCL cannot pair them, refused at connect")
+        lines.append(f"weight broadcast NCCL: sglang {release} {theirs}, trainer ({torch}) {ours}: {verdict}")
+    return lines
 
 
 if __name__ == "__main__":
