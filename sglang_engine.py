@@ -53,7 +53,9 @@ Notable choices:
    after the sync keeps every rank from generating on old weights.
 5. FP8 serves a blockwise-FP8 checkpoint (DeepSeek-V3's recipe, arXiv 2412.19437; see
    weights.py) and syncs weights quantised on the trainer's side (`quantize_fp8`, HF names).
-   Other tensors go in the trainer's dtype; SGLang casts them as it loads.
+   Other tensors go in the dtype the server holds them in: its --dtype (/server_info; "auto" resolved from the
+   checkpoint's config.json as SGLang resolves it, `sglang_server.served_dtype`), GLM-4.5's router in fp32. The
+   colocated server is started with --dtype bfloat16.
 6. Memory released by `sleep()` comes back without its values (no CPU backup), so after
    `wake()` the engine refuses to generate until `update_weights` has run: a wrong call order
    fails loudly instead of sampling from garbage.
@@ -82,8 +84,8 @@ from distributed import all_gather_list, barrier, rank_world
 from hf import hf_tensors, save_hf
 from model import ModelConfig, route_dtype
 from sampler import Rollout, SamplingParams, row_keys
-from sglang_server import (ABSENT, AUTO_DTYPE, SGLangServer, check_server, launch_wait_s, nccl_pairing, served_dtype,
-                           wait_until_serving)
+from sglang_server import (ABSENT, SGLangServer, check_server, checkpoint_dtype, launch_wait_s, nccl_pairing,
+                           served_dtype, wait_until_serving)
 from weights import (DEFAULT_BUCKET_BYTES, Named, fp8_bf16_modules, full_tensor, quantize_fp8, sglang_ep,
                      weight_buckets)
 
@@ -134,10 +136,11 @@ def sglang_server_args(model_path: str, *, fp8: bool, tp_size: int = 1, ep_size:
     # which SGLang drops every request's sampling_seed (sampling_batch_info.py). Its cost, as 0.5.21 resolves it
     # (arg_groups/overrides.py, attention_hook.py): batch-invariant kernels, the pytorch sampler, attention fa3 on
     # Hopper (flashinfer on Blackwell, where the radix cache is then off), and with TP > 1 NCCL's tree all-reduce in
-    # place of the custom one
+    # place of the custom one; dtype bfloat16: --dtype auto would serve a float32 checkpoint (an init_from run's) in
+    # float16 (configs/model_config.py)
     args = dict(model_path=model_path, tp_size=tp_size, ep_size=ep_size, mem_fraction_static=mem_fraction_static,
                 random_seed=seed, skip_tokenizer_init=True, enable_return_routed_experts=True,
-                enable_memory_saver=True, enable_deterministic_inference=True)
+                enable_memory_saver=True, enable_deterministic_inference=True, dtype="bfloat16")
     if fp8:
         args["quantization"] = "fp8"  # block size and scales from the checkpoint (its quantization_config)
     return args | extra  # caller's keywords win
@@ -293,12 +296,10 @@ def join_update_group(master_address: str, master_port: int, world_size: int, gr
     return broadcast
 
 
-def _as_served(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t as the server holds it: fp32 weights in the server's dtype (bf16: half the bytes of the trainer's
-    master copy), except GLM-4.5's e_score_correction_bias, which SGLang keeps in fp32."""
-    if t.dtype != torch.float32 or name.endswith("e_score_correction_bias"):
-        return t
-    return t.to(dtype)
+def _as_served(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as the server holds it: fp32 weights in the server's dtype (bf16: half the bytes of the trainer's master
+    copy); integer and lower-precision tensors as they are."""
+    return t.to(dtype) if t.dtype == torch.float32 else t
 
 
 def _free_port() -> int:
@@ -372,7 +373,8 @@ class SGLangEngine:
     @classmethod
     def from_engine(cls, engine, cfg: ModelConfig, *, eos_id, fp8: bool = False,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, leader: bool = True, colocated: bool = False,
-                    join_group=None, group_backend: str = "nccl", num_tokens: int | None = None) -> SGLangEngine:
+                    join_group=None, group_backend: str = "nccl", num_tokens: int | None = None,
+                    config_dtype: str | None = None) -> SGLangEngine:
         """Wrap running engines: an `sglang.Engine` (or anything with its methods), or a list of them
         (external servers: requests spread over them by group id).
 
@@ -382,15 +384,18 @@ class SGLangEngine:
         update_weights_from_tensor (CUDA IPC). group_backend: that group's, "nccl" between GPUs, "gloo" from a
         trainer on CPU (tools/sglang_standin.py's tests; there is no NCCL to pair). num_tokens: the tokenizer's
         ids; SGLang samples over every row of the embedding, and ids past these are counted (`counters`).
+        config_dtype: the served checkpoint's config.json dtype, which a server started with --dtype auto serves in
+        (sglang_server.served_dtype).
         """
         self = cls.__new__(cls)  # skips __init__: no sglang import, no CUDA check (how the CPU tests build one)
         self._setup(engine if isinstance(engine, list) else [engine], cfg, eos_id=eos_id, fp8=fp8,
                     bucket_bytes=bucket_bytes, leader=leader, colocated=colocated, join_group=join_group,
-                    group_backend=group_backend, num_tokens=num_tokens)
+                    group_backend=group_backend, num_tokens=num_tokens, config_dtype=config_dtype)
         return self
 
     def _setup(self, servers: list, cfg: ModelConfig, *, eos_id, fp8: bool, bucket_bytes: int, leader: bool = True,
-               colocated: bool = False, join_group=None, group_backend: str = "nccl", num_tokens: int | None = None):
+               colocated: bool = False, join_group=None, group_backend: str = "nccl", num_tokens: int | None = None,
+               config_dtype: str | None = None):
         self.servers, self.cfg, self.eos_id, self.fp8, self.bucket_bytes = servers, cfg, eos_id, fp8, bucket_bytes
         self.num_tokens, self.ids_past_tokenizer = num_tokens, 0
         self.leader, self.colocated, self.join_group = leader, colocated, join_group
@@ -406,7 +411,8 @@ class SGLangEngine:
             problems = [p for p in (nccl_pairing(s.version, s.url) for s in asked) if p is not None]
             if problems:  # refused at connect: NCCL would refuse the group only at the first weight sync
                 raise RuntimeError("; ".join(problems))
-        dtypes = {served_dtype(s.server_info()) for s in asked} or {AUTO_DTYPE}  # an in-process Engine: its default
+        # an in-process Engine or a stand-in is not asked: the weights go as bf16, as these checkpoints are published
+        dtypes = {served_dtype(s.server_info(), config_dtype) for s in asked} or {torch.bfloat16}
         if len(dtypes) > 1:
             raise RuntimeError(f"the SGLang servers {', '.join(s.url for s in asked)} serve different dtypes "
                                f"{sorted(map(str, dtypes))}: one weight sync sends one")
@@ -513,7 +519,9 @@ class SGLangEngine:
         # lazily, one tensor at a time: shards gathered whole, renamed and split into HF's per-matrix layout
         tensors = hf_tensors(((n, full_tensor(t)) for n, t in named_tensors), self.cfg)
         # in the server's dtype on the wire (FP8 below is quantised from it)
-        tensors = ((k, _as_served(k, t, self.served_dtype)) for k, t in tensors)
+        # GLM-4.5's router (weight and selection bias) SGLang keeps in fp32 (models/glm4_moe.py, Glm4MoeGate)
+        fp32 = ("e_score_correction_bias",) + ((".mlp.gate.weight",) if self.cfg.hf_model_type == "glm4_moe" else ())
+        tensors = ((k, t if k.endswith(fp32) else _as_served(t, self.served_dtype)) for k, t in tensors)
         if not self.leader:
             for _ in tensors:  # take part in every gather; the leader sends
                 pass
@@ -627,7 +635,8 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
         backend = "nccl" if torch.device(cfg.device).type == "cuda" else "gloo"  # gloo: a CPU trainer's stand-in
         return SGLangEngine.from_engine([SGLangServer(u) for u in engine_cfg.urls], cfg.model, eos_id=tok.stop_ids,
                                         fp8=engine_cfg.fp8, leader=rank == 0, join_group=join_update_group,
-                                        group_backend=backend, num_tokens=tok.enc.n_vocab)
+                                        group_backend=backend, num_tokens=tok.enc.n_vocab,
+                                        config_dtype=checkpoint_dtype(cfg.init_hf or cfg.init_from))
     check_colocated_install()
     path = cfg.init_hf or cfg.init_from
     if engine_cfg.fp8:  # colocated SGLang serves FP8 from a blockwise-FP8 checkpoint

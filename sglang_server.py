@@ -190,21 +190,27 @@ def _dotted(version: tuple[int, ...]) -> str:
 
 SERVED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
                  "float32": torch.float32, "float": torch.float32}
-"""SGLang's --dtype values (server_args.py's choices) and the dtype a server then holds its weights in."""
-AUTO_DTYPE = torch.bfloat16
-"""What --dtype auto (the default) holds these checkpoints' weights in: bf16, as they are published."""
+"""SGLang's --dtype values (besides "auto") and the dtype a server then holds its weights in."""
 
 
-def served_dtype(info: dict) -> torch.dtype:
-    """The dtype a server holds its weights in, from its /server_info ("dtype", its --dtype), so a weight sync sends
-    what the server keeps: fp32 only to a server that serves fp32 (tools/sglang_standin.py on CPU). Raises
-    RuntimeError naming a dtype this project cannot send."""
+def checkpoint_dtype(path: str) -> str | None:
+    """A checkpoint folder's config.json dtype ("torch_dtype" before transformers 5), what --dtype auto starts from."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    return config.get("dtype") or config.get("torch_dtype")
+
+
+def served_dtype(info: dict, config_dtype: str | None) -> torch.dtype:
+    """The dtype a server holds its weights in, from its /server_info ("dtype": its --dtype, as given), so a weight
+    sync sends what the server keeps. "auto" resolves as sglang 0.5.21 resolves it (configs/model_config.py,
+    _get_and_verify_dtype): the checkpoint's config_dtype (none: float32), and a float32 checkpoint served in
+    float16. Raises RuntimeError naming a dtype this project cannot send."""
     name = info.get("dtype", "auto")
     if name == "auto":
-        return AUTO_DTYPE
+        name = {"float32": "float16", None: "float16"}.get(config_dtype, config_dtype)
     if name not in SERVED_DTYPES:
-        raise RuntimeError(f"SGLang serves dtype={name!r}; the weight sync sends one of "
-                           f"{', '.join(map(repr, ['auto', *SERVED_DTYPES]))}")
+        raise RuntimeError(f"SGLang serves dtype={info.get('dtype')!r} (checkpoint dtype {config_dtype!r}); the weight "
+                           f"sync sends one of {', '.join(map(repr, SERVED_DTYPES))}")
     return SERVED_DTYPES[name]
 
 

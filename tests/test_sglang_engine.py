@@ -6,6 +6,7 @@ import base64
 import dataclasses
 import json
 import os
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -29,6 +30,9 @@ EOS = 1
 TOK = SimpleNamespace(stop_ids=(EOS,), pad_id=0, enc=SimpleNamespace(n_vocab=256))  # what build_sglang_engine
 # reads of a tokenizer.Tokenizer
 PARAMS = SamplingParams(max_new_tokens=4)
+CKPT = tempfile.mkdtemp(prefix="ckpt")  # the run's init_hf, as far as the engine reads it: config.json's dtype
+with open(os.path.join(CKPT, "config.json"), "w") as f:
+    json.dump({"dtype": "bfloat16"}, f)
 
 
 class FakeSGLang(ThreadingHTTPServer):
@@ -110,7 +114,7 @@ def fp8_servable(cfg: ModelConfig, **widths) -> ModelConfig:
 
 def sglang_cfg(model, **engine) -> TrainConfig:
     """A run's settings with engine.name='sglang' (`engine`: the section's other fields); the policy is `model`."""
-    return TrainConfig(engine=EngineConfig(name="sglang", **engine), init_hf="/ckpt", device="cuda", model=model)
+    return TrainConfig(engine=EngineConfig(name="sglang", **engine), init_hf=CKPT, device="cuda", model=model)
 
 
 # ----------------------------------------------------------------------------- the config
@@ -380,7 +384,7 @@ def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_wri
                       num_tokens=TOK.enc.n_vocab)
     assert before == ["barrier"]  # what rank 0 wrote is complete before any server loads it
     if not fp8:
-        assert path == "/ckpt"  # init_hf as it is: nothing written
+        assert path == CKPT  # init_hf as it is: nothing written
         assert not (tmp_path / "out").exists()
         return
     assert path == os.path.join(cfg.out_dir, "sglang_fp8") and "config.json" in files  # written by the build
@@ -506,3 +510,27 @@ def test_a_colocated_server_pairs_no_nccl_with_the_trainer(tiny_cfg, log, monkey
     monkeypatch.setattr(sglang_server, "trainer_nccl", lambda: (2, 29, 7))
     server = FakeSGLang(tiny_cfg, log, info=dict(version="0.9.0"))
     SGLangEngine.from_engine(SGLangServer(server.url), tiny_cfg, eos_id=EOS, colocated=True)
+
+
+@pytest.mark.parametrize("served, config_dtype, want", [
+    ("auto", "bfloat16", torch.bfloat16), ("auto", "float32", torch.float16), ("auto", None, torch.float16),
+    ("bfloat16", "float32", torch.bfloat16), ("float32", "bfloat16", torch.float32), ("half", None, torch.float16)])
+def test_the_served_dtype_is_the_servers_dtype_and_auto_resolves_as_sglang_does(served, config_dtype, want):
+    """sglang 0.5.21's configs/model_config.py: --dtype auto serves the checkpoint's dtype, a float32 one in float16."""
+    assert sglang_server.served_dtype({"dtype": served}, config_dtype) == want
+    with pytest.raises(RuntimeError, match=r"dtype='int8'.* one of 'bfloat16'"):
+        sglang_server.served_dtype({"dtype": "int8"}, None)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+def test_the_sync_sends_the_servers_dtype_and_glms_router_in_fp32(tiny_cfg, log, monkeypatch, family):
+    cfg = dataclasses.replace(tiny_cfg, hf_model_type=family, router="sigmoid" if family == "glm4_moe" else "softmax")
+    server = FakeSGLang(cfg, log, info=dict(dtype="float16"))
+    monkeypatch.setattr(sglang_engine, "join_update_group", lambda *group, backend: lambda t: None)
+    model = Transformer(cfg)
+    engine = build_sglang_engine(sglang_cfg(cfg, sglang_urls=server.url), TOK, model)
+    engine.update_weights(policy_tensors(model), version=1)
+    dtypes = {n: d for _, r, g in log if r == "/update_weights_from_distributed" for n, d in zip(g["names"], g["dtypes"])}
+    router = {n for n in dtypes if n.endswith((".mlp.gate.weight", "e_score_correction_bias"))}
+    assert router and {dtypes[n] for n in router} == {"float32" if family == "glm4_moe" else "float16"}
+    assert {d for n, d in dtypes.items() if n not in router} == {"float16"}
