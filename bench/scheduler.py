@@ -70,8 +70,8 @@ DECODE_ROW_MS = 0.08
 TINY_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
 SCHEDULES = ("fifo", "length_aware", "length_aware_oracle")  # the simulated ones, baseline first
 # --smoke: every part at a few prompts of at most 32 tokens, one trial, repeat and RL step each
-SMOKE = {"prompts": 64, "max_len": 32, "trials": 1, "engine_prompts": 4, "engine_rows": 16, "sft_steps": 1, "rl_steps": 1,
-         "rl_prompts": 2, "eval_size": 8, "repeats": 1, "overlap_reps": 1, "overlap_prompts": 2}
+SMOKE = {"prompts": 64, "max_len": 32, "trials": 1, "engine_prompts": 4, "engine_rows": 16, "sft_steps": 1,
+         "rl_steps": 1, "rl_prompts": 2, "eval_size": 8, "repeats": 1, "overlap_reps": 1, "overlap_prompts": 2}
 
 
 def draw_lengths(num_prompts: int, group_size: int, max_len: int, rng: random.Random):
