@@ -38,7 +38,7 @@ TARGET = {**default_environment(), "sys_platform": "linux", "platform_system": "
 # are separate environments; "colocated" is both in one, which the pins below show cannot resolve today.
 INSTALL_SETS = {
     "trainer (Linux, CUDA)": ["requirements.txt"],
-    "tests and benches": ["requirements-bench.txt"],
+    "tests and benches": ["requirements-dev.txt"],
     "SGLang server (its own environment)": ["requirements-sglang.txt"],
     "colocated SGLang (one environment)": ["requirements.txt", "requirements-sglang.txt"],
 }
