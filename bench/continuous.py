@@ -52,7 +52,7 @@ from model import ModelConfig, Transformer  # noqa: E402
 from config import EngineConfig  # noqa: E402
 from rollout import STOP_CHECK_EVERY, NativeEngine  # noqa: E402
 from sampler import SamplingParams  # noqa: E402
-import smoke  # noqa: E402  (bench/smoke.py)
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 PAD = 0
 PROMPT_LENS = (8, 32)  # prompt tokens, drawn uniformly: the continuous engine's slots hold ragged prompts

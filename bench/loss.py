@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from espo import LOSS_TYPES, PAPER_AGGREGATION, PAPER_CLIP_EPS, LossConfig, policy_loss  # noqa: E402
 from reference_losses import reference_loss  # noqa: E402
-import smoke  # noqa: E402  (bench/smoke.py)
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 VOCAB = 151_936  # Qwen3's vocabulary: sets ESPO's log|V|
 TIS_CAP = 2.0  # Yao et al.'s C

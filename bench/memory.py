@@ -44,7 +44,7 @@ from torch.distributed._tools.common_utils import get_untyped_storages  # noqa: 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-import smoke  # noqa: E402  (bench/smoke.py)
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 # glibc hands freed blocks back at once, and oneDNN (CPU bf16 matmuls) keeps no cache of kernels
 # it compiled, one per shape: otherwise the resident set reads high by caches, not by what the code holds

@@ -48,7 +48,7 @@ from rollout import NativeEngine  # noqa: E402
 from scheduler import LengthPredictor  # noqa: E402
 from weights import policy_tensors, quantize_fp8  # noqa: E402
 from tokenizer import Tokenizer, load_hf_tokenizer  # noqa: E402
-import smoke  # noqa: E402  (bench/smoke.py)
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 # --smoke: one SFT step, 2 prompts x 2 rollouts per engine; one thread (two stall each other on busy shared cores)
 SMOKE = {"sft_steps": 1, "prompts": 2, "samples": 2, "threads": 1}

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import ModelConfig  # noqa: E402
 from qwen3_small import small_qwen3_moe  # noqa: E402
-import smoke  # noqa: E402  (bench/smoke.py)
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 # --smoke: one round of a short batch, eager only (compiling the blocks alone takes minutes on 2 cores), one
 # thread (two stall each other on busy shared cores)

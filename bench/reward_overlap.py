@@ -47,7 +47,7 @@ from sampler import SamplingParams  # noqa: E402
 from scheduler import LengthPredictor  # noqa: E402
 from scoring import RewardPool  # noqa: E402
 from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402
-import smoke  # noqa: E402  (bench/smoke.py)
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 NO_EOS = -1  # an id never sampled, so every row runs to the token limit
 # --smoke: 2 batches of 16 short rows, a 5 ms verifier on 4 workers, one repeat, one thread (two stall each other

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qwen3_small import small_qwen3_moe  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
 from sampler import SamplingParams  # noqa: E402
-import smoke  # noqa: E402  (bench/smoke.py)
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 NO_EOS = -1  # an id never sampled, so every row runs to the token limit
 # --smoke: a few short rows, one round, one thread (two stall each other on busy shared cores)

@@ -58,7 +58,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scheduler import LengthPredictor, generation_batches  # noqa: E402
-import smoke  # noqa: E402  (bench/smoke.py)
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 # long-tailed completion lengths: lognormal prompt means, lognormal spread of a prompt's rollouts
 MEDIAN_TOKENS = 48  # median of a prompt's mean completion length (simulated)

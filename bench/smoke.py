@@ -9,6 +9,9 @@ numbers mean nothing, so they never land on the measured ones:
 - a smoke run writes bench/results/<name>.smoke.json, which .gitignore leaves out;
 - `--out PATH` writes PATH instead of either (the tests point it into their tmp_path).
 
+    from bench import smoke                         # from the project's root, which every bench puts on sys.path:
+                                                    # so also where a bench is loaded by its path, bench/ not on
+                                                    # the path (tests/test_plan.py loads bench/memory.py)
     args = smoke.parse_args(ap, SMOKE)              # SMOKE: {argparse dest: its tiny value}
     smoke.write_results(args, "loss", results)      # the JSON, where the mode says
 """

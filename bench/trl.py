@@ -82,13 +82,13 @@ import sys
 import tempfile
 import time
 
-import smoke  # noqa: E402  (bench/smoke.py, imported while bench/ is still on the path)
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # this file is named trl.py: with bench/ first on the path, `import trl` would import it instead of TRL
 sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # hf_checkpoint: the checkpoints the tests build
+
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 HF_TINY = os.path.join(ROOT, "configs", "hf_tiny.py")
 GROUP_SIZE = 8  # rollouts per prompt, both sides

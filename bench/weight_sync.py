@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import smoke  # noqa: E402  (bench/smoke.py)
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 MODELS = {"tiny": ("tiny.py", []), "small": ("small.py", ["model.n_layers=2"])}
 SMOKE = {"repeats": 1, "models": ["tiny"]}  # --smoke: the tiny model's paths (and the modelled rows), one round

@@ -57,7 +57,7 @@ from data import Item, ItemList, Prompts, prompt_ids  # noqa: E402
 from sampler import Rollout  # noqa: E402
 from scheduler import LengthPredictor  # noqa: E402
 from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402
-import smoke  # noqa: E402  (bench/smoke.py)
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 BETA = 0.3  # Beta(BETA, BETA) pass rates: U-shaped
 MEAN_TOKENS = 400  # simulated completion length scale
