@@ -22,7 +22,8 @@ Then the logits: a model with Qwen3's vocabulary (V = 151,936), one micro-batch'
 entropy and their backward, computed as the trainer does (chunked, recomputed in backward)
 and as it did before (the full [tokens, V] fp32 logits and their log-softmax kept).
 
-    python bench/memory.py [--quick] [--one-process] [--logits-tokens N] [--overrides k=v ...] [--smoke] [--out PATH]
+    python bench/memory.py [--quick] [--dtypes float32 bfloat16] [--one-process] [--logits-tokens N]
+        [--overrides k=v ...] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ CONFIGS = {
 }
 DTYPES = ("float32", "bfloat16")
 QWEN3_VOCAB = 151936
-# --smoke: the quick set in one process, at a few rows and tokens
-SMOKE = {"quick": True, "one_process": True, "logits_tokens": 64,
+# --smoke: the quick set in fp32 (tests/test_plan.py measures bf16 too, through measure_many) in one process, at
+# a few rows and tokens
+SMOKE = {"quick": True, "dtypes": ["float32"], "one_process": True, "logits_tokens": 64,
          "overrides": ["gen_batch_rows=16", "microbatch_tokens=512", "sampling.max_new_tokens=8"]}
 
 
@@ -238,9 +240,10 @@ def planned(part: str, args: list[str]) -> int:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the tiny config only, and a shorter logits micro-batch")
+    ap.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="the dtypes measured")
     ap.add_argument("--one-process", action="store_true",
-                    help="with --quick: every measurement in one fresh process, one after the other (saves the "
-                         "start-ups; each from its own baseline, the resident set's less clean)")
+                    help="every measurement in one fresh process, one after the other (saves the start-ups; each from "
+                         "its own baseline, the resident set's less clean); at most one bf16 trainer: --quick")
     ap.add_argument("--logits-tokens", type=int, default=None, help="the logits micro-batch (default 4096, "
                                                                      "2048 with --quick)")
     ap.add_argument("--overrides", nargs="*", default=[], help="overrides of configs/tiny.py added to every config's")
@@ -250,15 +253,16 @@ def main():
         torch.set_num_threads(2)
         print(json.dumps([_measure_here(part, args) for part, args in json.loads(a.measure)]))
         return
-    if a.one_process and not a.quick:  # measure_many: one process sets up one bf16 trainer's process group
-        raise ValueError(f"--one-process measures {len(CONFIGS)} bf16 trainers, and one process can set up one: "
-                         f"give --quick with it, or leave it out")
 
     configs = [(name, [*overrides, *a.overrides])
                for name, overrides in (list(CONFIGS.items())[:1] if a.quick else CONFIGS.items())]
     tokens = a.logits_tokens or (2048 if a.quick else 4096)
-    runs = [(part, [*overrides, f"dtype={dtype}"]) for _, overrides in configs for dtype in DTYPES
+    runs = [(part, [*overrides, f"dtype={dtype}"]) for _, overrides in configs for dtype in a.dtypes
             for part in ("trainer", "engine")] + [(f"logits-{mode}", [str(tokens)]) for mode in ("chunked", "full")]
+    bf16_trainers = sum(part == "trainer" and "dtype=bfloat16" in args for part, args in runs)
+    if a.one_process and bf16_trainers > 1:  # measure_many: a process sets up one bf16 trainer's process group
+        raise ValueError(f"--one-process with {bf16_trainers} bf16 trainers: one process can set up one; give --quick "
+                         f"or --dtypes float32 with it, or leave it out")
     measured = iter(measure_many(runs)) if a.one_process else (measure(*run) for run in runs)  # in runs' order
 
     MiB = 2 ** 20
@@ -266,7 +270,7 @@ def main():
     print(f"{'config':<15} {'dtype':<9} {'part':<8} {'planned MiB':>11} {'tensors MiB':>11} {'ratio':>6} "
           f"{'RSS MiB':>8} {'ratio':>6}")
     for name, overrides in configs:
-        for dtype in DTYPES:
+        for dtype in a.dtypes:
             for part in ("trainer", "engine"):
                 args = [*overrides, f"dtype={dtype}"]
                 p, m = planned(part, args), next(measured)
