@@ -38,8 +38,9 @@ HEADLINES = {
 }
 # scripts with a __main__ that have no --smoke, and why
 NO_SMOKE = {"gpu.py": "needs CUDA; tests/test_gpu.py runs its --quick on CPU at toy widths (marked slow)"}
-SLOWEST_FIRST = ("memory.py", "trl.py", "weight_sync.py", "scheduler.py")  # 10-20 s each; the rest 3-8 s
-SMOKE_AT_ONCE = 2
+# the longest smoke runs (processes of their own, or several train.py runs): started first, so none trails alone
+SLOWEST_FIRST = ("memory.py", "trl.py", "weight_sync.py", "scheduler.py")
+SMOKE_AT_ONCE = 2  # most smoke runs use one thread, and a CI machine has 2 cores
 RATIO = re.compile(r"-?\d+(\.\d+)?(x|%) ")  # "2.33x ...", "80.0% ...": the line begins with the headline ratio
 SMOKE_TIMEOUT_S = 600  # far above a smoke run's seconds: a hung bench fails instead of stalling the suite
 
@@ -77,17 +78,21 @@ def run_smoke(script: str, out: str) -> subprocess.CompletedProcess:
 def smoke_runs(request, tmp_path_factory):
     """script -> (kept_results before any run, its --out path, a future of its finished process), for the scripts
     whose smoke test this session runs, started SMOKE_AT_ONCE at a time, the slowest first."""
+    smoke_test = test_each_bench_smoke_run_ends_with_its_headline_and_writes_only_where_told.__name__  # below
     chosen = {item.callspec.params["script"] for item in request.session.items
-              if item.originalname == "test_each_bench_smoke_run_ends_with_its_headline_and_writes_only_where_told"}
-    order = sorted(chosen, key=lambda s: (s not in SLOWEST_FIRST, SLOWEST_FIRST.index(s) if s in SLOWEST_FIRST else s))
+              if getattr(item, "originalname", None) == smoke_test}
+    order = [s for s in SLOWEST_FIRST if s in chosen] + sorted(chosen - set(SLOWEST_FIRST))
     before = {script: kept_results(script) for script in order}
     folder = tmp_path_factory.mktemp("smoke")
-    with concurrent.futures.ThreadPoolExecutor(SMOKE_AT_ONCE) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(SMOKE_AT_ONCE)
+    try:
         runs = {}
         for script in order:
             out = str(folder / script.replace(".py", ".json"))
             runs[script] = (before[script], out, pool.submit(run_smoke, script, out))
         yield runs
+    finally:  # after a failure under -x: the runs not yet started never start
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.mark.parametrize("script", sorted(HEADLINES), ids=lambda s: s.removesuffix(".py"))
