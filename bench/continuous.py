@@ -31,13 +31,13 @@ cache rows / slots times larger) the answer turns on how a decode step's cost gr
 on a CPU with this tiny model it barely does (per-op overhead dominates), so fewer, wider steps win.
 
     python bench/continuous.py [--prompts 16 --n 8 --slots 32 --paged-slots 64 --new-tokens 128 --repeats 5 --threads 1]
+        [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import statistics
@@ -52,9 +52,12 @@ from model import ModelConfig, Transformer  # noqa: E402
 from config import EngineConfig  # noqa: E402
 from rollout import STOP_CHECK_EVERY, NativeEngine  # noqa: E402
 from sampler import SamplingParams  # noqa: E402
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 PAD = 0
 PROMPT_LENS = (8, 32)  # prompt tokens, drawn uniformly: the continuous engine's slots hold ragged prompts
+# --smoke: 16 rows in static calls of 8, 8 and 16 slots, a short limit that some rows still reach; one round
+SMOKE = {"prompts": 4, "n": 4, "slots": 8, "paged_slots": 16, "new_tokens": 16, "repeats": 1}
 
 
 def tiny_model_config() -> ModelConfig:
@@ -84,7 +87,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     # 1 by default: on shared, busy cores two OpenMP threads stall each other (bench/scheduler.py saw it too)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    args = smoke.parse_args(ap, SMOKE)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = tiny_model_config()
@@ -183,17 +186,15 @@ def main():
               f"{r['rows_differing_from_static_one_call']:>8}{r['kv_bytes'] / 1e6:>8.2f}"
               f"{r['kv_bytes_live_peak'] / 1e6:>9.2f}{r['preemptions']:>9}"
               f"{s['median']:>9.2f} ({s['min']:.2f}..{s['max']:.2f})")
-    out = os.path.join(ROOT, "bench", "results")
-    os.makedirs(out, exist_ok=True)
     load = (load_before, os.getloadavg()[0])
     busy = max(load) > os.cpu_count()
-    with open(os.path.join(out, "continuous.json"), "w") as f:
-        json.dump({"config": vars(args), "torch_version": torch.__version__, "cpu_count": os.cpu_count(),
-                   "load_average_1min": load,
-                   "note": (f"contended: the 1-minute load average ({max(load):.1f}) exceeded the {os.cpu_count()} "
-                            "CPUs while this ran, so absolute times are inflated and noisy; the ways ran interleaved, "
-                            "so the ratios are the numbers to read" if busy else "quiet machine"),
-                   "lengths": dist, **table}, f, indent=1)
+    smoke.write_results(args, "continuous", {
+        "config": vars(args), "torch_version": torch.__version__, "cpu_count": os.cpu_count(),
+        "load_average_1min": load,
+        "note": (f"contended: the 1-minute load average ({max(load):.1f}) exceeded the {os.cpu_count()} "
+                 "CPUs while this ran, so absolute times are inflated and noisy; the ways ran interleaved, "
+                 "so the ratios are the numbers to read" if busy else "quiet machine"),
+        "lengths": dist, **table})
     per, one = table[f"static_batches_of_{per_call * args.n}"], table["static_one_call"]
     print(f"{per['continuous_speedup']['median']:.2f}x tokens/s with continuous batching alone ({args.slots} slots vs "
           f"static calls of {per_call * args.n} rows, the same KV cache; useful tokens per decode row-step "

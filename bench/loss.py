@@ -11,13 +11,12 @@ Peak memory of the vectorised float32 loss + backward is read from torch.profile
 memory events (allocations minus frees in time order, at op granularity), inputs
 excluded, and printed in bytes per padded token at T and T/4: a constant means O(B*T).
 
-    python bench/loss.py [--batch 64 --seq-len 4096 --loop-seqs 8 --repeats 5 --threads 1]
+    python bench/loss.py [--batch 64 --seq-len 4096 --loop-seqs 8 --repeats 5 --threads 1] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,11 +29,13 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from espo import LOSS_TYPES, PAPER_AGGREGATION, PAPER_CLIP_EPS, LossConfig, policy_loss  # noqa: E402
 from reference_losses import reference_loss  # noqa: E402
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 VOCAB = 151_936  # Qwen3's vocabulary: sets ESPO's log|V|
 TIS_CAP = 2.0  # Yao et al.'s C
 # (name, loss_type, extra options): every loss in its paper form, plus one with both optional terms on
 CASES = [(t, t, {}) for t in LOSS_TYPES] + [("grpo+k3+tis", "grpo", {"kl_coef": 0.01, "tis_cap": TIS_CAP})]
+SMOKE = {"batch": 4, "seq_len": 64, "loop_seqs": 2, "repeats": 1}  # --smoke: every loss, tiny batches
 
 
 def make_batch(B: int, T: int, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -111,7 +112,7 @@ def main():
     # one thread: the loop reference is single-threaded Python anyway, and on a shared CPU a second
     # OpenMP thread that gets descheduled stalls every vectorised op at its barrier
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    args = smoke.parse_args(ap, SMOKE)
     torch.set_num_threads(args.threads)
     B, T = args.batch, args.seq_len
     b64, b32, b32_small = make_batch(B, T, torch.float64), make_batch(B, T, torch.float32), make_batch(B, T // 4, torch.float32)
@@ -145,10 +146,7 @@ def main():
     worst = min(rows, key=lambda n: rows[n]["speedup_vs_loop"])
     results = {"config": vars(args), "vocab_size": VOCAB, "valid_tokens": tokens, "loop_tokens": loop_tokens,
                "loop_scale": scale, "losses": rows, "min_speedup": rows[worst]["speedup_vs_loop"], "min_speedup_loss": worst}
-    out = os.path.join(ROOT, "bench", "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "loss.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    smoke.write_results(args, "loss", results)
     print(f"{results['min_speedup']:.0f}x loss+backward vs per-sequence loop (the smallest over {len(rows)} losses, "
           f"{worst}; fp64 both; B={B}, T={T}; loop scaled from {args.loop_seqs} sequences); "
           f"peak memory {max(r['peak_bytes_per_token'] for r in rows.values()):.0f} bytes/token, O(B*T)")

@@ -22,7 +22,8 @@ Then the logits: a model with Qwen3's vocabulary (V = 151,936), one micro-batch'
 entropy and their backward, computed as the trainer does (chunked, recomputed in backward)
 and as it did before (the full [tokens, V] fp32 logits and their log-softmax kept).
 
-    python bench/memory.py [--quick]
+    python bench/memory.py [--quick] [--dtypes float32 bfloat16] [--one-process] [--logits-tokens N]
+        [--overrides k=v ...] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from torch.distributed._tools.common_utils import get_untyped_storages  # noqa: 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
+from bench import smoke  # noqa: E402  (bench/smoke.py)
+
 # glibc hands freed blocks back at once, and oneDNN (CPU bf16 matmuls) keeps no cache of kernels
 # it compiled, one per shape: otherwise the resident set reads high by caches, not by what the code holds
 MEASURE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0",
@@ -59,6 +62,10 @@ CONFIGS = {
 }
 DTYPES = ("float32", "bfloat16")
 QWEN3_VOCAB = 151936
+# --smoke: the quick set in fp32 (tests/test_plan.py measures bf16 too, through measure_many) in one process, at
+# a few rows and tokens
+SMOKE = {"quick": True, "dtypes": ["float32"], "one_process": True, "logits_tokens": 64,
+         "overrides": ["gen_batch_rows=16", "microbatch_tokens=512", "sampling.max_new_tokens=8"]}
 
 
 class LiveTensors(TorchDispatchMode):
@@ -233,39 +240,54 @@ def planned(part: str, args: list[str]) -> int:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the tiny config only, and a shorter logits micro-batch")
+    ap.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="the dtypes measured")
+    ap.add_argument("--one-process", action="store_true",
+                    help="every measurement in one fresh process, one after the other (saves the start-ups; each from "
+                         "its own baseline, the resident set's less clean); at most one bf16 trainer: --quick")
+    ap.add_argument("--logits-tokens", type=int, default=None, help="the logits micro-batch (default 4096, "
+                                                                     "2048 with --quick)")
+    ap.add_argument("--overrides", nargs="*", default=[], help="overrides of configs/tiny.py added to every config's")
     ap.add_argument("--measure", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = smoke.parse_args(ap, SMOKE)
     if a.measure:  # internal: measure_many's process
         torch.set_num_threads(2)
         print(json.dumps([_measure_here(part, args) for part, args in json.loads(a.measure)]))
         return
 
+    configs = [(name, [*overrides, *a.overrides])
+               for name, overrides in (list(CONFIGS.items())[:1] if a.quick else CONFIGS.items())]
+    tokens = a.logits_tokens or (2048 if a.quick else 4096)
+    runs = [(part, [*overrides, f"dtype={dtype}"]) for _, overrides in configs for dtype in a.dtypes
+            for part in ("trainer", "engine")] + [(f"logits-{mode}", [str(tokens)]) for mode in ("chunked", "full")]
+    bf16_trainers = sum(part == "trainer" and "dtype=bfloat16" in args for part, args in runs)
+    if a.one_process and bf16_trainers > 1:  # measure_many: a process sets up one bf16 trainer's process group
+        raise ValueError(f"--one-process with {bf16_trainers} bf16 trainers: one process can set up one; give --quick "
+                         f"or --dtypes float32 with it, or leave it out")
+    measured = iter(measure_many(runs)) if a.one_process else (measure(*run) for run in runs)  # in runs' order
+
     MiB = 2 ** 20
     rows = []
     print(f"{'config':<15} {'dtype':<9} {'part':<8} {'planned MiB':>11} {'tensors MiB':>11} {'ratio':>6} "
           f"{'RSS MiB':>8} {'ratio':>6}")
-    for name, overrides in (list(CONFIGS.items())[:1] if a.quick else CONFIGS.items()):
-        for dtype in DTYPES:
+    for name, overrides in configs:
+        for dtype in a.dtypes:
             for part in ("trainer", "engine"):
                 args = [*overrides, f"dtype={dtype}"]
-                p, m = planned(part, args), measure(part, args)
+                p, m = planned(part, args), next(measured)
                 rows.append({"config": name, "overrides": overrides, "dtype": dtype, "part": part, "planned": p,
                              "tensors": m["tensors"], "rss": m["rss"], "ratio": p / m["tensors"],
                              "ratio_rss": p / m["rss"]})
                 print(f"{name:<15} {dtype:<9} {part:<8} {p / MiB:>11.1f} {m['tensors'] / MiB:>11.1f} "
                       f"{p / m['tensors']:>6.3f} {m['rss'] / MiB:>8.1f} {p / m['rss']:>6.3f}", flush=True)
-    tokens = 2048 if a.quick else 4096
-    logits = {mode: measure(f"logits-{mode}", [str(tokens)]) for mode in ("chunked", "full")}
+    logits = {mode: next(measured) for mode in ("chunked", "full")}
     print(f"\nlogprobs + entropy + backward of {tokens} tokens at V = {QWEN3_VOCAB:,} ({tokens * QWEN3_VOCAB * 4 / MiB:.0f} "
           f"MiB of fp32 logits), peak MiB:")
     for mode in ("chunked", "full"):
         print(f"  {mode:<8} tensors {logits[mode]['tensors'] / MiB:>7.0f}   RSS {logits[mode]['rss'] / MiB:>7.0f}")
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))["ratio"]
     worst_rss = max(rows, key=lambda r: abs(r["ratio_rss"] - 1))["ratio_rss"]
-    os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "results", "memory.json"), "w") as f:
-        json.dump({"rows": rows, "logits_tokens": tokens, "logits_peak": logits, "worst_ratio": worst,
-                   "worst_ratio_rss": worst_rss}, f, indent=1)
+    smoke.write_results(a, "memory", {"rows": rows, "logits_tokens": tokens, "logits_peak": logits,
+                                      "worst_ratio": worst, "worst_ratio_rss": worst_rss})
     print(f"(against the resident set the worst ratio is {worst_rss:.3f}x)")
     print(f"{worst:.3f}x planned/measured peak memory (worst of {len(rows)}, measured as live tensors; "
           f"within 0.85-1.15: {'yes' if 0.85 <= worst <= 1.15 else 'NO'})")

@@ -21,7 +21,7 @@ The model is the tiny config's after its SFT warm-up (trained routing, not rando
 out_dir=/tmp/tiny_sft`), or, without it, `--sft_steps` of SFT run here first.
 The seed paper reports replay taking the log-prob gap from about 1e-3 to 1e-4.
 
-    python bench/mismatch.py [--init_from /tmp/tiny_sft --prompts 64 --samples 4 --threads 2]
+    python bench/mismatch.py [--init_from /tmp/tiny_sft --prompts 64 --samples 4 --threads 2] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -49,6 +48,10 @@ from rollout import NativeEngine  # noqa: E402
 from scheduler import LengthPredictor  # noqa: E402
 from weights import policy_tensors, quantize_fp8  # noqa: E402
 from tokenizer import Tokenizer, load_hf_tokenizer  # noqa: E402
+from bench import smoke  # noqa: E402  (bench/smoke.py)
+
+# --smoke: one SFT step, 2 prompts x 2 rollouts per engine; one thread (two stall each other on busy shared cores)
+SMOKE = {"sft_steps": 1, "prompts": 2, "samples": 2, "threads": 1}
 
 
 def load_policy(args):
@@ -89,9 +92,11 @@ def load_run_output(path: str, model: Transformer) -> Tokenizer:
     return load_hf_tokenizer(path)
 
 
-def make_engine(cfg, tok, **kw) -> NativeEngine:
-    """A rollout engine with the run's stop and pad ids, as train.start_run builds it (kw: fp8, dtype)."""
-    return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, num_tokens=tok.enc.n_vocab, **kw)
+def make_engine(cfg, tok, *, fp8: bool = False, dtype: torch.dtype = torch.float32) -> NativeEngine:
+    """A rollout engine with the run's stop and pad ids and engine section, as train.start_run builds it
+    (rollout.build_native_engine), in `dtype`; fp8: with blockwise-FP8 weights (engine.fp8)."""
+    return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, num_tokens=tok.enc.n_vocab, dtype=dtype,
+                        options=dataclasses.replace(cfg.engine, fp8=fp8))
 
 
 @torch.no_grad()
@@ -144,7 +149,7 @@ def main():
     ap.add_argument("--samples", type=int, default=8, help="rollouts per prompt")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = smoke.parse_args(ap, SMOKE)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model, tok, cfg, prompts = load_policy(args)
@@ -182,12 +187,10 @@ def main():
           "tokens predicted where the free-routing trainer flipped some layer (the same tokens in the replay-on row)")
     ratios = {t: rows[f"fp8 engine / {t} trainer / replay off"]["mismatch/kl"]
               / max(rows[f"fp8 engine / {t} trainer / replay on"]["mismatch/kl"], 1e-30) for t in ("bf16", "fp32")}
-    out = os.path.join(ROOT, "bench", "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "mismatch.json"), "w") as f:
-        json.dump({"args": vars(args), "rows": rows, "kl_ratio_replay_off_over_on": ratios,
-                   "seconds": time.perf_counter() - t0, "load_average_1min": os.getloadavg()[0],
-                   "note": "CPU shared with other jobs while measured; KL values do not depend on timing"}, f, indent=1)
+    smoke.write_results(args, "mismatch", {
+        "args": vars(args), "rows": rows, "kl_ratio_replay_off_over_on": ratios, "seconds": time.perf_counter() - t0,
+        "load_average_1min": os.getloadavg()[0],
+        "note": "CPU shared with other jobs while measured; KL values do not depend on timing"})
     print(f"{ratios['bf16']:.1f}x lower train-inference KL with router replay (FP8 rollouts, bf16 trainer; "
           f"{ratios['fp32']:.1f}x with an fp32 trainer; target >= 10x)")
 

@@ -15,14 +15,13 @@ rotating order, and measures the peak again: this VM's speed drifts by tens of p
 within minutes, so speedups and MFU are medians of per-round ratios. The headline is the
 eager ratio; the compiled one follows it.
 
-    python bench/model.py [--threads 2 --rounds 9 --no-compile]
+    python bench/model.py [--threads 2 --rounds 9 --batch 8 --seq-len 512 --no-compile] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 import time
@@ -33,8 +32,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import ModelConfig  # noqa: E402
 from qwen3_small import small_qwen3_moe  # noqa: E402
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
-B, T = 8, 512
+# --smoke: one round of a short batch, eager only (compiling the blocks alone takes minutes on 2 cores), one
+# thread (two stall each other on busy shared cores)
+SMOKE = {"rounds": 1, "batch": 2, "seq_len": 32, "no_compile": True, "threads": 1}
 
 
 def matmul_peak(dtype=torch.float32, seconds: float = 0.4) -> float:
@@ -61,10 +63,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9, help="timed steps per side, interleaved")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd run")
-    args = ap.parse_args()
+    args = smoke.parse_args(ap, SMOKE)
     torch.set_num_threads(args.threads)
     import transformers
+    B, T = args.batch, args.seq_len
 
     ref, ours = small_qwen3_moe(max_positions=T)
     ref, ours = ref.train(), ours.train()
@@ -112,13 +117,10 @@ def main():
     print(f"{'model':<22}{'s/step':>9}{'tokens/s':>10}{'MFU':>7}{'speedup':>9}")
     for name, r in rows.items():
         print(f"{name:<22}{r['seconds']:>9.3f}{r['tokens_per_s']:>10.0f}{r['mfu']:>7.1%}{r['speedup']:>8.2f}x")
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out, exist_ok=True)
     result = {"peak_flops": med(peaks), "peak_flops_rounds": peaks, "active_params": active, **rows,
               "seconds_rounds": times, "transformers_version": transformers.__version__,
-              "threads": args.threads, "rounds": args.rounds}
-    with open(os.path.join(out, "model.json"), "w") as f:
-        json.dump(result, f, indent=1)
+              "threads": args.threads, "rounds": args.rounds, "batch": B, "seq_len": T}
+    smoke.write_results(args, "model", result)
     ep, cp = rows["everyprompt"], rows.get("everyprompt_compiled")
     compiled = f"; {cp['speedup']:.2f}x and {cp['mfu']:.0%} with compiled blocks" if cp else ""
     print(f"{ep['speedup']:.2f}x tokens/s vs transformers Qwen3-MoE (fwd+bwd, fp32, eager, "

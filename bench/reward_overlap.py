@@ -24,12 +24,12 @@ exposed. Also reported against scoring inline on the caller's thread (train.py w
 reward.workers=0), whose reward time is rollouts x verifier time.
 
     python bench/reward_overlap.py [--verifier-ms 50 --workers 40 --batches 32 --rows 64 --threads 2 --repeats 7]
+        [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -47,8 +47,12 @@ from sampler import SamplingParams  # noqa: E402
 from scheduler import LengthPredictor  # noqa: E402
 from scoring import RewardPool  # noqa: E402
 from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 NO_EOS = -1  # an id never sampled, so every row runs to the token limit
+# --smoke: 2 batches of 16 short rows, a 5 ms verifier on 4 workers, one repeat, one thread (two stall each other
+# on busy shared cores)
+SMOKE = {"verifier_ms": 5.0, "workers": 4, "batches": 2, "rows": 16, "new_tokens": 4, "repeats": 1, "threads": 1}
 
 
 class RandomPrompts(ItemList):
@@ -75,7 +79,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7, help="repeats; the median one is reported")
-    args = ap.parse_args()
+    args = smoke.parse_args(ap, SMOKE)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     mcfg = ModelConfig(vocab_size=336, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, num_experts=8,
@@ -146,10 +150,7 @@ def main():
                         ("generate with overlapped reward", t_overlap),
                         ("  of which generation", t_gen_overlapped), ("reward inline, one thread (computed)", t_inline)):
         print(f"{name:<44}{value:>9.2f}")
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "reward_overlap.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    smoke.write_results(args, "reward_overlap", results)
     print("hidden fraction of each repeat, sorted: " + ", ".join(f"{r[0]:.1%}" for r in runs))
     print(f"{results['hidden_fraction']:.1%} of reward time hidden behind generation, median of {len(runs)} "
           f"({len(rollouts)} rollouts, "

@@ -15,13 +15,12 @@ sides run their experts with torch._grouped_mm; the rest is per-step overhead (t
 engine's static cache, batched sampling and one host sync per STOP_CHECK_EVERY steps
 against transformers' dynamic cache and per-step logits processing).
 
-    python bench/rollout.py [--batch 64 --prompt-len 32 --new-tokens 128 --threads 2 --compile]
+    python bench/rollout.py [--batch 64 --prompt-len 32 --new-tokens 128 --threads 2 --compile] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,8 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qwen3_small import small_qwen3_moe  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
 from sampler import SamplingParams  # noqa: E402
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 NO_EOS = -1  # an id never sampled, so every row runs to the token limit
+# --smoke: a few short rows, one round, one thread (two stall each other on busy shared cores)
+SMOKE = {"batch": 4, "prompt_len": 8, "new_tokens": 8, "repeats": 1, "threads": 1}
 
 
 def best_times(fns: dict, repeats: int) -> dict:
@@ -57,7 +59,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="also time NativeEngine with a torch.compile'd decode step")
-    args = ap.parse_args()
+    args = smoke.parse_args(ap, SMOKE)
     torch.set_num_threads(args.threads)
     import transformers
 
@@ -113,18 +115,16 @@ def main():
     for name, r in table.items():
         print(f"{name:<24}{r['prefill_s']:>10.3f}{r['prefill_tokens_per_s']:>14.0f}{r['decode_s']:>10.3f}"
               f"{r['decode_ms_per_step']:>9.2f}{r['decode_tokens_per_s']:>13.0f}{r['decode_speedup']:>6.2f}x")
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "rollout.json"), "w") as f:
-        load = (load_before, os.getloadavg()[0])
-        busy = max(load) > os.cpu_count()
-        json.dump({"config": vars(args), "logit_parity": parity, "transformers_version": transformers.__version__,
-                   "transformers_experts_implementation": experts_impl,
-                   "torch_version": torch.__version__, "cpu_count": os.cpu_count(), "load_average_1min": load,
-                   "note": (f"contended: the 1-minute load average ({max(load):.1f}) exceeded the {os.cpu_count()} CPUs "
-                            f"while this ran, so absolute times are inflated and noisy; both sides ran in the same "
-                            f"window, so the ratio is the number to read" if busy else "quiet machine"),
-                   **table}, f, indent=1)
+    load = (load_before, os.getloadavg()[0])
+    busy = max(load) > os.cpu_count()
+    smoke.write_results(args, "rollout", {
+        "config": vars(args), "logit_parity": parity, "transformers_version": transformers.__version__,
+        "transformers_experts_implementation": experts_impl,
+        "torch_version": torch.__version__, "cpu_count": os.cpu_count(), "load_average_1min": load,
+        "note": (f"contended: the 1-minute load average ({max(load):.1f}) exceeded the {os.cpu_count()} CPUs "
+                 f"while this ran, so absolute times are inflated and noisy; both sides ran in the same "
+                 f"window, so the ratio is the number to read" if busy else "quiet machine"),
+        **table})
     ours_row = table["native_engine"]
     print(f"{ours_row['decode_speedup']:.2f}x decode tokens/s vs transformers generate (KV cache, plain sampling; "
           f"prefill {ours_row['prefill_speedup']:.2f}x; batch {args.batch}, prompt {args.prompt_len}, "

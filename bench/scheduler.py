@@ -37,7 +37,7 @@ Three measurements, each with its baseline in the same run:
    processes. On cores other jobs keep busy there is nothing to overlap onto, and async
    cannot win; two threads well below two processes would point at the GIL instead.
 
-    python bench/scheduler.py [--workers 4 --rl-steps 10 --skip-async]
+    python bench/scheduler.py [--workers 4 --rl-steps 10 --skip-async] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -57,6 +58,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scheduler import LengthPredictor, generation_batches  # noqa: E402
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 # long-tailed completion lengths: lognormal prompt means, lognormal spread of a prompt's rollouts
 MEDIAN_TOKENS = 48  # median of a prompt's mean completion length (simulated)
@@ -67,6 +69,9 @@ DECODE_STEP_MS = 15.0
 DECODE_ROW_MS = 0.08
 TINY_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.py")
 SCHEDULES = ("fifo", "length_aware", "length_aware_oracle")  # the simulated ones, baseline first
+# --smoke: every part at a few prompts of at most 32 tokens, one trial, repeat and RL step each
+SMOKE = {"prompts": 64, "max_len": 32, "trials": 1, "engine_prompts": 4, "engine_rows": 16, "sft_steps": 1,
+         "rl_steps": 1, "rl_prompts": 2, "eval_size": 8, "repeats": 1, "overlap_reps": 1, "overlap_prompts": 2}
 
 
 def draw_lengths(num_prompts: int, group_size: int, max_len: int, rng: random.Random):
@@ -131,7 +136,7 @@ def real_engine(args) -> dict:
     engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0)  # eos -1: never sampled, rows run to the batch's limit
     engine.update_weights(Transformer(cfg.model).named_parameters(), version=0)
     rng = random.Random(1)
-    max_len = cfg.model.max_seq_len - args.prompt_len
+    max_len = min(args.max_len, cfg.model.max_seq_len - args.prompt_len)  # what fits the tiny model's positions
     _, earlier, now = draw_lengths(args.engine_prompts, args.group_size, max_len, rng)
     prompts = torch.randint(1, cfg.model.vocab_size, (args.engine_prompts, args.prompt_len)).tolist()
     per_batch = max(1, args.engine_rows // args.group_size)
@@ -163,6 +168,8 @@ def rl_step_time(args) -> dict:
     from config import load_config
     tmp = tempfile.mkdtemp(prefix="bench_scheduler_")
     quiet = dict(eval_size=args.eval_size, eval_every=10 ** 6)
+    if args.rl_prompts:
+        quiet["prompts_per_step"] = args.rl_prompts
 
     def run(overrides):
         cfg = load_config(TINY_CONFIG, [f"{k}={v}" for k, v in {**quiet, **overrides}.items()])
@@ -199,6 +206,7 @@ def rl_step_time(args) -> dict:
                     "trainer_wait_mean": sum(x.get("async/wait", 0.0) for x in rl) / len(rl),
                 }
     torch.set_num_threads(args.threads)
+    shutil.rmtree(tmp)  # kept when a run fails, for its metrics.jsonl
     return {"s_per_step": best, "detail": detail, "sft_s": t_sft}
 
 
@@ -215,8 +223,9 @@ def overlap_ceiling(args) -> dict:
     model = Transformer(cfg.model)
     engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0)
     engine.update_weights(model.named_parameters(), version=0)
-    prompts = torch.randint(1, cfg.model.vocab_size, (32, 20)).tolist()  # 256 rows, as a tiny RL step's batch
-    x_BT = torch.randint(1, cfg.model.vocab_size, (128, 44))
+    # 8 rows a prompt (256 by default, as a tiny RL step's batch), half as many trained on
+    prompts = torch.randint(1, cfg.model.vocab_size, (args.overlap_prompts, 20)).tolist()
+    x_BT = torch.randint(1, cfg.model.vocab_size, (4 * args.overlap_prompts, 44))
     n = args.overlap_reps
 
     def generate():
@@ -258,20 +267,24 @@ def main():
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--rows", type=int, default=64, help="rows (prompts x G) per worker in a generation batch "
                     "(gen_batch_rows)")
-    ap.add_argument("--max-len", type=int, default=1024, help="simulated generation limit (tokens)")
+    ap.add_argument("--max-len", type=int, default=1024,
+                    help="generation limit (tokens), simulated, and real where the tiny model's positions allow it")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--engine-prompts", type=int, default=64)
     ap.add_argument("--engine-rows", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=24, help="tokens of every prompt (simulated and real)")
     ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--rl-steps", type=int, default=8)
+    ap.add_argument("--rl-prompts", type=int, default=None, help="prompts per RL step (default: configs/tiny.py's)")
     ap.add_argument("--eval-size", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--overlap-reps", type=int, default=3)
+    ap.add_argument("--overlap-prompts", type=int, default=32, help="prompts (x 8 rows) of each generate call of the "
+                    "overlap ceiling")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of parts 1-2 (2 OpenMP threads on 2 shared cores stall)")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-async", action="store_true")
-    args = ap.parse_args()
+    args = smoke.parse_args(ap, SMOKE)
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
     results = {"config": vars(args), "load_avg_1min_at_start": load, "cpu_count": os.cpu_count()}
@@ -313,10 +326,7 @@ def main():
         print(f"   overlap ceiling, {args.overlap_reps} generate calls + {args.overlap_reps} train steps, 1 thread each:")
         for k, v in ceil.items():
             print(f"   {k:<36}{v:>10.2f}{ceil['sequential_s'] / v:>8.2f}x")
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "scheduler.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    smoke.write_results(args, "scheduler", results)
     line = (f"{results['simulated_speedup']:.2f}x rollout wall time, length-aware vs FIFO generation batches "
             f"({args.workers} simulated workers in lockstep; {results['simulated_oracle_speedup']:.2f}x with an oracle "
             f"predictor)")

@@ -64,6 +64,10 @@ OpenMP threads stall each other whenever one is descheduled (bench/scheduler.py 
 same), which made 2-thread runs of either side erratic; --threads 2 runs both sides so.
 
     python bench/trl.py [--rounds 5 --steps 5 --warmup 2 --vocab small|qwen --data ../shared/data --threads 1]
+        [--smoke] [--out PATH]
+
+--smoke: one round of one warm-up and one timed step per side, on GSM8K-format rows of its own (`--data ''`), so
+it runs where the dataset is not (tests/test_bench.py).
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.di
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # hf_checkpoint: the checkpoints the tests build
 
+from bench import smoke  # noqa: E402  (bench/smoke.py)
+
 HF_TINY = os.path.join(ROOT, "configs", "hf_tiny.py")
 GROUP_SIZE = 8  # rollouts per prompt, both sides
 PROMPTS_PER_STEP = 8  # prompts per RL step = per optimizer step
@@ -95,6 +101,7 @@ GRAD_CLIP = 1.0  # TrainConfig's grad_clip and TRL's max_grad_norm default alike
 MAX_PROMPT_TOKENS = 256  # hf_tiny's: rows whose prompt is longer are left out of the pool, for both sides
 SMALL_RANKS = 1021  # Qwen's first ranks kept by --vocab small: with the 3 specials, 1024 ids
 CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids SMALL_RANKS + 0, 1, 2 in the small vocab
+SMOKE = {"rounds": 1, "steps": 1, "warmup": 1, "data": ""}  # --smoke: one short run per side on rows of its own
 
 
 # ----------------------------------------------------------------------------- the shared inputs
@@ -114,6 +121,19 @@ def gsm8k_files(data_dir: str) -> tuple[str, str]:
             sys.exit(f"{p} not found: --data must be the folder with GSM8K's gsm8k_train.jsonl and gsm8k_test.jsonl "
                      f"(the shared data folder, ../shared/data from the repo root)")
     return paths
+
+
+def smoke_gsm8k(data_dir: str, num_rows: int) -> str:
+    """GSM8K-format train and test JSONL of num_rows made-up word problems each (the test's unlike the train's),
+    in data_dir (made); returns it. What --smoke trains on: the bench's own code path without the dataset."""
+    os.makedirs(data_dir, exist_ok=True)
+    for split, first in (("train", 0), ("test", num_rows)):
+        with open(os.path.join(data_dir, f"gsm8k_{split}.jsonl"), "w") as f:
+            for i in range(first, first + num_rows):
+                a, b = 3 + i, 5 + 2 * i
+                f.write(json.dumps({"question": f"Ann has {a} apples and buys {b} more. How many apples has she now?",
+                                    "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n")
+    return data_dir
 
 
 def prompt_pool(ckpt: str, data_dir: str, num_prompts: int, work: str) -> dict:
@@ -279,14 +299,15 @@ def main():
     ap.add_argument("--vocab", default="small", choices=("small", "qwen"),
                     help=f"small: Qwen's first {SMALL_RANKS} ranks + 3 specials; qwen: all 151,643 (slow)")
     ap.add_argument("--data", default=os.path.normpath(os.path.join(ROOT, "..", "shared", "data")),
-                    help="folder of gsm8k_train.jsonl and gsm8k_test.jsonl")
+                    help="folder of gsm8k_train.jsonl and gsm8k_test.jsonl ('': made-up rows of that format, "
+                         "as --smoke uses)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads of each side (1: on 2 shared cores two OpenMP threads stall each other)")
     ap.add_argument("--trl-microbatch", type=int, default=16, help="TRL rows per forward/backward (divides 64)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take before the bench fails")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = smoke.parse_args(ap, SMOKE)
     if args.child:
         return child(args.child)
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
@@ -296,18 +317,20 @@ def main():
     import trl
 
     import hf_checkpoint
-    gsm8k_files(args.data)  # before any work
+    if args.data:
+        gsm8k_files(args.data)  # before any work
     if hf_checkpoint.qwen_ranks_path() is None:
-        sys.exit("needs Qwen's vocabulary from dashscope: pip install -c <(echo torch==2.13.0) -r requirements-bench.txt")
+        sys.exit("needs Qwen's vocabulary from dashscope: pip install -c <(echo torch==2.13.0) -r requirements-dev.txt")
+    num_steps = args.warmup + args.steps
     work = tempfile.mkdtemp(prefix="bench_trl_")
+    data = args.data or smoke_gsm8k(os.path.join(work, "data"), num_steps * PROMPTS_PER_STEP)
     ckpt = os.path.join(work, "ckpt")
     t = time.perf_counter()
     if args.vocab == "small":
         small_checkpoint(ckpt)
     else:
         hf_checkpoint.build_checkpoint(ckpt, "qwen3_moe")
-    num_steps = args.warmup + args.steps
-    pool = prompt_pool(ckpt, args.data, num_steps * PROMPTS_PER_STEP, work)  # each run sees every row once
+    pool = prompt_pool(ckpt, data, num_steps * PROMPTS_PER_STEP, work)  # each run sees every row once
     same_ids = same_prompt_ids(ckpt, pool["messages"][0], pool["first_prompt_ids"])
     with open(os.path.join(ckpt, "config.json")) as f:
         model_cfg = json.load(f)
@@ -359,9 +382,7 @@ def main():
     print(f"{'ratio (per round)':<28}{cell(ratios['s_per_step'], '.2f'):>20}{cell(ratios['tokens_per_s'], '.2f'):>18}")
 
     busy = max(load) > os.cpu_count()
-    out = os.path.join(ROOT, "bench", "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "trl.json"), "w") as f:
+    with open(smoke.results_path(args, "trl"), "w") as f:
         json.dump({"config": {k: v for k, v in vars(args).items() if k != "child"},
                    "work": {"prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE,
                             "max_new_tokens": MAX_NEW_TOKENS, "lr": LR, "max_prompt_tokens": MAX_PROMPT_TOKENS,

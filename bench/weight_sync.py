@@ -22,7 +22,7 @@ medians with their min-max spread. Then the modelled figure for Qwen3-30B-A3B an
 NVLink within a node and InfiniBand across nodes, at the links' peak rates (lower bounds), beside
 what others measured for the same job (as NeMo-RL and verl reported them; the project's design notes, "Numbers from the field").
 
-    python bench/weight_sync.py [--repeats 5]
+    python bench/weight_sync.py [--repeats 5 --models tiny small] [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from bench import smoke  # noqa: E402  (bench/smoke.py)
+
 MODELS = {"tiny": ("tiny.py", []), "small": ("small.py", ["model.n_layers=2"])}
+SMOKE = {"repeats": 1, "models": ["tiny"]}  # --smoke: the tiny model's paths (and the modelled rows), one round
 # H100/H200 SXM, NVLink 4: 18 links, 900 GB/s per GPU both directions together, 450 GB/s each way
 # (NVIDIA H100 Tensor Core GPU datasheet; the H200 datasheet gives the same 900 GB/s)
 NVLINK_BYTES_PER_S = 450e9
@@ -255,13 +258,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     # one thread: on shared cores a second OpenMP thread that gets descheduled stalls every op at its barrier
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                    help="the models measured; the headline reads the last")
+    args = smoke.parse_args(ap, SMOKE)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     from plan import param_counts
     results = {}
-    for name in MODELS:
+    for name in args.models:
         one, two = measure_one_process(name, args.repeats), measure_two_processes(name, args.repeats)
         n = param_counts(_cfg(name).model)["total"]
         rows = {  # (bytes moved per rank, seconds), per weight sync or per rollout phase
@@ -308,27 +313,28 @@ def main():
     print("measured by others for Qwen3-30B-A3B on H100 (as NeMo-RL and verl reported them): "
           + "; ".join(f"{who} {s}" for who, s in FIELD))
 
-    small = results["small"]["rows"]
-    old, new = small["replica, 2 ranks: its all-gather alone"], small["sharded, 2 ranks: rollout-phase dense gather"]
+    last = args.models[-1]
+    measured = results[last]["rows"]
+    old, new = (measured["replica, 2 ranks: its all-gather alone"],
+                measured["sharded, 2 ranks: rollout-phase dense gather"])
     speedup = old["s"]["median"] / new["s"]["median"]
     q = model["qwen3_30b_a3b"]["rows"]
     nv, ib = q[f"1x{GPUS_PER_NODE} NVLink"], q[f"4x{GPUS_PER_NODE} IB"]
     headline = (f"{speedup:.1f}x less time for the sharded engine's rollout-phase gather than the replica's all-gather "
-                f"(small, 2 CPU ranks: {new['s']['median']:.3f} s vs {old['s']['median']:.3f} s; "
+                f"({last}, 2 CPU ranks: {new['s']['median']:.3f} s vs {old['s']['median']:.3f} s; "
                 f"{old['bytes'] / new['bytes']:.0f}x fewer bytes), and 0 bytes per weight sync; modelled 30B-A3B dense "
                 f"gather {nv['sharded: dense gather']['s']:.3f} s NVLink / {ib['sharded: dense gather']['s']:.3f} s IB "
                 f"vs NeMo-RL's measured 0.74 s bf16 sync")
-    os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     busy = max(load) > os.cpu_count()
-    with open(os.path.join(ROOT, "bench", "results", "weight_sync.json"), "w") as f:
-        json.dump({"config": vars(args), "torch_version": torch.__version__, "cpu_count": os.cpu_count(),
-                   "load_average_1min": load,
-                   "note": (f"contended: the 1-minute load average ({max(load):.1f}) exceeded the {os.cpu_count()} "
-                            f"CPUs; the paths were interleaved, so their ratios are the numbers to read"
-                            if busy else "quiet machine"),
-                   "link_bytes_per_s": {"nvlink": NVLINK_BYTES_PER_S, "ib": IB_BYTES_PER_S},
-                   "measured": results, "modelled": model, "field": dict(FIELD), "headline": headline,
-                   "wall_s": time.perf_counter() - t0}, f, indent=1)
+    smoke.write_results(args, "weight_sync", {
+        "config": vars(args), "torch_version": torch.__version__, "cpu_count": os.cpu_count(),
+        "load_average_1min": load,
+        "note": (f"contended: the 1-minute load average ({max(load):.1f}) exceeded the {os.cpu_count()} "
+                 f"CPUs; the paths were interleaved, so their ratios are the numbers to read"
+                 if busy else "quiet machine"),
+        "link_bytes_per_s": {"nvlink": NVLINK_BYTES_PER_S, "ib": IB_BYTES_PER_S},
+        "measured": results, "modelled": model, "field": dict(FIELD), "headline": headline,
+        "wall_s": time.perf_counter() - t0})
     print(headline)
 
 

@@ -33,6 +33,7 @@ skipped prompt costs nothing, but a round is a generate call; staged needs more 
 than DAPO once stage 1 skips most of what is drawn, hence the default 60).
 
     python bench/zve.py [--steps 200 --tiny-steps 40 --tiny-pool 1024 --probes 4 --init-from out/tiny --threads 2]
+        [--smoke] [--out PATH]
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import random
@@ -57,11 +57,16 @@ from data import Item, ItemList, Prompts, prompt_ids  # noqa: E402
 from sampler import Rollout  # noqa: E402
 from scheduler import LengthPredictor  # noqa: E402
 from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402
+from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 BETA = 0.3  # Beta(BETA, BETA) pass rates: U-shaped
 MEAN_TOKENS = 400  # simulated completion length scale
 LENGTH_SPREAD = 0.2  # a simulated completion's length: Gaussian around its prompt's mean, this fraction of it as std
 ONE_CALL = 1 << 20  # generation rows per engine call: the simulated engine takes a round in one call
+# --smoke: a few steps of 4 groups of 4 (2 probes), at most 2 rounds each, simulated and with the tiny model after
+# one SFT step; one thread (two stall each other on busy shared cores)
+SMOKE = {"prompts": 200, "steps": 3, "batch": 4, "group_size": 4, "probes": 2, "rounds": 2, "tiny_steps": 2,
+         "tiny_pool": 16, "sft_steps": 1, "threads": 1}
 
 
 class SimTask(ItemList):
@@ -224,7 +229,7 @@ def main():
     ap.add_argument("--init-from", default="", help="a train.py output dir to take the tiny model from")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = smoke.parse_args(ap, SMOKE)
     torch.set_num_threads(args.threads)
     results = {"config": vars(args), "simulated": simulated(args)}
     if args.tiny_steps:
@@ -240,10 +245,7 @@ def main():
             print(f"{policy:<11}{name:<9}{r['rollouts']:>10}{r['tokens']:>12}{r['informative']:>13}"
                   f"{r['tokens_per_informative']:>9.1f}{r['skipped']:>9}{r['stopped']:>9}{r['steps_short']:>7}   {drawn} / "
                   f"{r['zv_after_stage1']:.3f} / {r['zv_after_stage2']:.3f} / {r['zv_after_stage3']:.3f}")
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "zve.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    smoke.write_results(args, "zve", results)
     tiny_note = f"; tiny model: {results['tiny']['ratio']:.2f}x" if "tiny" in results else ""
     print(f"{results['simulated']['ratio']:.2f}x generated tokens per informative group, staged vs DAPO dynamic sampling "
           f"(simulated Beta({BETA}, {BETA}) pass rates{tiny_note}; target <= 0.7x)")

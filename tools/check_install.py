@@ -40,7 +40,7 @@ TARGET = {**default_environment(), "sys_platform": "linux", "platform_system": "
 # trainer's torch (and so its NCCL), tokenizers and transformers, so trainer, servers and tests share one environment.
 INSTALL_SETS = {
     "trainer (Linux, CUDA)": ["requirements.txt"],
-    "tests and benches": ["requirements-bench.txt"],
+    "tests and benches": ["requirements-dev.txt"],
     "SGLang server (its own environment)": ["requirements-sglang.txt"],
     "colocated SGLang (one environment)": ["requirements.txt", "requirements-sglang.txt"],
     "GPU tests with SGLang (one environment)": ["requirements-dev.txt", "requirements-sglang.txt"],
