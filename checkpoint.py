@@ -91,7 +91,7 @@ RESUMABLE = (
     # its length: RL's learning rate is constant after warm-up, so more (or fewer) RL steps leave the others alone
     "rl_steps",
     # what it reports and keeps, not what it trains: evals sample from their own seeded streams, not torch's RNG
-    "logger", "eval_every", "eval_batch_rows", "ckpt_every", "ckpt_keep",
+    "logger", "eval_every", "eval_before_rl", "eval_batch_rows", "ckpt_every", "ckpt_keep",
     # the machine at hand: checkpoints load on any world size, batching leaves what is sampled as it was, and
     # micro-batches, recompute and compile change how a step is computed, not what it computes
     "device", "gpus_per_node", "ep", "dist_timeout_s", "activation_checkpoint", "compile", "gen_batch_rows",

@@ -313,6 +313,9 @@ class TrainConfig:
     """With max_staleness > 0: torch CPU threads of the trainer thread during RL (0 = the rest of torch's on CPU)."""
     eval_every: int = 50
     """RL steps between evals (> 0; the last RL step always evaluates)."""
+    eval_before_rl: bool = True
+    """Evaluate before the first RL step (the summary's "before" column and the RL gain). False: the first
+    optimizer step comes one eval pass sooner (at scale, eval_size prompts of up to max_new_tokens each)."""
     eval_samples: int = 4
     """Completions per held-out prompt for the sampled accuracy (mean@k at the rollout temperature)."""
     eval_batch_rows: int = 512
@@ -338,7 +341,8 @@ class TrainConfig:
                                    "eval_samples", "eval_batch_rows")},
         **{k: integer(0) for k in ("train_seed", "eval_seed", "bpe_merges", "sft_steps", "rl_steps", "lr_warmup_steps",
                                    "max_staleness", "rollout_threads", "trainer_threads")},
-        **{k: FLAG for k in ("dry_run", "activation_checkpoint", "compile", "router_replay", "resume_changed")},
+        **{k: FLAG for k in ("dry_run", "activation_checkpoint", "compile", "router_replay", "resume_changed",
+                             "eval_before_rl")},
         **{k: PATH for k in ("init_from", "init_hf", "train_data", "eval_data")},
         **{k: POSITIVE for k in ("sft_lr", "lr")},
         "out_dir": text("a folder path (a non-empty str)", lambda v: bool(v.strip())),
@@ -474,6 +478,11 @@ RELATIONS: list[tuple[Callable[[TrainConfig], Any], Callable[[TrainConfig], str]
      lambda c: f"engine.cuda_graph=True: a CUDA graph needs bf16 on CUDA (device='cuda' with dtype 'auto' or "
                f"'bfloat16'; the experts' fp32 grouped GEMMs read their offsets on the host); got device={c.device!r}, "
                f"dtype={c.dtype!r}, which computes in {str(c.compute_dtype()).removeprefix('torch.')}"),
+    (lambda c: not (c.engine.cuda_graph and _world() > 1),
+     lambda c: f"engine.cuda_graph=True under torchrun (WORLD_SIZE={_world()}): capturing the decode step on the sharded "
+               f"policy would read the CUDA RNG (activation checkpointing's saved RNG state) and take FSDP2's streams "
+               f"into the graph, which CUDA refuses; the graphed step runs in one process only (engine.cuda_graph=False "
+               f"here: the sharded engine decodes eagerly, its step compiled with compile=True)"),
     (lambda c: not c.engine.slots or c.engine.page_size <= c.model.max_seq_len,
      lambda c: f"engine.page_size={c.engine.page_size}: a page holds at most model.max_seq_len={c.model.max_seq_len} "
                f"columns (every row would hold a whole page of them); use 1..{c.model.max_seq_len} (16 by default)"),

@@ -99,6 +99,9 @@ FRAGMENTATION = 0.05
 # sizes and the forward's workspace (SGLang leaves 1 - mem_fraction_static of the GPU for them), an allowance
 SGLANG_OUTSIDE_POOL_GIB = 5.0
 NODES = (1, 2, 4, 8)
+# HBM bandwidth (NVIDIA's H100 SXM and H200 datasheets): a decode step reads at least the engine's weights once, so
+# decode steps x weight bytes / bandwidth is a floor under the rollouts' time (`first_update`)
+HBM_BYTES_PER_S = {"H100 80GB": 3.35e12, "H200 141GB": 4.8e12}
 # a scorer's input beyond the policy's prompt and completion (choice 8): a reward model's chat template, or
 # JUDGE_PROMPT's instructions, the template and the reference answer; an allowance, not a bound
 SCORER_EXTRA_TOKENS = 512
@@ -431,6 +434,48 @@ def memory_plan(cfg, world: int, scorer: ModelConfig | None = None) -> dict[str,
             "scorer peak": s["peak"], "margins": margins, "total": peak + margins}
 
 
+def first_update(cfg, world: int) -> dict:
+    """What a GPU runs before the run's first optimizer step, at most (every row to max_new_tokens): the SFT
+    steps, the eval before RL (eval_before_rl: a sampled pass of eval_samples per prompt and a greedy one) and RL
+    step 0's generate rounds (stage 2's probes, then the rest of each group; over-sampling's rounds beyond). For
+    each: the rows this rank generates, its decode steps (static calls of gen_batch_rows / eval_batch_rows rows
+    each run to the longest row; with engine.slots each slot decodes its rows one after another) and tokens.
+    Returns {"sft_steps", "passes": [(what, rows, decode steps)], "decode_steps", "tokens"}."""
+    T = cfg.sampling.max_new_tokens
+
+    def steps(rows: int, per_call: int) -> int:
+        return math.ceil(rows / (cfg.engine.slots or per_call)) * T if rows else 0
+
+    passes = []
+    if cfg.eval_before_rl:
+        items = math.ceil(cfg.eval_size / world)  # rank r evaluates items r, r + world, ...
+        for what, n in (("the eval's sampled pass", cfg.eval_samples), ("its greedy pass", 1)):
+            passes.append((what, items * n, steps(items * n, max(1, cfg.eval_batch_rows // n) * n)))
+    probe = cfg.filter.probe_size
+    rounds = [("RL step 0's probes", probe), ("the rest of its groups", cfg.group_size - probe)] if probe \
+        else [("RL step 0's rollouts", cfg.group_size)]
+    rounds += [(f"its over-sampling round {i + 1}", cfg.group_size) for i in range(cfg.filter.oversample_rounds)]
+    prompts = math.ceil(cfg.prompts_per_step / world)  # a round's prompts over the ranks (over-sampling: at most as many)
+    for what, n in rounds:
+        passes.append((what, prompts * n, steps(prompts * n, max(1, cfg.gen_batch_rows // n) * n)))
+    return {"sft_steps": cfg.sft_steps, "passes": passes, "decode_steps": sum(p[2] for p in passes),
+            "tokens": sum(p[1] for p in passes) * T}
+
+
+def optimizer_steps(cfg) -> tuple[int, str]:
+    """The optimizer steps a run takes (rl_steps x num_minibatches when every RL step trains), and why it may take
+    fewer: filter.zero_variance 'drop' skips an RL step whose groups are all zero-variance, as every group is when
+    the policy starts from random weights (no init_hf or init_from: all wrong)."""
+    n = cfg.rl_steps * cfg.num_minibatches
+    if cfg.filter.zero_variance != "drop":
+        return n, f"every RL step trains (filter.zero_variance={cfg.filter.zero_variance!r} keeps all-equal groups)"
+    if not (cfg.init_hf or cfg.init_from):
+        return n, ("at most: without init_hf or init_from the policy starts from random weights, every group is all "
+                   "wrong and dropped as zero-variance, so likely 0; filter.zero_variance='rl-zvp' trains on them "
+                   "(configs/hf_tiny.py, configs/smoke_gpu.py)")
+    return n, "at most: an RL step whose groups are all zero-variance is skipped (filter.zero_variance='drop')"
+
+
 def nccl_communicators(cfg, world: int) -> int:
     """NCCL communicators one rank of a `world`-rank run holds: none alone; else the default group and the
     fsdp mesh's, and the ep and efsdp meshes' where expert parallelism splits them (distributed.build_meshes;
@@ -542,6 +587,7 @@ def print_plan(cfg, nodes=NODES, scorer: ModelConfig | None = None) -> list[dict
               f"weights {s['weights'] / GB:.1f} GiB held through the run, scoring peak {s['peak'] / GB:.1f} GiB after "
               f"generating; both in each total above")
     _print_what_fits(cfg, plans)
+    _print_first_update(cfg, plans)
     if cfg.engine.name == "sglang" and not cfg.engine.urls:
         _print_colocated_sglang(cfg, plans)
     other = not cfg.activation_checkpoint  # activations do not depend on the world size: once, at the first
@@ -598,6 +644,29 @@ def _print_what_fits(cfg, plans: dict[int, dict]):
                 needs.append(f"{name}: more nodes")
         print(f"{k:>5} node{'s' if k > 1 else ' '}: peak {p['total'] / GB:.1f} GiB, {where}"
               + (f"; to fit {', '.join(needs)}" if needs else ""))
+
+
+def _print_first_update(cfg, plans: dict[int, dict]):
+    """The optimizer steps the run takes, and per node count what comes before the first: decode steps and tokens
+    per GPU (`first_update`), and a floor on their time from the engine's weights read once per decode step."""
+    n, why = optimizer_steps(cfg)
+    print(f"optimizer steps: {n} = rl_steps {cfg.rl_steps} x num_minibatches {cfg.num_minibatches}, {why}")
+    first = first_update(cfg, next(iter(plans)) * cfg.gpus_per_node)
+    print("before the first optimizer step, per GPU, every row to max_new_tokens: "
+          + (f"{cfg.sft_steps} SFT steps, " if cfg.sft_steps else "")
+          + ", ".join(what for what, _, _ in first["passes"])
+          + (" (eval_before_rl=False skips the eval)" if cfg.eval_before_rl else ""))
+    print(f"{'nodes':>5} {'decode steps':>13} {'tokens':>13}  at least (the engine's weights read once a decode step at "
+          f"full HBM bandwidth; prefill, KV reads and all-to-alls come on top: bench/gpu.py times decoding)")
+    for k, p in plans.items():
+        f = first_update(cfg, k * cfg.gpus_per_node)
+        floor = ", ".join(f"{_duration(f['decode_steps'] * p['engine weights'] / bw)} on {name.split()[0]}"
+                          for name, bw in HBM_BYTES_PER_S.items())
+        print(f"{k:>5} {f['decode_steps']:>13,} {f['tokens']:>13,}  {floor}")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _print_colocated_sglang(cfg, plans: dict[int, dict]):

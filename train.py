@@ -103,7 +103,7 @@ def rl_step(run: Run, step: int) -> dict:
     with run.engine.phase():  # the sharded policy's weights gathered for the rollouts, freed before training
         m, batch = collect_rollouts(run, step)
     if batch is None:  # every group was zero-variance and dropped: nothing to learn from this step
-        m["skipped_update"] = 1
+        m["skipped_update"], m["optimizer_steps"] = 1, 0
         return m
     m.update(update_policy(run, batch, step))
     return m
@@ -560,7 +560,7 @@ def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
         del opt
         r.engine.wake()
         r.engine.update_weights(policy_tensors(r.model), version=0)
-        r.evals["after_sft"] = r.evals["after_rl"] = run_eval(r, 0)
+        r.evals["after_sft"] = r.evals["after_rl"] = run_eval(r, 0) if cfg.eval_before_rl else None
         r.opt = rl_optimizer(r.model, cfg)
         # the KL penalty's reference: a frozen copy of the policy as RL starts, kept only when used
         r.ref_model = reference_copy(r.model, cfg, meshes) if cfg.loss.kl_coef != 0 else None
@@ -588,28 +588,50 @@ def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
 
 
 def summarize(run: Run) -> dict:
-    """The plot and the held-out accuracy table (after SFT, after RL, the paired gain); returns its numbers."""
+    """The optimizer steps taken, the plot and the held-out accuracy table; returns their numbers."""
     cfg, rank = run.cfg, rank_world()[0]
-    after_sft, after_rl = run.evals["after_sft"], run.evals["after_rl"]
-    summary = {}
+    rl = [r for r in run.log.records if r.get("stage") == "rl"]
+    summary = {"optimizer_steps": sum(r.get("optimizer_steps", 0) for r in rl)}
     if rank == 0:
         plot(run.log.records, os.path.join(cfg.out_dir, "plot.png"))
-        start = "after SFT" if cfg.sft_steps else "before RL"  # a checkpoint's run has no SFT warm-up
-        print(f"{f'held-out accuracy (n={len(run.eval_items)} prompts)':<38}{start:<17}{'after RL':<17}RL gain")
-    for k, name in enumerate([f"sampled (mean of {cfg.eval_samples}, T={cfg.sampling.temperature})", "greedy"]):
-        (a0, s0), (a1, s1) = mean_se(after_sft[k]), mean_se(after_rl[k])
-        gain, paired_se = mean_se(after_rl[k] - after_sft[k])  # same prompts before and after: a paired difference
-        if rank == 0:
-            print(f"{name:<38}{a0:.3f} +- {s0:.3f}   {a1:.3f} +- {s1:.3f}   {gain:+.3f} = "
-                  f"{gain / max(paired_se, 1e-9):.1f} paired SE ({gain / max(math.hypot(s0, s1), 1e-9):.1f} unpaired)")
-        summary[["sampled", "greedy"][k]] = {"sft_acc": a0, "sft_se": s0, "rl_acc": a1, "rl_se": s1,
-                                             "gain": gain, "gain_paired_se": paired_se}
+        skipped = sum(r.get("skipped_update", 0) for r in rl)
+        print(f"{summary['optimizer_steps']} optimizer steps in {len(rl)} RL steps"
+              + (f" ({skipped} with every group zero-variance and dropped: no update)" if skipped else ""))
+    if run.evals["after_rl"] is not None:  # None: no eval ran (eval_before_rl off and no RL step)
+        summary.update(accuracy_table(run))
     if rank == 0:
         print(f"wrote {cfg.out_dir}/: the model in the HF hub layout (config.json, safetensors, tokenizer files), "
               f"run_config.json, metrics.jsonl, plot.png"
               f"{', ckpt/' if os.path.isdir(os.path.join(cfg.out_dir, 'ckpt')) else ''} "
               f"in {time.perf_counter() - run.t_start:.0f}s")
     return summary
+
+
+def accuracy_table(run: Run) -> dict:
+    """Held-out accuracy before RL (after SFT) and after, with the paired gain, printed by rank 0; after RL alone
+    when eval_before_rl is off. Returns {"sampled": ..., "greedy": ...}."""
+    cfg, rank = run.cfg, rank_world()[0]
+    after_sft, after_rl = run.evals["after_sft"], run.evals["after_rl"]
+    start = "after SFT" if cfg.sft_steps else "before RL"  # a checkpoint's run has no SFT warm-up
+    if rank == 0:
+        print(f"{f'held-out accuracy (n={len(run.eval_items)} prompts)':<38}"
+              + (f"{start:<17}{'after RL':<17}RL gain" if after_sft is not None else "after RL (eval_before_rl off)"))
+    table = {}
+    for k, name in enumerate([f"sampled (mean of {cfg.eval_samples}, T={cfg.sampling.temperature})", "greedy"]):
+        a1, s1 = mean_se(after_rl[k])
+        if after_sft is None:
+            table[["sampled", "greedy"][k]] = {"rl_acc": a1, "rl_se": s1}
+            if rank == 0:
+                print(f"{name:<38}{a1:.3f} +- {s1:.3f}")
+            continue
+        a0, s0 = mean_se(after_sft[k])
+        gain, paired_se = mean_se(after_rl[k] - after_sft[k])  # same prompts before and after: a paired difference
+        if rank == 0:
+            print(f"{name:<38}{a0:.3f} +- {s0:.3f}   {a1:.3f} +- {s1:.3f}   {gain:+.3f} = "
+                  f"{gain / max(paired_se, 1e-9):.1f} paired SE ({gain / max(math.hypot(s0, s1), 1e-9):.1f} unpaired)")
+        table[["sampled", "greedy"][k]] = {"sft_acc": a0, "sft_se": s0, "rl_acc": a1, "rl_se": s1,
+                                           "gain": gain, "gain_paired_se": paired_se}
+    return table
 
 
 def stopped(e: NonFiniteError, cfg: TrainConfig) -> str:

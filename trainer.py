@@ -361,7 +361,7 @@ def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig
         losses.append(loss)
         lmetrics += metrics
     lmetrics = all_gather_list(lmetrics)  # every rank's micro-batches, so the means are the 1-process ones
-    m["loss"] = sum(losses) / len(losses)
+    m["loss"], m["optimizer_steps"] = sum(losses) / len(losses), len(split)
     m.update({f"loss/{k}": sum(x[k] for x in lmetrics) / len(lmetrics) for k in lmetrics[0]})
     m.update(mismatch(batch))
     m["filter/zvp_sequences"] = int(all_reduce_float(len(batch.adv_tokens)))

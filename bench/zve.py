@@ -108,6 +108,9 @@ class SimEngine:
     def memory(self) -> dict[str, int]:
         return {}
 
+    def counters(self) -> dict[str, int]:
+        return {}
+
 
 def make_train_run(cfg, engine, tok, task, order, model=None) -> train.Run:
     """A train.Run over `task`'s prompts in `order`, with a fresh length predictor and stage-1 RNG (as train.start_run)."""

@@ -1,7 +1,9 @@
 # A one-node GPU smoke test of the cluster path, in minutes, no checkpoint needed: GLM-4.5-Air's
 # widths (configs/100b.py) cut to 4 layers (the dense first one and 3 MoE), ep=8 over 8 GPUs,
 # activation checkpointing, router replay, the native engine decoding on the policy's own shards,
-# a DCP checkpoint every 2 steps, and the restart recipe (README, "Runs that last days"):
+# a DCP checkpoint every 2 steps, and the restart recipe (README, "Runs that last days"). From random weights every
+# group is all wrong; RL-ZVP trains on them, so each RL step takes num_minibatches optimizer steps (the replayed
+# routes and the loss run; the run's last lines count them, as the dry run does):
 #   torchrun --nproc_per_node=8 --max-restarts=3 train.py configs/smoke_gpu.py resume=auto
 # Not run yet: no GPU has been lent to this project. Plan it: python train.py configs/smoke_gpu.py dry_run=True
 from configs.qwen3_30b_a3b import *  # noqa: F403  the cluster settings: cuda, 8 GPUs a node, ep=8, checkpointing
@@ -19,7 +21,7 @@ max_prompt_tokens = 256
 sampling = dict(max_new_tokens=256)
 gen_batch_rows = 64
 microbatch_tokens = 8192
-filter = dict(probe_size=0)
+filter = dict(probe_size=0, zero_variance="rl-zvp")  # random weights: every group all wrong, trained on by RL-ZVP
 reward = dict(workers=2)
 train_size = 10_000
 eval_seed = 1_000_000

@@ -148,3 +148,11 @@ def test_cuda_graph_replays_give_the_eager_decode_steps_numbers(kind):
             assert torch.equal(routes_BSLK, routes_eager)
             assert torch.equal(cache.k, cache_eager.k) and torch.equal(cache.v, cache_eager.v)
     assert graphed.captures == 1  # one shape, one capture, however W moves
+
+
+def test_the_cuda_graph_is_refused_under_torchrun_where_capture_would_take_fsdp2s_streams_and_the_cuda_rng(
+        monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match=r"engine\.cuda_graph=True under torchrun \(WORLD_SIZE=8\)"):
+        load_config(None, MODEL + ["device=cuda", "dtype=bfloat16", "engine.slots=2", "engine.cuda_graph=true",
+                                   "dry_run=True"])

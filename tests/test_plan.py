@@ -297,3 +297,29 @@ def test_a_reward_model_or_judge_adds_its_whole_weights_to_every_gpus_plan(monke
     assert f"reward.model={rm_path}: " in out and "whole on every GPU" in out and rows[0]["total"] > 0
     with pytest.raises(ValueError, match=r"reward\.model=.*dense or unsupported"):
         scorer_model_config(RewardConfig(model=_scorer_folder(tmp_path / "dense", "Qwen3ForSequenceClassification")))
+
+
+def test_the_dry_run_counts_the_decode_steps_before_the_first_optimizer_step():
+    """configs/100b.py on 4 nodes (32 ranks, 48 slots, 8192 new tokens): the eval before RL (500 prompts: 16 a rank,
+    4 samples, then greedy) and RL step 0's probes (4 prompts a rank x 4) and the rest of its groups (x 12), each
+    slot decoding its rows one after another; eval_before_rl=False drops the eval's."""
+    cfg = _100b()
+    first = plan.first_update(cfg, 32)
+    assert [(rows, steps) for _, rows, steps in first["passes"]] == [(64, 2 * 8192), (16, 8192), (16, 8192), (48, 8192)]
+    assert first["decode_steps"] == 5 * 8192 and first["tokens"] == 144 * 8192
+    assert plan.first_update(dataclasses.replace(cfg, eval_before_rl=False), 32)["decode_steps"] == 2 * 8192
+    # static calls (slots 0) of whole groups in gen_batch_rows=16 rows: the probes' 4 prompts in one call, the
+    # rest's 12-row groups one a call (4 calls)
+    static = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, slots=0), eval_before_rl=False)
+    assert [steps for _, _, steps in plan.first_update(static, 32)["passes"]] == [8192, 4 * 8192]
+
+
+def test_the_gpu_smoke_recipe_takes_optimizer_steps_and_its_dry_run_says_how_many(capsys):
+    cfg = train.parse_args([os.path.join(ROOT, "configs", "smoke_gpu.py"), "dry_run=True"])
+    assert plan.optimizer_steps(cfg)[0] == cfg.rl_steps * cfg.num_minibatches > 0  # RL-ZVP trains on all-wrong groups
+    assert "likely 0" in plan.optimizer_steps(dataclasses.replace(
+        cfg, filter=dataclasses.replace(cfg.filter, zero_variance="drop")))[1]  # what it said before RL-ZVP
+    print_plan(cfg, nodes=(1,))
+    out = capsys.readouterr().out
+    assert f"optimizer steps: {cfg.rl_steps * cfg.num_minibatches} = rl_steps" in out
+    assert "before the first optimizer step" in out and " on H100, " in out

@@ -79,7 +79,7 @@ def test_tiny_run_end_to_end_writes_metrics_checkpoint_and_plot(tmp_path):
     out = tmp_path / "run"
     path = write_config(tmp_path, MICRO + f"out_dir = {str(out)!r}\n")
     result = train.main(train.parse_args([path, "sft_lr=1e-3"]))
-    assert set(result) == {"sampled", "greedy"}
+    assert set(result) == {"optimizer_steps", "sampled", "greedy"}
     assert set(result["greedy"]) == {"sft_acc", "sft_se", "rl_acc", "rl_se", "gain", "gain_paired_se"}
     # the final model in the HF hub layout, beside the run's own files
     for name in ("metrics.jsonl", "model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
@@ -89,6 +89,11 @@ def test_tiny_run_end_to_end_writes_metrics_checkpoint_and_plot(tmp_path):
     assert [r["step"] for r in records if r["stage"] == "eval"] == [0, 2, 3]
     rl = [r for r in records if r["stage"] == "rl"]
     assert len(rl) == 3 and all(0 <= r["filter/zero_variance_frac"] <= 1 for r in rl)
+    # each RL step logs the optimizer steps it took (num_minibatches, or 0 when every group was dropped); the run
+    # reports their sum
+    n = json.loads((out / "run_config.json").read_text())["num_minibatches"]
+    assert all(r["optimizer_steps"] == (0 if r.get("skipped_update") else n) for r in rl)
+    assert result["optimizer_steps"] == sum(r["optimizer_steps"] for r in rl)
     # the engine's logprobs equal the trainer's old logprobs under replay, through train.py's own batching
     assert all(r["mismatch/max_abs_logp"] <= 1e-5 for r in rl if "mismatch/max_abs_logp" in r)
     # it loads as this project's init_from (the run's own shape, weights and tokenizer)
@@ -344,3 +349,14 @@ def test_too_few_held_out_prompts_that_fit_is_a_config_error_before_any_work(tmp
     with pytest.raises(ConfigError, match="eval_size=8: only .* fit max_prompt_tokens=3"):
         train.main(cfg)
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # no SFT step ran
+
+
+def test_a_run_without_the_eval_before_rl_reaches_its_first_update_sooner_and_reports_after_rl_only(tmp_path, capsys):
+    out = tmp_path / "run"
+    path = write_config(tmp_path, MICRO + f"out_dir = {str(out)!r}\nrl_steps = 2\n")
+    result = train.main(train.parse_args([path, "eval_before_rl=False", "sft_steps=0"]))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in records] == ["rl", "rl", "eval"]  # RL step 0 first; MICRO's eval_every=2
+    assert set(result["sampled"]) == {"rl_acc", "rl_se"}  # no before, no gain
+    printed = capsys.readouterr().out
+    assert f"{result['optimizer_steps']} optimizer steps in 2 RL steps" in printed and "eval_before_rl off" in printed
