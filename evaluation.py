@@ -1,10 +1,13 @@
 """The held-out evals of a run: `evaluate` (per held-out prompt, the mean reward of its samples, scored as the
-RL step scores, under reward.timeout_s) and `run_eval` (sampled and greedy accuracy, logged), with
-`completion_text`, how a rollout becomes the text a verifier reads (the RL step's too)."""
+RL step scores, under reward.timeout_s), `run_eval` (sampled and greedy accuracy, logged) and `summarize` (the
+run's last lines: optimizer steps, the plot, the accuracy before and after RL), with `completion_text`, how a
+rollout becomes the text a verifier reads (the RL step's too)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -14,6 +17,7 @@ from tqdm import tqdm
 
 from data import prompt_ids
 from distributed import all_gather_list, rank_world
+from metrics import plot
 from sampler import Rollout
 from scoring import RewardPool, score_inline
 
@@ -98,3 +102,51 @@ def run_eval(run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def mean_se(x: torch.Tensor) -> tuple[float, float]:
     """Mean and its standard error std/sqrt(n) (population std: sqrt(p(1-p)/n) for 0/1 data)."""
     return x.mean().item(), (x.var(correction=0) / len(x)).sqrt().item()
+
+
+def summarize(run) -> dict:
+    """The end of a run (a train.Run): the optimizer steps taken, the plot and the held-out accuracy table, printed by
+    rank 0; returns their numbers."""
+    cfg, rank = run.cfg, rank_world()[0]
+    rl = [r for r in run.log.records if r.get("stage") == "rl"]
+    summary = {"optimizer_steps": sum(r.get("optimizer_steps", 0) for r in rl)}
+    if rank == 0:
+        plot(run.log.records, os.path.join(cfg.out_dir, "plot.png"))
+        skipped = sum(r.get("skipped_update", 0) for r in rl)
+        print(f"{summary['optimizer_steps']} optimizer steps in {len(rl)} RL steps"
+              + (f" ({skipped} with every group zero-variance and dropped: no update)" if skipped else ""))
+    if run.evals["after_rl"] is not None:  # None: no eval ran (eval_before_rl off and no RL step)
+        summary.update(accuracy_table(run))
+    if rank == 0:
+        print(f"wrote {cfg.out_dir}/: the model in the HF hub layout (config.json, safetensors, tokenizer files), "
+              f"run_config.json, metrics.jsonl, plot.png"
+              f"{', ckpt/' if os.path.isdir(os.path.join(cfg.out_dir, 'ckpt')) else ''} "
+              f"in {time.perf_counter() - run.t_start:.0f}s")
+    return summary
+
+
+def accuracy_table(run) -> dict:
+    """Held-out accuracy before RL (after SFT) and after, with the paired gain, printed by rank 0; after RL alone
+    when eval_before_rl is off. Returns {"sampled": ..., "greedy": ...}."""
+    cfg, rank = run.cfg, rank_world()[0]
+    after_sft, after_rl = run.evals["after_sft"], run.evals["after_rl"]
+    start = "after SFT" if cfg.sft_steps else "before RL"  # a checkpoint's run has no SFT warm-up
+    if rank == 0:
+        print(f"{f'held-out accuracy (n={len(run.eval_items)} prompts)':<38}"
+              + (f"{start:<17}{'after RL':<17}RL gain" if after_sft is not None else "after RL (eval_before_rl off)"))
+    table = {}
+    for k, name in enumerate([f"sampled (mean of {cfg.eval_samples}, T={cfg.sampling.temperature})", "greedy"]):
+        a1, s1 = mean_se(after_rl[k])
+        if after_sft is None:
+            table[["sampled", "greedy"][k]] = {"rl_acc": a1, "rl_se": s1}
+            if rank == 0:
+                print(f"{name:<38}{a1:.3f} +- {s1:.3f}")
+            continue
+        a0, s0 = mean_se(after_sft[k])
+        gain, paired_se = mean_se(after_rl[k] - after_sft[k])  # same prompts before and after: a paired difference
+        if rank == 0:
+            print(f"{name:<38}{a0:.3f} +- {s0:.3f}   {a1:.3f} +- {s1:.3f}   {gain:+.3f} = "
+                  f"{gain / max(paired_se, 1e-9):.1f} paired SE ({gain / max(math.hypot(s0, s1), 1e-9):.1f} unpaired)")
+        table[["sampled", "greedy"][k]] = {"sft_acc": a0, "sft_se": s0, "rl_acc": a1, "rl_se": s1,
+                                           "gain": gain, "gain_paired_se": paired_se}
+    return table

@@ -32,7 +32,7 @@ LAYERS = {
     # 9: the RL step's parts above the engines; 10: the entry point and the RL step
     "shaping": 9, "train": 10,
 }
-MAX_ARROWS = 91  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
+MAX_ARROWS = 92  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
 # reward_model -> reward, hf, hf_config, tokenizer and train -> reward_model (issue 27: a reward model read
 # from an HF checkpoint); batching's four and rollout -> batching, ep_decode -> model (continuous batching
 # and expert-parallel decode in files of their own); evaluation's four and train -> evaluation (the evals
@@ -40,7 +40,8 @@ MAX_ARROWS = 91  # 58 after issue 23; checkpoint -> weights (a shard's bytes) an
 # -> paged_kv: the page pool, its default page and its least size) and batching -> graph_decode (issue 26);
 # shaping's six and train -> shaping (the step's reward-model shaping out of train.py, which drops -> reward);
 # reward_model -> distributed (reward.rm_shard: a reward model sharded like the policy); sglang_engine ->
-# sglang_server (one server's HTTP API and connect checks out of sglang_engine.py)
+# sglang_server (one server's HTTP API and connect checks out of sglang_engine.py); evaluation -> metrics (the
+# run's summary and its plot out of train.py)
 
 
 def import_graph() -> dict[str, set[str]]:
