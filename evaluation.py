@@ -27,8 +27,7 @@ if TYPE_CHECKING:
 
 def completion_text(tok: Tokenizer, r: Rollout) -> str:
     """The completion as text, without its stop token."""
-    ids = r.completion_ids[:-1] if r.finish_reason == "stop" else r.completion_ids
-    return tok.decode(ids)
+    return tok.decode(r.text_ids)
 
 
 
@@ -63,7 +62,7 @@ def evaluate(run, *, samples: int, temperature: float) -> tuple[torch.Tensor, Co
                 outs = run.engine.generate([prompt_ids(run.tok, task, items[i], cfg.system_prompt) for i in chunk],
                                            params, n=samples, seed=cfg.seed, group_ids=chunk)
                 for r in outs:  # a completion's key is its position among this rank's completions
-                    text, item = completion_text(run.tok, r), items[r.group_id]
+                    text, item = run.tok.decode(r.text_ids), items[r.group_id]
                     if pool is not None:
                         pool.submit(len(group_ids), text, item)
                     else:

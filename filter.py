@@ -169,6 +169,7 @@ class Scored:
     num_tokens: int  # generated tokens
     payload: Any = None  # whatever the caller needs back (e.g. the Rollout)
     reason: str = "ok"  # how scoring went: "ok", "timeout" or "error: <type>" (scoring.RewardPool); such a reward is 0
+    local: bool = True  # the payload is this rank's whole rollout (False: another rank's summary, under torchrun)
 
 
 def rest_agree_probability(probe_reward: float, probe_size: int, rest: int, record: PromptRecord | None) -> float:
@@ -318,3 +319,15 @@ def post_rollout_filter(rewards_PG, lengths_PG, correct_PG=None) -> tuple[torch.
         "zero_variance_frac": sum(zero_var) / P if P else 0.0,
     }
     return torch.tensor([not z for z in zero_var], dtype=torch.bool), stats
+
+
+def stage3(rewards_PG, lengths_PG, correct_PG, cfg: FilterConfig) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Stage 3, after rollout: (keep [P] bool, zero-variance [P] bool, counts). A group whose rewards are all equal
+    is dropped (`post_rollout_filter`), or with RL-ZVP (cfg.keep_zero_variance) kept, marked zero-variance for the
+    trainer to give token advantages, and counted as zvp_groups instead of dropped."""
+    keep_P, counts = post_rollout_filter(rewards_PG, lengths_PG, correct_PG)
+    zero_var_P = ~keep_P
+    if cfg.keep_zero_variance:  # RL-ZVP (arXiv 2509.21880): nothing is dropped
+        keep_P = torch.ones_like(keep_P)
+        counts.update(zvp_groups=counts["groups_dropped"], groups_dropped=0, rollouts_dropped=0, tokens_dropped=0)
+    return keep_P, zero_var_P, counts

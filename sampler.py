@@ -60,6 +60,11 @@ class Rollout:
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 
+    @property
+    def text_ids(self) -> list[int]:
+        """The completion without its stop token: the ids whose text a verifier, a reward model or a judge reads."""
+        return self.completion_ids[:-1] if self.finish_reason == "stop" else self.completion_ids
+
     def summary(self, rank: int, with_tokens: bool = False) -> RolloutSummary:
         """Its scalars, for the other ranks (with the completion's ids if with_tokens)."""
         return RolloutSummary(len(self.prompt_ids), len(self.completion_ids), self.finish_reason, self.group_id,

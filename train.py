@@ -47,9 +47,9 @@ from config import ConfigError, TrainConfig, parse_args
 from data import Item, ItemList, Prompts, RunData, load_run_data
 from distributed import Meshes, all_gather_list, build_model, rank_world, reference_copy, setup_distributed
 from espo import ragged_group_advantages
-from evaluation import completion_text, run_eval, summarize
+from evaluation import run_eval, summarize
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, PromptHistory, Scored, is_informative, oversample_size,
-                    post_rollout_filter, pre_rollout_filter, probe_decisions)
+                    pre_rollout_filter, probe_decisions, stage3)
 from hf import check_weights, save_hf
 from metrics import MetricsLog, WriteError, check_logger, read_records, write_atomic, write_error
 from plan import param_counts
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from model import ModelConfig
     from tokenizer import Tokenizer
 
+STEP_SEED_STRIDE = 1000  # seed offset between RL steps' rollouts (cfg.seed + step, spread apart)
 STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds (probes, the rest, over-sampling)
 ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken as hung
 
@@ -114,21 +115,51 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     every group was dropped), and metrics. Never changes the policy, so the async loop runs it on its
     producer thread. Callers run it inside one rollout phase of the engine (on the sharded policy the
     weights are gathered once for all of its generate calls)."""
-    cfg, filt = run.cfg, run.cfg.filter
+    cfg = run.cfg
     t0 = time.perf_counter()
+    groups, counts = draw_groups(run, step)  # generated and scored: (item, [Scored]) in draw order
+    t_generate = time.perf_counter() - t0
+    for item, g in groups:  # every completion teaches the length predictor (generation buckets, stage 1's estimates)
+        for s in g:
+            run.predictor.observe(item.question, s.num_tokens, task=item.task, prompt_len=s.payload.prompt_len)
+    correct = [torch.tensor([s.reward for s in g]) for _, g in groups]  # the verifier's 0/1
+    # shaping (penalties, reward model, judge) moves a reward only inside its correctness class, so no
+    # correct response can get a negative advantage (reward.adjust_rewards)
+    rewards, shaping = shape_rewards(run, groups, correct, step) if cfg.reward.shapes else (correct, {})
+    lengths = [torch.tensor([s.num_tokens for s in g]) for _, g in groups]
+    keep_P, zero_var_P, filtered = stage3(rewards, lengths, correct, cfg.filter)  # all equal: no signal
+    # A = (r - mean) / std within each group (GRPO, arXiv 2402.03300); groups differ in size when stage 2
+    # stopped some at their probes. Rollouts are group-major, so the concatenation lines up with them; no
+    # group at all when stage 1 skipped every prompt drawn
+    adv = torch.cat(ragged_group_advantages(rewards, scale_by_std=cfg.loss.adv_scale_by_std,
+                                            std_over=cfg.loss.adv_std_over) or [torch.zeros(0)])
+    m = rollout_metrics(step, groups, correct, lengths, {**filtered, **counts}, t_generate)
+    m.update(shaping)
+    m.update({f"engine/{k}_bytes": v for k, v in run.engine.memory().items()})  # this rank's: no replica if sharded
+    m.update({f"engine/{k}": v for k, v in run.engine.counters().items()})  # e.g. rows preempted for KV pages
+    return m, kept_batch(run, groups, keep_P, zero_var_P, adv)
+
+
+def draw_groups(run: Run, step: int) -> tuple[list[tuple[Item, list[Scored]]], dict]:
+    """The step's prompts, each with its group of scored rollouts, in draw order, and the counts of stages 1 and 2
+    and over-sampling. By default one round: prompts_per_step prompts, group_size rollouts each. Stage 1
+    (filter.skip_prob) skips prompts last seen all-correct or all-wrong; stage 2 (filter.probe_size) generates k
+    probes first and the rest only where they disagree; over-sampling (filter.oversample_rounds, DAPO's dynamic
+    sampling) draws more prompts while informative groups are missing."""
+    cfg, filt = run.cfg, run.cfg.filter
     groups = []  # (item, [Scored]) in draw order: what the stages have kept so far
     streams = itertools.count()  # numbers the step's generate rounds, so each draws its own random numbers
     drawn = 0  # prompts drawn this step: over-sampling's informative rate is over these
     stage1, stage2 = Counter({k: 0 for k in STAGE1_COUNTS}), Counter({k: 0 for k in STAGE2_COUNTS})
     items, rounds = run.prompts.draw(cfg.prompts_per_step), 0
     for rnd in range(filt.oversample_rounds + 1):
-        if rnd:  # over-sampling (DAPO's dynamic sampling): more prompts while groups are missing
+        if rnd:  # over-sampling: more prompts while groups are missing
             more = oversample_size([g for _, g in groups], drawn, cfg.prompts_per_step, filt)
             if not more:
                 break
             items, rounds = run.prompts.draw(more), rnd
         drawn += len(items)
-        if filt.skip_prob > 0:  # stage 1, before rollout: skip prompts last seen all-correct or all-wrong
+        if filt.skip_prob > 0:  # stage 1, before rollout
             # each prompt's predicted completion tokens: its own history, else its task's at its prompt length
             predicted = [run.predictor.predict(it.question, task=it.task, prompt_len=len(run.prompts.ids[it.question]))
                          for it in items]
@@ -139,7 +170,7 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
             stage1.update(counts)
         if not items:
             continue
-        if filt.probe_size:  # stage 2, during rollout: k probes first, the rest only where they disagree
+        if filt.probe_size:  # stage 2, during rollout
             new = sample_groups(run, items, filt.probe_size, step, next(streams))
             go_on, counts = probe_decisions(new, [run.history.records.get(it.question) for it in items], filt,
                                             group_size=cfg.group_size)
@@ -155,35 +186,10 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
             for it, g in zip(items, new):
                 run.history.observe(it.question, sum(s.reward for s in g) / len(g), step, n=len(g))
         groups += zip(items, new)
-    t_generate = time.perf_counter() - t0
-    for item, g in groups:  # every completion teaches the length predictor (generation buckets, stage 1's estimates)
-        for s in g:
-            run.predictor.observe(item.question, s.num_tokens, task=item.task, prompt_len=s.payload.prompt_len)
-
-    correct = [torch.tensor([s.reward for s in g]) for _, g in groups]  # the verifier's 0/1
-    # shaping (penalties, reward model, judge) moves a reward only inside its correctness class, so no
-    # correct response can get a negative advantage (reward.adjust_rewards)
-    rewards, shaping = shape_rewards(run, groups, correct, step) if cfg.reward.shapes else (correct, {})
-    lengths = [torch.tensor([s.num_tokens for s in g]) for _, g in groups]
-    keep_P, filtered = post_rollout_filter(rewards, lengths, correct)  # stage 3, after rollout: all equal, no signal
-    zero_var_P = ~keep_P
-    if filt.keep_zero_variance:  # RL-ZVP: nothing is dropped; the trainer gives these groups token advantages
-        keep_P = torch.ones_like(keep_P)
-        filtered.update(zvp_groups=filtered["groups_dropped"], groups_dropped=0, rollouts_dropped=0, tokens_dropped=0)
-    # A = (r - mean) / std within each group (GRPO, arXiv 2402.03300); groups differ in size when stage 2
-    # stopped some at their probes. Rollouts are group-major, so the concatenation lines up with them; no
-    # group at all when stage 1 skipped every prompt drawn
-    adv = torch.cat(ragged_group_advantages(rewards, scale_by_std=cfg.loss.adv_scale_by_std,
-                                            std_over=cfg.loss.adv_std_over) or [torch.zeros(0)])
-
     counts = {**{f"stage1_{k}": v for k, v in stage1.items()}, **{f"stage2_{k}": v for k, v in stage2.items()},
               "oversample_rounds": rounds, "prompts_drawn": drawn,
               "groups_informative": sum(is_informative(g) for _, g in groups)}
-    m = rollout_metrics(step, groups, correct, lengths, {**filtered, **counts}, t_generate)
-    m.update(shaping)
-    m.update({f"engine/{k}_bytes": v for k, v in run.engine.memory().items()})  # this rank's: no replica if sharded
-    m.update({f"engine/{k}": v for k, v in run.engine.counters().items()})  # e.g. rows preempted for KV pages
-    return m, kept_batch(run, groups, keep_P, zero_var_P, adv)
+    return groups, counts
 
 
 def update_policy(run: Run, batch: TrainBatch, step: int) -> dict:
@@ -222,7 +228,7 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
     cfg = run.cfg
     prompts = [run.prompts.ids[it.question] for it in items]
     rank, world = rank_world()
-    seed = (cfg.seed + step) * 1000 + stream * STREAM_SEED_STRIDE
+    seed = (cfg.seed + step) * STEP_SEED_STRIDE + stream * STREAM_SEED_STRIDE
     rollouts = []
     # prompts per batch and rank: gen_batch_rows' worth, or with engine.slots all of them (the engine bounds the
     # rows live at once; the scheduler only deals the prompts over the ranks, longest first, for balance)
@@ -233,7 +239,7 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
         generated = run.engine.generate([prompts[i] for i in share], cfg.sampling, n=n, group_ids=share, seed=seed)
         if run.pool is not None:  # rollouts of a prompt come out in order, so (stream, group, j) names each one
             for j, r in enumerate(generated):
-                run.pool.submit((stream, r.group_id, j % n), completion_text(run.tok, r), items[r.group_id])
+                run.pool.submit((stream, r.group_id, j % n), run.tok.decode(r.text_ids), items[r.group_id])
         if run.scorer_queue is not None:  # the reward model or judge too (shaping's choice 3)
             submit_groups(run, generated, items, n)
         rollouts += generated
@@ -251,7 +257,7 @@ def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int,
         rewards, reasons = run.pool.gather([(stream, i, j) for i in mine for j in range(n)])
     else:
         # on this thread, each bounded by reward_timeout_s as a worker's would be
-        results = [score_inline(run.prompts.task.score, completion_text(run.tok, r), items[r.group_id],
+        results = [score_inline(run.prompts.task.score, run.tok.decode(r.text_ids), items[r.group_id],
                                 timeout_s=run.cfg.reward.timeout_s) for r in rollouts]
         rewards, reasons = [w for w, _ in results], [why for _, why in results]
     scored = [Scored(reward=w, num_tokens=len(r.completion_ids), payload=r, reason=why)
@@ -261,7 +267,7 @@ def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int,
         tokens = run.cfg.reward.shapes
         everyone = all_gather_list([dataclasses.replace(s, payload=s.payload.summary(rank, tokens)) for s in scored])
         mine = iter(scored)  # this rank's part of the gathered list, in the same order: keep the full rollouts
-        scored = [next(mine) if s.payload.rank == rank else s for s in everyone]
+        scored = [next(mine) if s.payload.rank == rank else dataclasses.replace(s, local=False) for s in everyone]
         scored.sort(key=lambda s: s.payload.group_id)  # stable: a group is generated on one rank, in sample order
     # sorted by group id, n per group and the sort stable: group i is the i-th slice of n, in sample order
     return [scored[i * n:(i + 1) * n] for i in range(len(items))]
@@ -270,18 +276,18 @@ def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int,
 def kept_batch(run: Run, groups, keep_P: torch.Tensor, zero_var_P: torch.Tensor, adv: torch.Tensor):
     """The rollouts of the kept groups as a TrainBatch (None if none is kept); zero-variance groups kept
     for RL-ZVP are marked with their correctness (the trainer makes their token advantages)."""
-    rollouts = [(p, s) for p, (_, g) in enumerate(groups) for s in g]  # (group index, scored rollout), group-major
-    kept = [i for i, (p, _) in enumerate(rollouts) if keep_P[p]]
+    every = [(p, s) for p, (_, g) in enumerate(groups) for s in g]  # (group, scored rollout), group-major as adv
+    kept = [(k, p, s) for k, (p, s) in enumerate(every) if keep_P[p]]  # k: the rollout's index into adv
     if not kept:
         return None
-    # this rank's kept rollouts (all of them in one process); the others' are numbered but stay where they are
-    mine = [j for j, i in enumerate(kept) if isinstance(rollouts[i][1].payload, Rollout)]
-    r = [rollouts[kept[j]][1].payload for j in mine]
+    mine = [j for j, (_, _, s) in enumerate(kept) if s.local]  # this rank's, numbered among every rank's kept ones
+    r = [kept[j][2].payload for j in mine]
     # a zero-variance group is all correct or all wrong: one rollout's reward says which (RL-ZVP's sign)
-    zvp = {a: rollouts[kept[j]][1].reward > 0 for a, j in enumerate(mine) if zero_var_P[rollouts[kept[j]][0]]}
+    zvp = {a: kept[j][2].reward > 0 for a, j in enumerate(mine) if zero_var_P[kept[j][1]]}
     return TrainBatch(seqs=[x.prompt_ids + x.completion_ids for x in r], starts=[x.prompt_len for x in r],
-                      routes=[x.routes for x in r], adv_B=adv[kept][mine], infer_logp=[x.logprobs for x in r], zvp=zvp,
-                      pad_id=run.tok.pad_id, ids=mine, all_lens=[rollouts[i][1].num_tokens for i in kept])
+                      routes=[x.routes for x in r], adv_B=adv[[kept[j][0] for j in mine]],
+                      infer_logp=[x.logprobs for x in r], zvp=zvp, pad_id=run.tok.pad_id, ids=mine,
+                      all_lens=[s.num_tokens for _, _, s in kept])
 
 
 def rollout_metrics(step: int, groups, correct, lengths, filtered: dict, t_generate: float) -> dict:

@@ -117,7 +117,7 @@ def main():
 
             t = time.perf_counter()
             for i, r in enumerate(rollouts):
-                pool.submit(i, train.completion_text(tok, r), items[r.group_id])
+                pool.submit(i, tok.decode(r.text_ids), items[r.group_id])
             after, _ = pool.gather(list(range(len(rollouts))))
             t_reward = time.perf_counter() - t
 

@@ -8,7 +8,7 @@ import torch
 
 import train
 from config import load_config
-from filter import (OFFLINE_WEIGHT, FilterConfig, PromptHistory, PromptRecord, Scored, post_rollout_filter,
+from filter import (OFFLINE_WEIGHT, FilterConfig, PromptHistory, PromptRecord, Scored, post_rollout_filter, stage3,
                     pre_rollout_filter, probe_decisions, rest_agree_probability)
 from data import Item, ItemList
 from espo import zvp_token_advantages
@@ -227,3 +227,14 @@ def test_offline_pass_rates_name_the_file_and_line_of_a_bad_row(tmp_path, line):
     path.write_text('{"id": "ok", "pass_rate": 0.25}\n' + line + "\n")
     with pytest.raises(ValueError, match=f"{path} line 2"):
         PromptHistory().load_offline(str(path))
+
+
+def test_stage3_drops_zero_variance_groups_or_with_rl_zvp_keeps_and_marks_them():
+    rewards = [torch.tensor([1.0, 1.0]), torch.tensor([0.0, 1.0]), torch.tensor([0.0, 0.0, 0.0])]
+    lengths = [torch.tensor([3, 4]), torch.tensor([5, 6]), torch.tensor([1, 2, 3])]
+    keep, zero_var, counts = stage3(rewards, lengths, rewards, FilterConfig())
+    assert keep.tolist() == [False, True, False] and zero_var.tolist() == [True, False, True]
+    assert (counts["groups_dropped"], counts["rollouts_dropped"], counts["tokens_dropped"]) == (2, 5, 13)
+    keep, zero_var, counts = stage3(rewards, lengths, rewards, FilterConfig(zero_variance="rl-zvp"))
+    assert keep.all() and zero_var.tolist() == [True, False, True]  # kept, and marked for token advantages
+    assert (counts["zvp_groups"], counts["groups_dropped"], counts["rollouts_dropped"]) == (2, 0, 0)
