@@ -99,7 +99,7 @@ def test_the_gpu_check_writes_under_the_device_tools_out_folder(monkeypatch, tmp
 def test_the_watchdog_writes_what_was_read_and_ends_the_run_before_the_timeout(tmp_path):
     gpu = gpu_module()
     assert gpu.BUDGET_S < gpu.END_S <= gpu.TIMEOUT_S - 20  # the last section started has time, and the write too
-    with open(os.path.join(ROOT, "README.md")) as f:  # the device command's timeout is the one the budget is for
+    with open(os.path.join(ROOT, "docs", "gpus.md")) as f:  # the device command's timeout is the one the budget is for
         assert f"timeout {gpu.TIMEOUT_S} python3 bench/gpu.py --out $OUT/gpu.json" in f.read()
     out = tmp_path / "gpu.json"
     code = (f"import importlib.util, sys, time; spec = importlib.util.spec_from_file_location('g', {SCRIPT!r}); "

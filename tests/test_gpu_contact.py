@@ -169,14 +169,14 @@ def test_every_gpu_recipe_launches_a_colocated_server_the_wheel_accepts(fp8):
         assert sglang_refusal(cfg.model, tp, ep, kept) is None, (name, sglang_refusal(cfg.model, tp, ep, kept))
 
 
-README_SERVERS = {"/ckpt/Qwen3-30B-A3B": ("configs/qwen3_30b_a3b.py", False),
+DOC_SERVERS = {"/ckpt/Qwen3-30B-A3B": ("configs/qwen3_30b_a3b.py", False),
                   "/ckpt/GLM-4.5-Air-fp8": ("configs/100b.py", True)}
-"""The checkpoints the README's launch commands serve -> the recipe of their shape, and whether blockwise FP8."""
+"""The checkpoints docs/engines.md's launch commands serve -> the recipe of their shape, and whether blockwise FP8."""
 
 
-def readme_launches() -> list[dict[str, str]]:
-    """The flags of each `sglang.launch_server` command in the README (continuation lines joined)."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+def doc_launches() -> list[dict[str, str]]:
+    """The flags of each `sglang.launch_server` command in docs/engines.md (continuation lines joined)."""
+    with open(os.path.join(ROOT, "docs", "engines.md")) as f:
         text = f.read().replace("\\\n", " ")
     launch = "python -m sglang.launch_server"
     commands = [line.split(launch, 1)[1] for line in text.splitlines() if launch in line]
@@ -188,11 +188,11 @@ def readme_launches() -> list[dict[str, str]]:
     return out
 
 
-def test_the_readmes_launch_commands_start_servers_the_wheel_accepts_with_the_engines_expert_parallel():
-    launches = readme_launches()
-    assert {flags["--model-path"] for flags in launches} == set(README_SERVERS)
+def test_the_docs_launch_commands_start_servers_the_wheel_accepts_with_the_engines_expert_parallel():
+    launches = doc_launches()
+    assert {flags["--model-path"] for flags in launches} == set(DOC_SERVERS)
     for flags in launches:
-        recipe, fp8 = README_SERVERS[flags["--model-path"]]
+        recipe, fp8 = DOC_SERVERS[flags["--model-path"]]
         model = load_config(recipe, ["dry_run=True"]).model
         tp, ep = int(flags["--tp"]), int(flags.get("--ep-size", 1))
         assert ep == sglang_ep(model, tp), flags  # what fp8_bf16_modules and the colocated launch assume
