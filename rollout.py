@@ -455,7 +455,7 @@ class Engine(Protocol):
         groups happens once per phase. sleep() / wake(): release and take back the engine's memory
         around the trainer's update. memory(): {name: bytes} this rank holds for it (logged as
         engine/<name>_bytes). counters(): {name: count} of what it counted in this phase (logged as
-        engine/<name>; NativeEngine's preemptions, none for SGLang, whose scheduler keeps its own).
+        engine/<name>: NativeEngine's preemptions, SGLang's sampled ids past the tokenizer).
     weight_version: the version stamped on what it generates now (the async loop reads it).
     """
     weight_version: int

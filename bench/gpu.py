@@ -46,7 +46,7 @@ Results go to --out ($OUT/gpu.json where the device tool sets $OUT: only what is
 back from the machine; else bench/results/gpu.json), rewritten after each section, so a run cut short
 keeps what it read. Shapes: B, T, S, V, L, K, E (letters of the README's legend).
 
-    timeout 470 python3 bench/gpu.py --out $OUT/gpu.json   # on the lent machine (README: the GPU check)
+    timeout 470 python3 bench/gpu.py --out $OUT/gpu.json   # on the lent machine (docs/gpus.md: the GPU check)
     python bench/gpu.py --smoke                            # on a CPU: the script's check
     python bench/gpu.py --write_plans                      # here, after a change to the plan or the configs
 """
@@ -87,7 +87,7 @@ from weights import policy_tensors, quantize_fp8  # noqa: E402
 
 GiB = 2 ** 30
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak, SXM (NVIDIA's datasheets)
-# The run's time, inside the README's `timeout 470` (the device tool's command, itself under its 600 s limit):
+# The run's time, inside docs/gpus.md's `timeout 470` (the device tool's command, itself under its 600 s limit):
 # no section starts after BUDGET_S, so the last one has END_S - BUDGET_S; at END_S the watchdog writes what was
 # read and exits, 20 s before timeout would kill the run with its last reading lost
 TIMEOUT_S = 470

@@ -5,7 +5,7 @@ headline line) at tiny sizes with one or two repeats: seconds on 2 CPU cores. te
 every bench so in the default tests, so an API change cannot break a bench silently. A smoke run's
 numbers mean nothing, so they never land on the measured ones:
 
-- a real run writes bench/results/<name>.json (the committed numbers the README quotes);
+- a real run writes bench/results/<name>.json (the committed numbers docs/benchmarks.md quotes);
 - a smoke run writes bench/results/<name>.smoke.json, which .gitignore leaves out;
 - `--out PATH` writes PATH instead of either (the tests point it into their tmp_path).
 

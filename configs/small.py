@@ -1,4 +1,4 @@
-# A 0.47B-parameter MoE (57M active per token) for one GPU: 12 layers, 32 experts of 512,
+# A 0.47B-parameter MoE (77M active per token) for one GPU: 12 layers, 32 experts of 512,
 # top-4, softmax router; RL on multi-step arithmetic (the tiny config's task, harder).
 # About 8 GB of weights, gradients and AdamW state, so rollouts and training share one
 # 80-141 GB GPU. Plan its memory: python train.py configs/small.py dry_run=True

@@ -1,7 +1,7 @@
 # A one-node GPU smoke test of the cluster path, in minutes, no checkpoint needed: GLM-4.5-Air's
 # widths (configs/100b.py) cut to 4 layers (the dense first one and 3 MoE), ep=8 over 8 GPUs,
 # activation checkpointing, router replay, the native engine decoding on the policy's own shards,
-# a DCP checkpoint every 2 steps, and the restart recipe (README, "Runs that last days"). From random weights every
+# a DCP checkpoint every 2 steps, and the restart recipe (docs/gpus.md, "Runs that last days"). From random weights every
 # group is all wrong; RL-ZVP trains on them, so each RL step takes num_minibatches optimizer steps (the replayed
 # routes and the loss run; the run's last lines count them, as the dry run does):
 #   torchrun --nproc_per_node=8 --max-restarts=3 train.py configs/smoke_gpu.py resume=auto

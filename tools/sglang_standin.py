@@ -25,7 +25,7 @@ replayed logprobs can be held to fp32's rounding):
   /end_weight_update are absent (404), as in 0.5.21. /update_weights_from_tensor (CUDA IPC) is refused.
 
 Not SGLang: no radix cache, no batching across requests (rows generate one at a time, under one lock), tensor
-parallel size 1, no FP8. It serves tests and the README's CPU walk-through, never a run for real.
+parallel size 1, no FP8. It serves tests and the CPU walk-through of docs/engines.md, never a run for real.
 """
 
 from __future__ import annotations
