@@ -440,7 +440,8 @@ def first_update(cfg, world: int) -> dict:
     step 0's generate rounds (stage 2's probes, then the rest of each group; over-sampling's rounds beyond). For
     each: the rows this rank generates, its decode steps (static calls of gen_batch_rows / eval_batch_rows rows
     each run to the longest row; with engine.slots each slot decodes its rows one after another) and tokens.
-    Returns {"sft_steps", "passes": [(what, rows, decode steps)], "decode_steps", "tokens"}."""
+    Returns {"sft_steps", "passes": [(what, rows, decode steps)], "decode_steps", "tokens", "weight_bytes": what one
+    decode step reads at least (the engine's dense weights and this rank's experts, `engine_bytes`)}."""
     T = cfg.sampling.max_new_tokens
 
     def steps(rows: int, per_call: int) -> int:
@@ -458,8 +459,11 @@ def first_update(cfg, world: int) -> dict:
     prompts = math.ceil(cfg.prompts_per_step / world)  # a round's prompts over the ranks (over-sampling: at most as many)
     for what, n in rounds:
         passes.append((what, prompts * n, steps(prompts * n, max(1, cfg.gen_batch_rows // n) * n)))
+    if cfg.dtype == "auto":  # a GPU's: bf16
+        cfg = dataclasses.replace(cfg, dtype="bfloat16")
+    weights = engine_bytes(cfg, world)  # what a decode step reads at least once: the trainer's fp32 experts at ep = world
     return {"sft_steps": cfg.sft_steps, "passes": passes, "decode_steps": sum(p[2] for p in passes),
-            "tokens": sum(p[1] for p in passes) * T}
+            "tokens": sum(p[1] for p in passes) * T, "weight_bytes": weights["dense"] + weights["experts"]}
 
 
 def optimizer_steps(cfg) -> tuple[int, str]:
@@ -652,15 +656,15 @@ def _print_first_update(cfg, plans: dict[int, dict]):
     n, why = optimizer_steps(cfg)
     print(f"optimizer steps: {n} = rl_steps {cfg.rl_steps} x num_minibatches {cfg.num_minibatches}, {why}")
     first = first_update(cfg, next(iter(plans)) * cfg.gpus_per_node)
-    print("before the first optimizer step, per GPU, every row to max_new_tokens: "
-          + (f"{cfg.sft_steps} SFT steps, " if cfg.sft_steps else "")
+    print("before the first RL update, per GPU, every row to max_new_tokens: "
+          + (f"the SFT warm-up's {cfg.sft_steps} steps, " if cfg.sft_steps else "")
           + ", ".join(what for what, _, _ in first["passes"])
           + (" (eval_before_rl=False skips the eval)" if cfg.eval_before_rl else ""))
-    print(f"{'nodes':>5} {'decode steps':>13} {'tokens':>13}  at least (the engine's weights read once a decode step at "
+    print(f"{'nodes':>5} {'decode steps':>13} {'tokens':>13}  at least (the weights a decode step reads, once a step at "
           f"full HBM bandwidth; prefill, KV reads and all-to-alls come on top: bench/gpu.py times decoding)")
-    for k, p in plans.items():
+    for k in plans:
         f = first_update(cfg, k * cfg.gpus_per_node)
-        floor = ", ".join(f"{_duration(f['decode_steps'] * p['engine weights'] / bw)} on {name.split()[0]}"
+        floor = ", ".join(f"{_duration(f['decode_steps'] * f['weight_bytes'] / bw)} on {name.split()[0]}"
                           for name, bw in HBM_BYTES_PER_S.items())
         print(f"{k:>5} {f['decode_steps']:>13,} {f['tokens']:>13,}  {floor}")
 

@@ -662,11 +662,13 @@ def continuous_paged(b: Bench):
 
 # ----------------------------------------------------------------------------- the run
 
-def default_out() -> str:
+def default_out(smoke: bool) -> str:
     """$OUT/gpu.json where the device tool's $OUT is set (what a command writes there comes back; the working copy
-    does not), else bench/results/gpu.json."""
-    return os.path.join(os.environ["OUT"], "gpu.json") if os.environ.get("OUT") else \
-        os.path.join(ROOT, "bench", "results", "gpu.json")
+    does not), else bench/results/gpu.json, or with --smoke gpu.smoke.json beside it (bench/smoke.py's scheme: a
+    smoke run never lands on the measured numbers)."""
+    if os.environ.get("OUT"):
+        return os.path.join(os.environ["OUT"], "gpu.smoke.json" if smoke else "gpu.json")
+    return os.path.join(ROOT, "bench", "results", "gpu.smoke.json" if smoke else "gpu.json")
 
 
 def choose(a: argparse.Namespace, plans: dict) -> tuple[TrainConfig | None, str]:
@@ -690,8 +692,8 @@ def main():
                     help="the tests' check of the script: --device cpu --quick on configs/tiny.py, smaller still")
     ap.add_argument("--config", default=os.path.join(ROOT, gpu_plans.SMALL), help="sections 7-9's config")
     ap.add_argument("--device", default="cuda", help="'cpu' runs the same code at toy widths")
-    ap.add_argument("--out", default=default_out(), help="the JSON (default: $OUT/gpu.json, else "
-                                                         "bench/results/gpu.json)")
+    ap.add_argument("--out", default="", help="the JSON (default: $OUT/gpu.json, else bench/results/gpu.json; "
+                                              "gpu.smoke.json with --smoke)")
     ap.add_argument("--budget_s", type=float, default=BUDGET_S, help="no section starts after this many seconds")
     ap.add_argument("--end_s", type=float, default=END_S, help="the watchdog: the run ends at this many seconds")
     ap.add_argument("--write_plans", action="store_true", help=f"compute the plans into {gpu_plans.PLANS} (with "
@@ -704,6 +706,7 @@ def main():
         got = gpu_plans.write_plans()
         print(f"wrote {gpu_plans.PLANS}: {', '.join(got['plans'])} (torch {got['torch']})")
         return
+    a.out = a.out or default_out(a.smoke)
     if a.smoke:
         a.device, a.quick, a.config = "cpu", True, os.path.join(ROOT, "configs", "tiny.py")
     if a.device == "cuda" and not torch.cuda.is_available():

@@ -91,9 +91,11 @@ def test_the_cut_is_the_most_experts_whose_plan_fits_the_free_memory_with_headro
 def test_the_gpu_check_writes_under_the_device_tools_out_folder(monkeypatch, tmp_path):
     gpu = gpu_module()
     monkeypatch.setenv("OUT", str(tmp_path))
-    assert gpu.default_out() == str(tmp_path / "gpu.json")  # what comes back from the machine
+    assert gpu.default_out(smoke=False) == str(tmp_path / "gpu.json")  # what comes back from the machine
     monkeypatch.delenv("OUT")
-    assert gpu.default_out() == os.path.join(ROOT, "bench", "results", "gpu.json")
+    assert gpu.default_out(smoke=False) == os.path.join(ROOT, "bench", "results", "gpu.json")
+    # a smoke run never lands on the measured numbers (bench/smoke.py's scheme)
+    assert gpu.default_out(smoke=True) == os.path.join(ROOT, "bench", "results", "gpu.smoke.json")
 
 
 def test_the_watchdog_writes_what_was_read_and_ends_the_run_before_the_timeout(tmp_path):

@@ -322,4 +322,4 @@ def test_the_gpu_smoke_recipe_takes_optimizer_steps_and_its_dry_run_says_how_man
     print_plan(cfg, nodes=(1,))
     out = capsys.readouterr().out
     assert f"optimizer steps: {cfg.rl_steps * cfg.num_minibatches} = rl_steps" in out
-    assert "before the first optimizer step" in out and " on H100, " in out
+    assert "before the first RL update" in out and " on H100, " in out
