@@ -1,6 +1,8 @@
 """Continuous batching for NativeEngine (engine.slots; rollout.py's choice 7):
 `ContinuousBatch`, one generate call whose rows queue into a fixed number of slots, each decoding at its
-own cache column (`decode_rows`), a stopped row's slot taken by the next. Shapes as in rollout.py.
+own cache column (`decode_rows`), a stopped row's slot taken by the next. What a call uses of its engine is
+named (`EngineParts`: the model, the engine options, a `Prefill` callable, the token ids), and what it counts
+for the engine (KV bytes, preemptions) it keeps on itself for the engine to read back. Shapes as in rollout.py.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -17,6 +20,9 @@ from graph_decode import decode_step
 from model import KVCache, Transformer, route_dtype
 from paged_kv import PagedKVCache, pages_for, pool_pages, too_few_pages
 from sampler import Rollout, SamplingParams, row_uniforms, row_uniforms_at, sample
+
+if TYPE_CHECKING:
+    from config import EngineConfig
 
 IDLE = -1
 """slot_row of a slot holding no row: it keeps stepping with padding (no shape depends on data), its output dropped."""
@@ -37,6 +43,27 @@ def decode_rows(model: Transformer, tokens_B: torch.Tensor, cache: KVCache | Pag
     # (B, L, K) int64 -> route_dtype, each row at its own column
     routes_BSLK[torch.arange(len(col_B), device=col_B.device), col_B] = routes_B1LK[:, 0].to(routes_BSLK.dtype)
     return model.lm_head(h_B1D[:, 0]).float()  # (B, V) fp32 for the sampler
+
+
+Prefill = Callable[[list[tuple[int, ...]]], tuple[KVCache, torch.Tensor, torch.Tensor, torch.Tensor]]
+"""One forward over U distinct prompts, left-padded to the longest (T) so each ends at column T - 1: their KVCache
+[layers, U, J, T, d], last-token logits [U, V] fp32, routes [U, T, L, K] int64 and left padding [U] int64
+(rollout.NativeEngine.prefill_prompts)."""
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What a continuous call uses of the engine whose call it is (rollout.NativeEngine fills it from its own
+    fields), and all it uses."""
+    model: Transformer  # the engine's replica, or the sharded policy; model.cfg gives the cache's shapes
+    options: EngineConfig  # slots, page_size, kv_tokens, prefill_tokens, cuda_graph
+    prefill: Prefill  # the engine's prefill forward (choice 1)
+    device: torch.device  # where the cache, the routes and the sampled ids live
+    dtype: torch.dtype  # the KV cache's
+    pad_id: int  # what an idle slot feeds, and the ids past a row's last token
+    stop_ids: tuple[int, ...]  # a row stops at its first of these
+    num_tokens: int | None  # the tokenizer's ids 0..num_tokens - 1; logits past them are never sampled
+    sharded: bool  # on the sharded policy: every forward a collective, the ranks in lockstep (choice 5)
 
 
 @dataclass
@@ -93,25 +120,27 @@ class ContinuousBatch:
 
     Letters beside the legend's: B is a slot (a row of the decode batch), X the call's rollouts (its rows,
     prompt x sample, prompt-major), W the cache columns a step attends, A the rows an admission round takes in.
-    engine: the rollout.NativeEngine whose call this is (its model, cfg, device, dtype, slots, stop ids, and its
-    options: page_size, kv_tokens, prefill_tokens, cuda_graph).
+    engine: what the call uses of its engine (`EngineParts`). What the call counts for the engine to read back:
+    `kv_bytes` (its cache's bytes, keys and values), `kv_live_bytes` (the most of its pages held at once, in
+    bytes) and stats["preemptions"], with the rest of `stats`.
     """
 
-    def __init__(self, engine, prompts: list[list[int]], n: int, params: SamplingParams,
+    def __init__(self, engine: EngineParts, prompts: list[list[int]], n: int, params: SamplingParams,
                  keys_X: torch.Tensor):
-        cfg, dev, C = engine.cfg, engine.device, params.max_new_tokens
+        cfg, dev, C = engine.model.cfg, engine.device, params.max_new_tokens
         self.engine, self.prompts, self.n, self.params, self.keys_X = engine, prompts, n, params, keys_X
         X = len(prompts) * n
-        B = self.num_slots = min(engine.slots, X)  # more slots than rows would only step padding
+        options = engine.options
+        B = self.num_slots = min(options.slots, X)  # more slots than rows would only step padding
         T = max(len(p) for p in prompts)
         S = T + C - 1  # the last sampled token is never fed back
-        options = engine.options  # config.EngineConfig: page_size, kv_tokens, prefill_tokens, cuda_graph
         P = self.page_size = options.page_size
         pages = pool_pages(B, T, C, P, options.kv_tokens)
         if options.kv_tokens and (why := too_few_pages(options.kv_tokens, T, C, P)):
             raise ValueError(why)
         self.cache = PagedKVCache(cfg, B, pages, P, S, dtype=engine.dtype, device=dev)  # (L, pages + 1, J, P, d)
-        engine.kv_bytes = max(engine.kv_bytes, 2 * self.cache.k.numel() * self.cache.k.element_size())
+        self.kv_bytes = 2 * self.cache.k.numel() * self.cache.k.element_size()
+        self.kv_live_bytes = 0  # the most of the pool the rows (and held prompts) held at once, in bytes
         # the Rollout's dtype (route_dtype); a slot's columns past its row's last fed token are never read
         self.routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=route_dtype(cfg.num_experts),
                                        device=dev)
@@ -135,19 +164,19 @@ class ContinuousBatch:
                       "decode_row_steps": 0, "useful_row_steps": 0, "pages": pages, "page_size": P,
                       "peak_pages": 0, "preemptions": 0}
 
-    def run(self, groups: list[int]) -> list[Rollout]:
+    def run(self, groups: list[int], weight_version: int) -> list[Rollout]:
         """Admit, step and refill until every row has stopped (on the sharded policy, every rank's); the
-        Rollouts in row order (prompt-major)."""
+        Rollouts in row order (prompt-major), prompt i's group id groups[i], each stamped weight_version."""
         while (move := self.next_move()) != DONE:
             if move == ADMIT:
                 self.admit()
             else:
                 self.step()
-        engine, n = self.engine, self.n
+        n = self.n
         ids, logp_XC = self.ids_XC.tolist(), self.logp_XC.float().cpu()  # one device-to-host copy each
         return [Rollout(prompt_ids=list(self.prompts[r // n]), completion_ids=ids[r][:c],
                         logprobs=logp_XC[r, :c].clone(), routes=self.routes[r].cpu(), finish_reason="stop" if self.stopped[r] else "length",
-                        group_id=groups[r // n], weight_version=engine.weight_version)
+                        group_id=groups[r // n], weight_version=weight_version)
                 for r, c in enumerate(self.length)]
 
     def next_move(self) -> int:
@@ -165,7 +194,7 @@ class ContinuousBatch:
             move = int(all_reduce_float(float(move), "max"))
         self.stats["peak_pages"] = self.cache.peak
         page_bytes = 2 * self.cache.k[:, 0].numel() * self.cache.k.element_size()  # k and v, every layer
-        self.engine.kv_live_bytes = max(self.engine.kv_live_bytes, self.cache.peak * page_bytes)
+        self.kv_live_bytes = max(self.kv_live_bytes, self.cache.peak * page_bytes)
         return move
 
     def pages_needed(self, r: int, new: set) -> int:
@@ -227,9 +256,9 @@ class ContinuousBatch:
             return
         self.stats["rounds"] += 1
         if not new:  # joins the other ranks' prefill forward (its all-to-alls)
-            self.engine._prefill_prompts([(self.engine.pad_id,)])
+            self.engine.prefill([(self.engine.pad_id,)])
             return
-        cache, logits_UV, routes_UTLK, pad_U = self.engine._prefill_prompts(new)
+        cache, logits_UV, routes_UTLK, pad_U = self.engine.prefill(new)
         for u, (p, pad) in enumerate(zip(new, pad_U.tolist())):
             # (L, J, T, d): the prompt's real columns, the round's left padding dropped
             pages = self.cache.write_prompt(cache.k[:, u, :, pad:], cache.v[:, u, :, pad:])
@@ -253,7 +282,7 @@ class ContinuousBatch:
         bias_B11W = torch.zeros(B, 1, 1, W, device=dev).masked_fill_(
             (torch.arange(W, device=dev)[None] > col_B[:, None])[:, None, None], float("-inf"))
         # sharded: fixed-size all-to-alls bounded by `slots` on every rank (choice 5), no host sync per MoE layer
-        with capacity_dispatch(engine.model, engine.slots) if engine.sharded else nullcontext():
+        with capacity_dispatch(engine.model, engine.options.slots) if engine.sharded else nullcontext():
             logits_BV = self.decode(self.last_B, col_B, bias_B11W)  # a CUDA graph's: sampled before the next
         step_B = torch.tensor([t if on else 0 for t, on in zip(self.slot_step, live)], device=dev)
         ids_B, logp_B = sample(self.vocab(logits_BV), self.params, row_uniforms_at(self.keys_B, step_B))
@@ -283,7 +312,6 @@ class ContinuousBatch:
             self.queue.appendleft(r)  # generated again from its first token, when pages allow
             self.queued[tuple(self.prompts[r // self.n])] += 1
             self.stats["preemptions"] += 1
-            self.engine.preemptions += 1
         elif self.prefilled:
             self.give_back_prompts()
         else:  # the pool holds one row at full length beside its prompt's (checked in __init__)

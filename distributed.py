@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -207,7 +208,7 @@ def build_model(cfg: TrainConfig, meshes: Meshes | None = None, init_state: dict
             # uninitialised memory); load_hf overwrites it where the checkpoint stores one (GLM-4.5's).
             for b in model.buffers():
                 b.zero_()
-        load_hf(source, model)
+        load_hf(source, model, offsets=shard_offsets(model))  # each rank reads only its slices
         return model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     # Why every rank builds the whole model before keeping its slice: the init draws from torch's
@@ -269,14 +270,19 @@ def load_shards(model, named: dict[str, torch.Tensor]):
 
 # ----------------------------------------------------------------------------- collectives
 
-_thread = threading.local()  # .group: the process group this thread's collectives run on (None = the default)
+class _ThreadGroup(threading.local):
+    group = None
+    """The process group this thread's collectives run on (`collective_group`'s; None = the default group)."""
+
+
+_thread = _ThreadGroup()  # every thread starts at the class's None
 
 
 @contextmanager
 def collective_group(group):
     """Run this file's collectives called on this thread on `group`: the async loop's producer thread
     has its own group, so its collectives never interleave with the trainer thread's on one communicator."""
-    before = getattr(_thread, "group", None)
+    before = _thread.group
     _thread.group = group
     try:
         yield
@@ -292,7 +298,7 @@ def all_gather_list(items: list) -> list:
     import torch.distributed as dist
     out = [None] * world
     # all_gather_object pickles, so the lists may hold any objects and differ in length by rank.
-    dist.all_gather_object(out, items, group=getattr(_thread, "group", None))
+    dist.all_gather_object(out, items, group=_thread.group)
     return [x for part in out for x in part]  # rank order, so every rank gets the same list
 
 
@@ -304,7 +310,7 @@ def all_reduce_float(x: float, op: str = "sum") -> float:
     # float64 holds a Python float exactly, so only the sum itself rounds. nccl reduces only CUDA
     # tensors (gloo CPU ones), so with nccl the value goes to this rank's GPU, the current device
     # that setup_distributed set.
-    group = getattr(_thread, "group", None)
+    group = _thread.group
     t = torch.tensor([x], dtype=torch.float64, device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     dist.all_reduce(t, op=ops[op], group=group)
@@ -316,12 +322,16 @@ def barrier():
     group to wait on)."""
     if rank_world()[1] > 1:
         import torch.distributed as dist
-        dist.barrier(group=getattr(_thread, "group", None))
+        dist.barrier(group=_thread.group)
 
 
 def all_ranks(flag: bool) -> bool:
     """True when flag is true on every rank (the sharded engine's stop check: ranks decode in lockstep)."""
     return all_reduce_float(float(flag), "min") > 0
+
+
+_SETTLED: weakref.WeakSet = weakref.WeakSet()
+"""The sharded models whose FSDP root a forward has settled (`gathered` runs one before a model's first phase)."""
 
 
 @contextmanager
@@ -341,12 +351,12 @@ def gathered(model):
     if not units:
         yield model
         return
-    if not getattr(model, "_root_settled", False):
+    if model not in _SETTLED:
         # FSDP2 picks its root at the first forward through the root module; the engine calls blocks through
         # Transformer.hidden, which a fresh model may not yet have run: one token's forward settles it, once
         with torch.no_grad():
             model(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device))
-        model._root_settled = True
+        _SETTLED.add(model)
     inner = [u for u in units if u is not model]  # the root already keeps its weights gathered after forward
     for u in inner:
         u.set_reshard_after_forward(False, recurse=False)  # gathered until the phase ends, not per forward
@@ -448,13 +458,12 @@ def parallelize(model: Transformer, meshes: Meshes, *, param_dtype: torch.dtype 
     the parameters' fp32), each router gate apart in fp32 (routing decisions stay in full
     precision), and the experts over meshes.efsdp. Expert gradients sum the tokens of all EP
     ranks, so they are scaled by 1 / ep to stay the data-parallel mean the dense gradients
-    are. Afterwards `model.local_offsets` maps each sharded parameter to the global offset of
-    this rank's slice (what `load_hf` reads).
+    are. Where this rank's slice of each sharded parameter starts (what `load_hf` reads) is
+    `shard_offsets(model)`'s, read from the parameters themselves.
     Raises ValueError when ep does not divide num_experts.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     moe_blocks = [b for b in model.layers if b.is_moe]
     ep = meshes.ep.size() if meshes.ep is not None else 1
@@ -496,11 +505,17 @@ def parallelize(model: Transformer, meshes: Meshes, *, param_dtype: torch.dtype 
         # per block, then the root: each block's parameters are gathered just before it runs
         fully_shard(block, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None)
     fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, ignored_params=ignored or None)
-    # name -> global offset of this rank's slice in each dim, so load_hf reads only that slice
-    model.local_offsets = {
-        unwrapped(name): compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1]
-        for name, p in model.named_parameters() if isinstance(p, DTensor)}
     return model
+
+
+def shard_offsets(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Each sharded parameter's (a DTensor's, as `parallelize` leaves them) global offset of this rank's slice in
+    every dim, by its unwrapped name: where hf.load_hf(offsets=...) starts this rank's read of it. Parameters that
+    are no DTensor are left out (they start at 0); a model that is not sharded gives {}."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    return {unwrapped(name): tuple(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1])
+            for name, p in model.named_parameters() if isinstance(p, DTensor)}
 
 
 CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"  # what activation checkpointing inserts into parameter names

@@ -1,7 +1,7 @@
 """The held-out evals of a run: `evaluate` (per held-out prompt, the mean reward of its samples, scored as the
 RL step scores, under reward.timeout_s), `run_eval` (sampled and greedy accuracy, logged) and `summarize` (the
-run's last lines: optimizer steps, the plot, the accuracy before and after RL), with `completion_text`, how a
-rollout becomes the text a verifier reads (the RL step's too)."""
+run's last lines: optimizer steps, the plot, the accuracy before and after RL). A completion's text, as a verifier
+reads it, is its tokenizer's decode of `Rollout.text_ids` (the RL step's too)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import math
 import os
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -18,16 +17,7 @@ from tqdm import tqdm
 from data import prompt_ids
 from distributed import all_gather_list, rank_world
 from metrics import plot
-from sampler import Rollout
 from scoring import RewardPool, score_inline
-
-if TYPE_CHECKING:
-    from tokenizer import Tokenizer
-
-
-def completion_text(tok: Tokenizer, r: Rollout) -> str:
-    """The completion as text, without its stop token."""
-    return tok.decode(r.text_ids)
 
 
 

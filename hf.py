@@ -2,7 +2,7 @@
 
 `load_hf(path)` reads config.json (`config_from_hf`) and the safetensors files, one or
 sharded with model.safetensors.index.json, lazily with `safe_open`, and a parallelized model
-reads only its local shard (`Transformer.local_offsets`), never the full tensor.
+reads only its local shard (at the offsets its caller passes: distributed.shard_offsets), never the full tensor.
 `save_hf(model, path)` writes the reverse (HF names, split and transposed back) plus
 config.json, loadable by transformers and SGLang; `hf_tensors` is the same conversion as a
 stream, which SGLang's weight sync also sends. The name map `_HF_RENAMES` covers Qwen3-MoE
@@ -42,7 +42,7 @@ import torch
 
 from hf_config import EMBED, INDEX, LM_HEAD, config_to_hf, read_config, shape_differences, weight_files
 from model import ModelConfig, Transformer
-from weights import FP8, WEIGHT_BLOCK, full_tensor, policy_tensors, quantize_fp8, weight_buckets
+from weights import FP8, WEIGHT_BLOCK, full_tensor, local, policy_tensors, quantize_fp8, weight_buckets
 
 
 # re.fullmatch against our whole name: no pattern matches a name another one does, so the order is free
@@ -204,18 +204,22 @@ def check_weights(name: str, path: str):
         raise ValueError(f"{name}: {e}") from None
 
 
-def load_hf(path: str, model: Transformer | None = None) -> Transformer:
+def load_hf(path: str, model: Transformer | None = None, *,
+            offsets: dict[str, tuple[int, ...]] | None = None) -> Transformer:
     """Load an HF checkpoint folder (config.json + model.safetensors or a sharded index).
 
     Tensors are read lazily with `safe_open`; for a model that `parallelize` sharded, each
-    rank reads only its own slice of each tensor (its experts, its rows). Without a model,
+    rank reads only its own slice of each tensor (its experts, its rows), which starts at
+    offsets[name] (distributed.shard_offsets(model): each sharded tensor's global offset of
+    this rank's slice, per dim; an unsharded tensor starts at 0). Without a model,
     one is built from config.json, on the CPU. Checkpoint tensors this model has no place
     for (e.g. GLM-4.5's multi-token-prediction layers) are skipped and counted. A tied
     lm_head reads the embedding (HF's checkpoints of tied models have no lm_head.weight).
     Raises ValueError (config_from_hf's) on a config.json this model does not implement, if a
     given model's config differs from it (max_seq_len aside), if the weights are quantised, if
     a tensor the model needs is missing or has another shape (every rank checks every header
-    first, check_weights' check), or if a piece a rank reads holds a NaN or inf.
+    first, check_weights' check), if a piece a rank reads holds a NaN or inf, or if a sharded
+    tensor has no offset in `offsets`.
     """
     from safetensors import safe_open
     model, want = _model_for(path, model)
@@ -236,19 +240,22 @@ def load_hf(path: str, model: Transformer | None = None) -> Transformer:
                              f"of the {x.numel()} values read)")
         return x
 
-    offsets = getattr(model, "local_offsets", {})  # set by parallelize for sharded tensors
+    offsets = offsets or {}
     with torch.no_grad():
         for name, t in policy_tensors(model):
-            local = t.to_local() if hasattr(t, "to_local") else t  # this rank's shard of a DTensor
-            if local.numel() == 0:  # an uneven shard leaves this rank none of the tensor: nothing to read
+            shard = local(t)  # this rank's shard of a DTensor; the tensor itself otherwise
+            if shard.numel() == 0:  # an uneven shard leaves this rank none of the tensor: nothing to read
                 continue
-            start = offsets.get(name, (0,) * local.dim())  # an unsharded tensor starts at offset 0 in every dim
-            sl = tuple(slice(o, o + n) for o, n in zip(start, local.shape))  # this rank's slice, per dim
+            if name not in offsets and shard.shape != t.shape:  # else every rank would read the first slice
+                raise ValueError(f"load_hf: {path}: {name} is sharded ({tuple(shard.shape)} of {tuple(t.shape)} here) "
+                                 f"and offsets has no place for it: pass offsets=distributed.shard_offsets(model)")
+            start = offsets.get(name, (0,) * shard.dim())  # an unsharded tensor starts at offset 0 in every dim
+            sl = tuple(slice(o, o + n) for o, n in zip(start, shard.shape))  # this rank's slice, per dim
             # a tied lm_head that to_empty untied (a parallelized model's) reads the embedding, as HF ties them
             src = from_hf(name, sl, read, lambda key: sources[key][2][0], tied=model.cfg.tie_embeddings)
             # every part's shape is proven and the model's config is the file's: a slice of another shape is a bug here
-            assert tuple(src.shape) == tuple(local.shape), (name, tuple(src.shape), tuple(local.shape))
-            local.copy_(src)  # in place: the model keeps its Parameter (and DTensor) objects
+            assert tuple(src.shape) == tuple(shard.shape), (name, tuple(src.shape), tuple(shard.shape))
+            shard.copy_(src)  # in place: the model keeps its Parameter (and DTensor) objects
         # the softmax router's expert_bias is not persistent, so no checkpoint fills it, and to_empty left it
         # uninitialised
         for name, b in model.named_buffers():  # buffers no checkpoint holds start at zero

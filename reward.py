@@ -62,8 +62,9 @@ import logging
 import os
 import re
 import threading
+from collections import Counter
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -399,20 +400,36 @@ def repetition_penalty(token_ids: Sequence[int], *, n: int = 4) -> float:
 
 # ----------------------------------------------------------------------------- reward models
 
+@runtime_checkable
 class RewardModel(Protocol):
-    """A scalar reward model: one unbounded score per (prompt, completion); higher is better."""
+    """A scalar reward model: one unbounded score per (prompt, completion); higher is better.
+
+    sharded: whether `score` is a collective (reward.rm_shard: the model FSDP-sharded over every rank, each rank
+    calling it once per step with its own rows, none too; shaping.py's choice 4), else each rank's is its own."""
+    sharded: bool
 
     def score(self, prompts: list[str], completions: list[str]) -> list[float]: ...
 
 
+@runtime_checkable
 class PairwiseJudge(Protocol):
-    """A judge of completion against reference: P(completion is better), 1.0 / 0.5 / 0.0 for Better / Tie / Worse."""
+    """A judge of completion against reference: P(completion is better), 1.0 / 0.5 / 0.0 for Better / Tie / Worse.
+
+    counts: what its calls counted since the caller last reset them, {name: count} (a generative judge's
+    unparsed replies, say; logged as judge/<name>, summed over ranks); empty for a judge that counts nothing."""
+    counts: Counter
 
     def compare(self, prompts: list[str], completions: list[str], references: list[str]) -> list[float]: ...
 
 
+Scorer = RewardModel | PairwiseJudge
+"""The run's scorer (reward.model), a reward model or a pairwise judge: told apart by
+`isinstance(scorer, PairwiseJudge)` (both protocols are runtime-checkable, each member declared)."""
+
+
 class StubRewardModel:
     """Deterministic stand-in for tests: a hash of (prompt, completion) mapped to [-1, 1], i.e. pure noise."""
+    sharded = False  # each rank's its own
 
     def score(self, prompts: list[str], completions: list[str]) -> list[float]:
         out = []
@@ -424,7 +441,10 @@ class StubRewardModel:
 
 
 class StubJudge:
-    """Deterministic stand-in for tests: the shorter text is better, equal lengths tie."""
+    """Deterministic stand-in for tests: the shorter text is better, equal lengths tie. It counts nothing."""
+
+    def __init__(self):
+        self.counts = Counter()
 
     def compare(self, prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
         return [JUDGE_OUTCOMES["better" if len(c) < len(r) else "tie" if len(c) == len(r) else "worse"]
@@ -571,7 +591,7 @@ class RewardConfig:
 
 
 
-def reward_model_for(cfg: RewardConfig) -> RewardModel | PairwiseJudge | None:
+def reward_model_for(cfg: RewardConfig) -> Scorer | None:
     """The built-in scorer cfg.model names (None for ""). A checkpoint folder's reward model is
     reward_model.reward_model_for's (it loads through hf.py, layers above this file); raises ValueError for one."""
     if cfg.model not in REWARD_MODELS:
@@ -580,11 +600,11 @@ def reward_model_for(cfg: RewardConfig) -> RewardModel | PairwiseJudge | None:
     return {"": None, "stub": StubRewardModel(), "stub-judge": StubJudge()}[cfg.model]
 
 
-def scorer_outputs(scorer, prompt: str, texts: list[str], reference: str) -> torch.Tensor:
+def scorer_outputs(scorer: Scorer, prompt: str, texts: list[str], reference: str) -> torch.Tensor:
     """One group's raw scorer outputs [G] fp64: a RewardModel's scores (unbounded), or a PairwiseJudge's
-    P(completion beats `reference`) in [0, 1] (the protocols are not runtime-checkable: duck typing on compare)."""
+    P(completion beats `reference`) in [0, 1]."""
     G = len(texts)
-    if hasattr(scorer, "compare"):
+    if isinstance(scorer, PairwiseJudge):
         return torch.tensor(scorer.compare([prompt] * G, texts, [reference] * G), dtype=torch.float64)
     return torch.tensor(scorer.score([prompt] * G, texts), dtype=torch.float64)
 
@@ -598,7 +618,7 @@ def order_violations(correct_G: torch.Tensor, rewards_G: torch.Tensor) -> tuple[
 
 
 def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg: RewardConfig, *, max_new_tokens: int,
-                   scorer=None, prompt: str = "", texts: list[str] | None = None, reference: str = "",
+                   scorer: Scorer | None = None, prompt: str = "", texts: list[str] | None = None, reference: str = "",
                    scores: torch.Tensor | None = None) -> torch.Tensor:
     """One group's final rewards [G] fp32: correctness plus shaping kept inside the correctness class.
 
@@ -624,7 +644,7 @@ def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg
         s_G += cfg.repetition_weight * torch.tensor([repetition_penalty(x) for x in completion_ids])
     if scorer is not None and scores is None:
         scores = scorer_outputs(scorer, prompt, texts, reference)
-    if hasattr(scorer, "compare"):  # a PairwiseJudge
+    if isinstance(scorer, PairwiseJudge):
         # against the gold answer as the reference: better than gold pushes up, worse pushes down, a tie adds 0
         s_G += cfg.rm_weight * judge_score(scores, dead_band=cfg.judge_dead_band)
     elif scorer is not None:

@@ -82,7 +82,7 @@ import torch
 from distributed import all_reduce_float, own_meshes, parallelize, rank_world
 from hf import load_hf
 from hf_config import config_from_hf, read_config, weight_files
-from reward import JUDGE_OUTCOMES, JUDGE_PREFIX, REWARD_MODELS, RewardConfig, reward_model_for as stand_in_for
+from reward import JUDGE_OUTCOMES, JUDGE_PREFIX, REWARD_MODELS, RewardConfig, Scorer, reward_model_for as stand_in_for
 from tokenizer import NFC, Tokenizer, _compiled_template, _specials, _token_name, load_hf_tokenizer
 
 if TYPE_CHECKING:
@@ -267,7 +267,7 @@ Generate = Callable[[list[list[int]]], list[list[int]]]
 
 
 def reward_model_for(cfg: RewardConfig, *, device: str | torch.device = "cpu",
-                     judge_generator: Callable[[Transformer, Tokenizer], Generate] | None = None):
+                     judge_generator: Callable[[Transformer, Tokenizer], Generate] | None = None) -> Scorer | None:
     """The run's scorer for cfg.model: an HFRewardModel of a checkpoint folder (on device, cfg.rm_batch_size
     pairs per forward), a GenerativeJudge of 'judge:<folder>' (its model loaded by hf.load_hf, its generator
     `judge_generator(model, tokenizer)`), else reward.reward_model_for's stand-in (None for "").

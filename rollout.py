@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 import torch
 import torch.nn as nn
 
-from batching import ContinuousBatch
+from batching import ContinuousBatch, EngineParts
 from config import EngineConfig
 from distributed import (all_ranks, collective_group, gathered, load_shards, own_meshes, rank_world,
                          reference_copy, set_group_timeouts)
@@ -315,8 +315,12 @@ class NativeEngine:
         # row i = sample i % n of prompt i // n; its random stream is keyed by (seed, group, sample)
         keys_B = row_keys(seed, [g for g in groups for _ in range(n)], [j for _ in prompts for j in range(n)], self.device)
         if self.slots:
-            batch = ContinuousBatch(self, prompts, n, params, keys_B)
-            rollouts = batch.run(groups)
+            batch = ContinuousBatch(self.parts(), prompts, n, params, keys_B)
+            self.kv_bytes = max(self.kv_bytes, batch.kv_bytes)
+            rollouts = batch.run(groups, self.weight_version)
+            # what the call counted, this phase's (memory() and counters() report them)
+            self.kv_live_bytes = max(self.kv_live_bytes, batch.kv_live_bytes)
+            self.preemptions += batch.stats["preemptions"]
             self.batch_stats = batch.stats
             return rollouts
         T = max(lens)  # the longest prompt: every row's first sampled token lands in column T
@@ -339,10 +343,17 @@ class NativeEngine:
                 group_id=groups[i // n], weight_version=self.weight_version))
         return rollouts
 
-    def _prefill_prompts(self, uprompts: list[tuple]):
+    def parts(self) -> EngineParts:
+        """What a continuous call (batching.ContinuousBatch) uses of this engine: its model, options, prefill
+        (`prefill_prompts`), device, dtype, token ids and whether it decodes on the sharded policy."""
+        return EngineParts(model=self.model, options=self.options, prefill=self.prefill_prompts, device=self.device,
+                           dtype=self.dtype, pad_id=self.pad_id, stop_ids=self.stop_ids, num_tokens=self.num_tokens,
+                           sharded=self.sharded)
+
+    def prefill_prompts(self, uprompts: list[tuple]):
         """One forward over distinct prompts, left-padded to the longest (T) so each ends at column T - 1.
         Returns their KVCache [layers, U, J, T, d], last-token logits [U, V] fp32, routes [U, T, L, K]
-        (int64) and left padding [U]."""
+        (int64) and left padding [U] (a batching.Prefill)."""
         cfg, dev = self.cfg, self.device
         U, T = len(uprompts), max(len(p) for p in uprompts)
         pad_U = torch.tensor([T - len(p) for p in uprompts], device=dev)  # (U,) left padding, so all end at T - 1
@@ -374,7 +385,7 @@ class NativeEngine:
         row_u = torch.tensor([unique[tuple(p)] for p in prompts for _ in range(n)], device=dev)  # (B,) row -> U index
         B, T = len(row_u), max(len(p) for p in prompts)
         S = T + max_new_tokens - 1  # the last sampled token is never fed back
-        prefill, last_UV, routes_UTLK, pad_U = self._prefill_prompts(uprompts)
+        prefill, last_UV, routes_UTLK, pad_U = self.prefill_prompts(uprompts)
         last_BV = last_UV[row_u]  # (U, V) -> (B, V)
 
         # (n_layers, B, J, S, d): columns >= T are written by decode step t = col - T before any read

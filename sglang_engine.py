@@ -75,7 +75,7 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from contextlib import contextmanager
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 import torch
@@ -316,6 +316,67 @@ def _address_toward(url: str) -> str:
         return s.getsockname()[0]
 
 
+# ----------------------------------------------------------------------------- the servers
+
+
+class Server(Protocol):
+    """What SGLangEngine asks of one SGLang server for generation, memory and weights by CUDA IPC, and all it asks:
+    sglang_server.SGLangServer (a server's HTTP API) and `InProcessServer` (an sglang.Engine in this process)
+    implement it. A control call answers in one of the shapes `_ok` reads. tp_size: the server's GPUs (its tensor
+    parallel), which the FP8 sync's bf16 modules follow (weights.fp8_bf16_modules). begin_weight_update answers
+    sglang_server.ABSENT where the server's SGLang predates weight-update sessions (0.5.7), which then takes
+    updates without one. Connect checks (/server_info) and weights by NCCL broadcast are an HTTP server's only:
+    SGLangServer's check_server, url and *_weights_update_group / update_weights_from_distributed."""
+    tp_size: int
+
+    def generate(self, **request) -> list[dict]: ...
+
+    def release_memory_occupation(self): ...
+
+    def resume_memory_occupation(self): ...
+
+    def begin_weight_update(self): ...
+
+    def end_weight_update(self): ...
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True): ...
+
+    def flush_cache(self): ...
+
+
+class InProcessServer:
+    """An sglang.Engine of this process (or a stand-in with its methods: the CPU tests') as a `Server`, its methods
+    passed through. tp_size: the Engine's tensor parallel (its ServerArgs.tp_size; 1 unless given). An Engine whose
+    sglang predates weight-update sessions (0.5.7) has no begin/end_weight_update: begin answers ABSENT, as
+    SGLangServer's does for a 404, and no session is opened."""
+
+    def __init__(self, engine, *, tp_size: int = 1):
+        self.engine, self.tp_size = engine, tp_size
+        # a third-party object's methods, which differ by sglang release (sessions: PRs 28710 / 28001)
+        self.sessions = hasattr(engine, "begin_weight_update")
+
+    def generate(self, **request) -> list[dict]:
+        return self.engine.generate(**request)
+
+    def release_memory_occupation(self):
+        return self.engine.release_memory_occupation()
+
+    def resume_memory_occupation(self):
+        return self.engine.resume_memory_occupation()
+
+    def begin_weight_update(self):
+        return self.engine.begin_weight_update() if self.sessions else ABSENT
+
+    def end_weight_update(self):
+        return self.engine.end_weight_update()
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True):
+        return self.engine.update_weights_from_tensor(named_tensors=named_tensors, flush_cache=flush_cache)
+
+    def flush_cache(self):
+        return self.engine.flush_cache()
+
+
 # ----------------------------------------------------------------------------- the engine
 
 
@@ -371,18 +432,19 @@ class SGLangEngine:
                     num_tokens=num_tokens)
 
     @classmethod
-    def from_engine(cls, engine, cfg: ModelConfig, *, eos_id, fp8: bool = False,
+    def from_engine(cls, engine: Server | list[Server], cfg: ModelConfig, *, eos_id, fp8: bool = False,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, leader: bool = True, colocated: bool = False,
                     join_group=None, group_backend: str = "nccl", num_tokens: int | None = None,
                     config_dtype: str | None = None) -> SGLangEngine:
-        """Wrap running engines: an `sglang.Engine` (or anything with its methods), or a list of them
-        (external servers: requests spread over them by group id).
+        """Wrap running servers (`Server`s): an SGLangServer, an `InProcessServer` around an sglang.Engine, or a
+        list of them (external servers: requests spread over them by group id).
 
         leader: this rank sends the weights and releases / resumes the memory (others only generate
         and take part in the gathers). colocated: sleep() and wake() release and resume the memory.
-        join_group: `join_update_group` or a stand-in: weights go by NCCL broadcast; None: by
-        update_weights_from_tensor (CUDA IPC). group_backend: that group's, "nccl" between GPUs, "gloo" from a
-        trainer on CPU (tools/sglang_standin.py's tests; there is no NCCL to pair). num_tokens: the tokenizer's
+        join_group: `join_update_group` or a stand-in: weights go by NCCL broadcast (to SGLangServers only: a
+        ValueError otherwise); None: by update_weights_from_tensor (CUDA IPC). group_backend: that group's,
+        "nccl" between GPUs, "gloo" from a trainer on CPU (tools/sglang_standin.py's tests; there is no NCCL to
+        pair). num_tokens: the tokenizer's
         ids; SGLang samples over every row of the embedding, and ids past these are counted (`counters`).
         config_dtype: the served checkpoint's config.json dtype, which a server started with --dtype auto serves in
         (sglang_server.served_dtype).
@@ -393,14 +455,17 @@ class SGLangEngine:
                     group_backend=group_backend, num_tokens=num_tokens, config_dtype=config_dtype)
         return self
 
-    def _setup(self, servers: list, cfg: ModelConfig, *, eos_id, fp8: bool, bucket_bytes: int, leader: bool = True,
-               colocated: bool = False, join_group=None, group_backend: str = "nccl", num_tokens: int | None = None,
-               config_dtype: str | None = None):
+    def _setup(self, servers: list[Server], cfg: ModelConfig, *, eos_id, fp8: bool, bucket_bytes: int,
+               leader: bool = True, colocated: bool = False, join_group=None, group_backend: str = "nccl",
+               num_tokens: int | None = None, config_dtype: str | None = None):
         self.servers, self.cfg, self.eos_id, self.fp8, self.bucket_bytes = servers, cfg, eos_id, fp8, bucket_bytes
         self.num_tokens, self.ids_past_tokenizer = num_tokens, 0
         self.leader, self.colocated, self.join_group = leader, colocated, join_group
-        # at connect, not at the first rollout: HTTP servers are asked; an in-process Engine or a stand-in is not
-        asked = [s for s in servers if hasattr(s, "server_info")]
+        if join_group is not None and not all(isinstance(s, SGLangServer) for s in servers):
+            raise ValueError("weights by NCCL broadcast (join_group) go to HTTP servers (sglang_server.SGLangServer) "
+                             "only; an in-process Engine takes them by update_weights_from_tensor (join_group=None)")
+        # at connect, not at the first rollout: HTTP servers are asked; an in-process Engine (InProcessServer) is not
+        asked = [s for s in servers if isinstance(s, SGLangServer)]
         unseeded = [s.url for s in asked if not check_server(s)]  # every server checked: check_server may raise
         if unseeded:
             warnings.warn(f"SGLang {', '.join(unseeded)} runs without --enable-deterministic-inference: it ignores "
@@ -526,7 +591,7 @@ class SGLangEngine:
             for _ in tensors:  # take part in every gather; the leader sends
                 pass
         else:  # FP8 after hf_tensors: HF's blocks, and the modules the server's tensor parallel keeps bf16
-            bf16 = fp8_bf16_modules(self.cfg, getattr(self.servers[0], "tp_size", 1)) if self.fp8 else ()
+            bf16 = fp8_bf16_modules(self.cfg, self.servers[0].tp_size) if self.fp8 else ()
             self._send(quantize_fp8(tensors, hf=True, bf16=bf16) if self.fp8 else tensors)
         barrier()  # no rank generates before the weights have landed
         self.stale = False
@@ -538,8 +603,7 @@ class SGLangEngine:
         opened = []
         try:
             for server in self.servers:
-                begin = getattr(server, "begin_weight_update", None)  # an Engine before the sessions (0.5.7) lacks it
-                result = begin() if begin is not None else ABSENT
+                result = server.begin_weight_update()  # ABSENT where the server's SGLang predates the sessions
                 if result is not ABSENT:
                     _ok(result, "begin_weight_update")
                     opened.append(server)

@@ -2,7 +2,8 @@
 group's rewards moved inside its correctness class by the scorer's outputs and checked against inversion;
 `judge_generator`, the native engine a judge generates on; and `ScorerQueue`, the scorer at work while the
 policy still generates. train.collect_rollouts calls the first when reward.shapes; train.start_run builds the
-scorer with the second (reward_model.reward_model_for) and, with reward workers, the queue.
+scorer with the second (reward_model.reward_model_for) and, with reward workers, the queue. What they read is
+named in their signatures (the reward section, the tokenizer, the scorer and its queue), not a train.Run.
 
 Notable choices:
 1. Under torchrun each rank's whole scorer scores the groups it generated (reward_model.py's choice 8) and
@@ -27,22 +28,39 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
 from distributed import all_gather_list, rank_world
-from evaluation import completion_text
-from reward import order_violations, scorer_outputs, shaped_rewards
+from reward import PairwiseJudge, RewardConfig, Scorer, order_violations, scorer_outputs, shaped_rewards
 from rollout import NativeEngine
 from sampler import Rollout, SamplingParams
 from weights import policy_tensors
 
+if TYPE_CHECKING:
+    from config import TrainConfig
+    from data import Item
+    from filter import Scored
+    from tokenizer import Tokenizer
+
 JUDGE_SEED = 0  # a generative judge decodes greedily; a fixed seed keeps its calls off torch's RNG (the policy's)
 
 
-def shape_rewards(run, groups, correct: list[torch.Tensor], step: int) -> tuple[list[torch.Tensor], dict]:
-    """run: the train.Run of the step (its cfg, scorer and tokenizer); groups: its (item, [Scored]) pairs. Each
-    group's final rewards, shaped inside its correctness class (reward.shaped_rewards), and their metrics:
+def scores_collectively(scorer: Scorer | None) -> bool:
+    """Whether scorer is a sharded reward model (reward.rm_shard): scored in one collective call per rank and step
+    (choice 4), never on a ScorerQueue's thread."""
+    return scorer is not None and not isinstance(scorer, PairwiseJudge) and scorer.sharded
+
+
+def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.Tensor], step: int, *,
+                  cfg: RewardConfig, max_new_tokens: int, tok: Tokenizer, scorer: Scorer | None,
+                  queue: ScorerQueue | None) -> tuple[list[torch.Tensor], dict]:
+    """groups: the step's (item, [Scored]) pairs; cfg: the run's reward section; max_new_tokens: the generation
+    limit (sampling.max_new_tokens, where the overlong penalty ends); tok: the policy's tokenizer (the texts the
+    scorer reads); scorer: the run's reward model or judge (None: penalties only); queue: its ScorerQueue with
+    reward workers (what it scored while generating), else None. Each group's final rewards, shaped inside its
+    correctness class (reward.shaped_rewards), and their metrics:
     the scorer's raw outputs (rm/score_mean and rm/score_std, or a judge's judge/p_better_mean and its counts:
     judge/unparsed, judge/too_long), the rewards' mean and std, the (correct, wrong) pairs checked and
     t_reward_model (the seconds here: with reward workers, the wait for what the scorer had left) and, with
@@ -53,38 +71,37 @@ def shape_rewards(run, groups, correct: list[torch.Tensor], step: int) -> tuple[
     Multi-rank: each rank's whole scorer scores the groups it generated (a group is generated on one rank), and
     every rank learns every group's scores and the judge's counts (summed), so all shape alike; t_reward_model
     is this rank's, the wait for the slowest rank's scoring included."""
-    cfg, scorer = run.cfg.reward, run.scorer
     t0 = time.perf_counter()
     scores = [None] * len(groups)
+    judge = isinstance(scorer, PairwiseJudge)
     if scorer is not None:
         world = rank_world()[1]
         # this rank's groups: their rollouts are whole here (Rollout), the others' are summaries
-        mine = [p for p, (_, g) in enumerate(groups) if world == 1 or isinstance(g[0].payload, Rollout)]
-        queue = run.scorer_queue  # with reward workers: scored while generating, waited for here (choice 3)
-        if getattr(scorer, "sharded", False):  # a collective (reward.rm_shard): one call of every own row (choice 4)
+        mine = [p for p, (_, g) in enumerate(groups) if g[0].local]
+        if scores_collectively(scorer):  # a collective (reward.rm_shard): one call of every own row (choice 4)
             rows = [(p, s) for p in mine for s in groups[p][1]]
             flat = scorer.score([groups[p][0].question for p, _ in rows],
-                                [completion_text(run.tok, s.payload) for _, s in rows])
+                                [tok.decode(s.payload.text_ids) for _, s in rows])
             flat, own = torch.tensor(flat, dtype=torch.float64), []
             for p in mine:
                 own.append((p, flat[:len(groups[p][1])]))
                 flat = flat[len(groups[p][1]):]
-        else:
+        else:  # with reward workers: scored while generating, waited for here (choice 3)
             own = [(p, queue.scores([s.payload for s in groups[p][1]]) if queue is not None else
-                    scorer_outputs(scorer, groups[p][0].question, [completion_text(run.tok, s.payload)
+                    scorer_outputs(scorer, groups[p][0].question, [tok.decode(s.payload.text_ids)
                                                                    for s in groups[p][1]], groups[p][0].answer))
                    for p in mine]
         if queue is not None:
             queue.forget()
         for p, x in all_gather_list(own):  # every rank's, rank order; one process: its own
             scores[p] = x
-        counts = all_gather_list([dict(scorer.counts)]) if hasattr(scorer, "counts") else []
+        counts = all_gather_list([dict(scorer.counts)]) if judge else []
     m = {"t_reward_model": time.perf_counter() - t0}
-    if run.scorer_queue is not None:  # the scorer's own seconds this step, generation's overlap included
-        m["t_reward_model_busy"] = run.scorer_queue.take_busy_s()
+    if queue is not None:  # the scorer's own seconds this step, generation's overlap included
+        m["t_reward_model_busy"] = queue.take_busy_s()
     classes = [torch.zeros_like(c) for c in correct] if cfg.rm_only else correct
     rewards = [shaped_rewards(c, [s.payload.completion_ids for s in g], cfg, scorer=scorer, scores=x,
-                              max_new_tokens=run.cfg.sampling.max_new_tokens)
+                              max_new_tokens=max_new_tokens)
                for (_, g), c, x in zip(groups, classes, scores)]
     pairs = 0
     for p, (c, r) in enumerate(zip(classes, rewards)):
@@ -100,11 +117,11 @@ def shape_rewards(run, groups, correct: list[torch.Tensor], step: int) -> tuple[
     m.update({"reward/order_pairs_checked": pairs, "reward/order_violations": 0})
     if scorer is not None and scores:
         x = torch.cat(scores)
-        if hasattr(scorer, "compare"):
+        if judge:
             m["judge/p_better_mean"] = x.mean().item()
         else:
             m.update({"rm/score_mean": x.mean().item(), "rm/score_std": x.std(correction=0).item()})
-    if hasattr(scorer, "counts"):  # a GenerativeJudge's: this step's over every rank, then reset
+    if judge:  # a judge's counts (a GenerativeJudge's; none for the stub): this step's over every rank, then reset
         m.update({f"judge/{k}": sum(c[k] for c in counts) for k in scorer.counts})
         scorer.counts.subtract(dict(scorer.counts))
     return rewards, m
@@ -116,7 +133,7 @@ class ScorerQueue:
     `scores(rollouts)` waits for and returns their raw outputs [G] fp64 in that order; `take_busy_s` the worker's
     seconds since it was last asked (t_reward_model_busy); `close` stops it."""
 
-    def __init__(self, scorer):
+    def __init__(self, scorer: Scorer):
         self.scorer, self._busy_s, self._lock = scorer, 0.0, threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scorer")
         self._where: dict[int, tuple[Future, int]] = {}  # id(rollout) -> its group's job, its place in the group
@@ -153,16 +170,17 @@ class ScorerQueue:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def submit_groups(run, generated: list, items: list, n: int):
-    """Hand a generate call's groups to run's ScorerQueue (choice 3): generated holds n rollouts per prompt, in
-    order, each group's prompt and gold in items[group_id]."""
+def submit_groups(queue: ScorerQueue, tok: Tokenizer, generated: list[Rollout], items: list[Item], n: int):
+    """Hand a generate call's groups to the run's ScorerQueue (choice 3), their completions decoded by tok (the
+    policy's tokenizer): generated holds n rollouts per prompt, in order, each group's prompt and gold in
+    items[group_id]."""
     for k in range(0, len(generated), n):
         group = generated[k:k + n]
         item = items[group[0].group_id]
-        run.scorer_queue.submit(group, item.question, [completion_text(run.tok, r) for r in group], item.answer)
+        queue.submit(group, item.question, [tok.decode(r.text_ids) for r in group], item.answer)
 
 
-def judge_generator(cfg):
+def judge_generator(cfg: TrainConfig):
     """How a generative judge (reward.model=judge:<folder>) of a run of cfg (config.TrainConfig) generates:
     builder(model, tok) -> a greedy generator on a NativeEngine of its own holding the judge's weights (cfg.device,
     the run's compute dtype), replies of at most reward.judge_max_new_tokens, their stop token left out. Under
@@ -175,6 +193,6 @@ def judge_generator(cfg):
 
         def generate(prompts: list[list[int]]) -> list[list[int]]:
             replies = engine.generate(prompts, params, seed=JUDGE_SEED)
-            return [r.completion_ids[:-1] if r.finish_reason == "stop" else r.completion_ids for r in replies]
+            return [r.text_ids for r in replies]
         return generate
     return build

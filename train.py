@@ -58,12 +58,13 @@ from rollout import Engine, build_engine, engine_builder, producer_engine, stop_
 from sampler import Rollout
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
-from shaping import ScorerQueue, judge_generator, shape_rewards, submit_groups
+from shaping import ScorerQueue, judge_generator, scores_collectively, shape_rewards, submit_groups
 from trainer import NonFiniteError, TrainBatch, lr_at, sft_step, train_on_rollouts
 from weights import full_tensor, policy_tensors
 
 if TYPE_CHECKING:
     from model import ModelConfig
+    from reward import Scorer
     from tokenizer import Tokenizer
 
 STEP_SEED_STRIDE = 1000  # seed offset between RL steps' rollouts (cfg.seed + step, spread apart)
@@ -91,7 +92,7 @@ class Run:
     eval_items: list[Item] = field(default_factory=list)
     log: MetricsLog = field(default_factory=MetricsLog)  # in memory only, unless given an out_dir
     pool: RewardPool | None = None  # reward workers that score while generation goes on
-    scorer: object = None  # reward model or judge (reward.reward_model_for), None without one
+    scorer: Scorer | None = None  # reward model or judge (reward.reward_model_for), None without one
     scorer_queue: ScorerQueue | None = None  # with reward workers: the scorer at work while generation goes on
     evals: dict = field(default_factory=dict)  # "after_sft" / "after_rl": (sampled, greedy) accuracy per prompt
     t_start: float = field(default_factory=time.perf_counter)
@@ -125,7 +126,9 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     correct = [torch.tensor([s.reward for s in g]) for _, g in groups]  # the verifier's 0/1
     # shaping (penalties, reward model, judge) moves a reward only inside its correctness class, so no
     # correct response can get a negative advantage (reward.adjust_rewards)
-    rewards, shaping = shape_rewards(run, groups, correct, step) if cfg.reward.shapes else (correct, {})
+    rewards, shaping = (shape_rewards(groups, correct, step, cfg=cfg.reward, tok=run.tok, scorer=run.scorer,
+                                      queue=run.scorer_queue, max_new_tokens=cfg.sampling.max_new_tokens)
+                        if cfg.reward.shapes else (correct, {}))
     lengths = [torch.tensor([s.num_tokens for s in g]) for _, g in groups]
     keep_P, zero_var_P, filtered = stage3(rewards, lengths, correct, cfg.filter)  # all equal: no signal
     # A = (r - mean) / std within each group (GRPO, arXiv 2402.03300); groups differ in size when stage 2
@@ -241,7 +244,7 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
             for j, r in enumerate(generated):
                 run.pool.submit((stream, r.group_id, j % n), run.tok.decode(r.text_ids), items[r.group_id])
         if run.scorer_queue is not None:  # the reward model or judge too (shaping's choice 3)
-            submit_groups(run, generated, items, n)
+            submit_groups(run.scorer_queue, run.tok, generated, items, n)
         rollouts += generated
     rollouts.sort(key=lambda r: r.group_id)  # stable: keeps each group's sample order
     return rollouts
@@ -515,7 +518,7 @@ def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
                pool=RewardPool(data.task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
                if cfg.reward.workers else None, scorer=scorer,
                scorer_queue=ScorerQueue(scorer) if scorer is not None and cfg.reward.workers and not
-               getattr(scorer, "sharded", False) else None)  # a sharded one scores collectively (shaping's choice 4)
+               scores_collectively(scorer) else None)  # a sharded one scores collectively (shaping's choice 4)
 
 
 def save_model(run: Run):

@@ -95,7 +95,7 @@ def test_pages_in_use_follow_the_live_tokens_and_all_come_back(tiny_cfg):
     _, engine = engines(tiny_cfg, slots=3, page_size=4)
     params = SamplingParams(max_new_tokens=40)
     keys = row_keys(5, [g for g in range(4) for _ in range(3)], [j for _ in range(4) for j in range(3)], "cpu")
-    batch = ContinuousBatch(engine, MIXED, 3, params, keys)
+    batch = ContinuousBatch(engine.parts(), MIXED, 3, params, keys)
     step, seen = batch.step, []
 
     def checked_step():
@@ -107,7 +107,7 @@ def test_pages_in_use_follow_the_live_tokens_and_all_come_back(tiny_cfg):
         assert len(own) <= sum(-(-batch.slot_col[s] // 4) for s in live)  # columns fed so far, in pages
         seen.append(batch.cache.in_use)
     batch.step = checked_step
-    rollouts = batch.run(list(range(4)))
+    rollouts = batch.run(list(range(4)), engine.weight_version)
     assert len(rollouts) == 12 and seen and batch.cache.in_use == 0
     assert max(seen) < batch.stats["pages"]  # default pool: every slot at full length, never all used
 
@@ -139,8 +139,8 @@ def test_an_admission_round_prefills_at_most_prefill_tokens_and_the_rollouts_sta
     narrow = NativeEngine(tiny_cfg, eos_id=STOPS, pad_id=PAD, options=EngineConfig(slots=8, prefill_tokens=6))
     narrow.update_weights(wide.model.named_parameters(), version=1)  # the same weights
     rounds = []
-    prefill = narrow._prefill_prompts
-    narrow._prefill_prompts = lambda ps: rounds.append(len(ps) * max(map(len, ps))) or prefill(ps)
+    prefill = narrow.prefill_prompts
+    narrow.prefill_prompts = lambda ps: rounds.append(len(ps) * max(map(len, ps))) or prefill(ps)
     a = wide.generate(prompts, params, n=2, seed=3)
     b = narrow.generate(prompts, params, n=2, seed=3)
     assert wide.batch_stats["rounds"] == 1 and narrow.batch_stats["rounds"] == len(rounds) > 1
@@ -165,8 +165,8 @@ def test_random_pools_pages_and_slots_give_the_static_tokens_and_return_every_pa
     keys = row_keys(seed, [i for i in range(len(prompts)) for _ in range(n)], [j for _ in prompts for j in range(n)],
                     "cpu")
     params = SamplingParams(max_new_tokens=C)
-    batch = ContinuousBatch(paged, prompts, n, params, keys)
-    got = batch.run(list(range(len(prompts))))
+    batch = ContinuousBatch(paged.parts(), prompts, n, params, keys)
+    got = batch.run(list(range(len(prompts))), paged.weight_version)
     want = static.generate(prompts, params, n=n, seed=seed)
     for x, y in zip(want, got, strict=True):
         assert x.completion_ids == y.completion_ids and x.finish_reason == y.finish_reason

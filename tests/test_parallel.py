@@ -41,7 +41,7 @@ def worker(rank, world, port, ep, ac, ckpt, out):
             model = Transformer(ModelConfig(**CFG))
         distributed.parallelize(model, meshes, activation_checkpoint=ac)  # fp32 end to end
         model.to_empty(device="cpu")
-        load_hf(ckpt, model)  # each rank reads only its slice
+        load_hf(ckpt, model, offsets=distributed.shard_offsets(model))  # each rank reads only its slice
         tokens, targets = batch()
         rows = slice(rank * B // world, (rank + 1) * B // world)
         loss = step(model, tokens[rows], targets[rows]).detach()

@@ -405,16 +405,16 @@ def test_an_inverted_group_stops_the_run_naming_its_step(monkeypatch):
 
     import shaping
     from config import TrainConfig
-    run = SimpleNamespace(cfg=TrainConfig(reward=RewardConfig(repetition_weight=0.1)), scorer=None, tok=None,
-                          scorer_queue=None)
+    kw = dict(cfg=RewardConfig(repetition_weight=0.1), max_new_tokens=TrainConfig().sampling.max_new_tokens,
+              tok=None, scorer=None, queue=None)
     g = [SimpleNamespace(payload=SimpleNamespace(completion_ids=[1, 2])) for _ in range(4)]
     correct = [torch.tensor([1.0, 0.0, 0.0, 1.0])]
-    rewards, m = shaping.shape_rewards(run, [(None, g)], correct, step=3)
+    rewards, m = shaping.shape_rewards([(None, g)], correct, step=3, **kw)
     assert torch.equal(rewards[0], correct[0]) and m["reward/order_pairs_checked"] == 4
     assert m["reward/order_violations"] == 0 and m["t_reward_model"] >= 0
     monkeypatch.setattr(shaping, "shaped_rewards", lambda c, *a, **k: 1 - c)
     with pytest.raises(AssertionError, match=r"step 3: group 0: 4 of 4 \(correct, wrong\) pairs"):
-        shaping.shape_rewards(run, [(None, g)], correct, step=3)
+        shaping.shape_rewards([(None, g)], correct, step=3, **kw)
 
 
 @needs_ranks
@@ -476,29 +476,44 @@ def test_rm_only_rewards_are_the_bounded_reward_model_term_whatever_the_verifier
     assert torch.equal(adjust_rewards(torch.zeros(4), want), torch.zeros(4))  # what rm_only avoids
 
 
-class RecordingScorer:
-    """A reward model (score) or, with judge=True, a pairwise judge (compare, counts) that records what it saw."""
+class RecordingRewardModel:
+    """A reward model (reward.RewardModel) that records what it saw and how often it was called; sharded: a
+    collective one, as reward.rm_shard's."""
 
-    def __init__(self, judge: bool = False):
-        self.seen, self.judge = [], judge
-        if judge:
-            from collections import Counter
-            self.counts = Counter(judged=0, unparsed=0, too_long=0)
+    def __init__(self, sharded: bool = False):
+        self.seen, self.calls, self.sharded = [], 0, sharded
 
     def score(self, prompts, completions):
         self.seen += prompts
-        self.calls = getattr(self, "calls", 0) + 1
+        self.calls += 1
         return [float(len(c)) for c in completions]
 
-    def __getattr__(self, name):  # compare only on a judge: scorer_outputs tells them apart by it
-        if name == "compare" and self.__dict__.get("judge"):
-            return self._compare
-        raise AttributeError(name)
 
-    def _compare(self, prompts, completions, references):
+class RecordingJudge:
+    """A pairwise judge (reward.PairwiseJudge: compare, counts) that records what it saw."""
+
+    def __init__(self):
+        from collections import Counter
+        self.seen, self.calls, self.counts = [], 0, Counter(judged=0, unparsed=0, too_long=0)
+
+    def compare(self, prompts, completions, references):
         self.seen += prompts
         self.counts.update(judged=len(prompts), unparsed=len(prompts))
         return [0.5 if len(c) % 2 else 1.0 for c in completions]
+
+
+def recording_scorer(judge: bool | str):
+    """False: a reward model; True: a judge; "sharded": a sharded reward model."""
+    return RecordingJudge() if judge is True else RecordingRewardModel(sharded=judge == "sharded")
+
+
+def shaping_of(scorer) -> dict:
+    """shaping.shape_rewards' keywords for a stub run's reward section with this scorer (texts: "x" per token)."""
+    from types import SimpleNamespace
+
+    from config import TrainConfig
+    return dict(cfg=RewardConfig(model="stub", rm_weight=1.0), max_new_tokens=TrainConfig().sampling.max_new_tokens,
+                tok=SimpleNamespace(decode=lambda ids: "x" * len(ids)), scorer=scorer, queue=None)
 
 
 def shape_worker(rank, world, port, out):
@@ -510,7 +525,6 @@ def shape_worker(rank, world, port, out):
     import torch.distributed as dist
 
     import shaping
-    from config import TrainConfig
     from filter import Scored
     from sampler import Rollout
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -518,25 +532,22 @@ def shape_worker(rank, world, port, out):
     try:
         result = {}
         for judge in (False, True, "sharded"):
-            scorer = RecordingScorer(judge=judge is True)
-            if judge == "sharded":  # as reward.rm_shard's: one collective call per rank and step (shaping's choice 4)
-                scorer.sharded = True
-            run = SimpleNamespace(cfg=TrainConfig(reward=RewardConfig(model="stub", rm_weight=1.0)), scorer=scorer,
-                                  scorer_queue=None, tok=SimpleNamespace(decode=lambda ids: "x" * len(ids)))
+            # "sharded": as reward.rm_shard's, one collective call per rank and step (shaping's choice 4)
+            scorer = recording_scorer(judge)
             groups = []
             for p in range(4):
                 g = []
                 for j in range(2):
                     ids = [1] * (1 + p + 2 * j)
                     here = Rollout([0], ids, torch.zeros(len(ids)), torch.zeros(0), "length", p, 0)
-                    payload = here if p // 2 == rank else here.summary(p // 2, True)
-                    g.append(Scored(reward=float(j), num_tokens=len(ids), payload=payload))
+                    local = p // 2 == rank
+                    payload = here if local else here.summary(p // 2, True)
+                    g.append(Scored(reward=float(j), num_tokens=len(ids), payload=payload, local=local))
                 groups.append((SimpleNamespace(question=f"q{p}", answer="a"), g))
             correct = [torch.tensor([0.0, 1.0])] * 4
-            rewards, m = shaping.shape_rewards(run, groups, correct, step=0)
+            rewards, m = shaping.shape_rewards(groups, correct, step=0, **shaping_of(scorer))
             everyone = [None] * world
-            dist.all_gather_object(everyone, (sorted(scorer.seen), [r.tolist() for r in rewards], m,
-                                              getattr(scorer, "calls", 0)))
+            dist.all_gather_object(everyone, (sorted(scorer.seen), [r.tolist() for r in rewards], m, scorer.calls))
             result[judge] = everyone
         if rank == 0:
             torch.save(result, out)
@@ -559,7 +570,6 @@ def test_each_rank_scores_only_the_groups_it_generated_and_all_learn_every_score
     import torch.multiprocessing as mp
 
     import shaping
-    from config import TrainConfig
     from filter import Scored
     from sampler import Rollout
     with socket.socket() as sock:
@@ -574,14 +584,12 @@ def test_each_rank_scores_only_the_groups_it_generated_and_all_learn_every_score
     for judge, (zero, one) in result.items():
         assert zero[0] == ["q0"] * 2 + ["q1"] * 2 and one[0] == ["q2"] * 2 + ["q3"] * 2  # their own groups only
         assert zero[1] == one[1] and untimed(zero[2]) == untimed(one[2])  # every rank shapes alike
-        scorer = RecordingScorer(judge=judge)  # one process, every group whole
-        run = SimpleNamespace(cfg=TrainConfig(reward=RewardConfig(model="stub", rm_weight=1.0)), scorer=scorer,
-                              scorer_queue=None, tok=SimpleNamespace(decode=lambda ids: "x" * len(ids)))
+        scorer = recording_scorer(judge)  # one process, every group whole
         groups = [(SimpleNamespace(question=f"q{p}", answer="a"),
                    [Scored(reward=float(j), num_tokens=1 + p + 2 * j,
                            payload=Rollout([0], [1] * (1 + p + 2 * j), torch.zeros(1), torch.zeros(0), "length", p, 0))
                     for j in range(2)]) for p in range(4)]
-        rewards, m = shaping.shape_rewards(run, groups, [torch.tensor([0.0, 1.0])] * 4, step=0)
+        rewards, m = shaping.shape_rewards(groups, [torch.tensor([0.0, 1.0])] * 4, step=0, **shaping_of(scorer))
         assert [r.tolist() for r in rewards] == zero[1] and untimed(m) == untimed(zero[2])
         if judge:
             assert zero[2]["judge/judged"] == 8 and zero[2]["judge/unparsed"] == 8  # 4 per rank, summed

@@ -307,9 +307,9 @@ class _FakeSGLang:
 @pytest.mark.parametrize("sessions", [True, False])
 def test_sglang_weight_sync_brackets_buckets_with_sessions_when_present(tiny_cfg, sessions):
     from weights import policy_tensors
-    from sglang_engine import SGLangEngine
+    from sglang_engine import InProcessServer, SGLangEngine
     fake = _FakeSGLang(sessions)
-    engine = SGLangEngine.from_engine(fake, tiny_cfg, eos_id=EOS, bucket_bytes=64 << 10)
+    engine = SGLangEngine.from_engine(InProcessServer(fake), tiny_cfg, eos_id=EOS, bucket_bytes=64 << 10)
     engine.update_weights(policy_tensors(Transformer(tiny_cfg)), version=5)
     updates = [c for c in fake.calls if isinstance(c, tuple)]
     names = [n for c in updates for n in c[1]]
@@ -321,12 +321,13 @@ def test_sglang_weight_sync_brackets_buckets_with_sessions_when_present(tiny_cfg
 
 def test_sglang_fp8_sync_sends_e4m3_weights_with_inverse_scales(tiny_cfg):
     from weights import FP8
-    from sglang_engine import SGLangEngine
+    from sglang_engine import InProcessServer, SGLangEngine
     sent = {}
     fake = _FakeSGLang(True)
     fake.update_weights_from_tensor = lambda named_tensors, flush_cache=True: sent.update(named_tensors) or (True, "")
     cfg = dataclasses.replace(tiny_cfg, head_dim=64, moe_inter_dim=128)  # whole 128-blocks, as SGLang's FP8 needs
-    SGLangEngine.from_engine(fake, cfg, eos_id=EOS, fp8=True).update_weights(Transformer(cfg).named_parameters(), 1)
+    engine = SGLangEngine.from_engine(InProcessServer(fake), cfg, eos_id=EOS, fp8=True)
+    engine.update_weights(Transformer(cfg).named_parameters(), 1)
     assert sent["model.layers.0.self_attn.q_proj.weight"].dtype == FP8
     assert sent["model.layers.0.self_attn.q_proj.weight_scale_inv"].dtype == torch.float32
     # the router and lm_head are never FP8: bf16, the dtype SGLang serves (the fp32 masters are not sent)

@@ -23,7 +23,7 @@ from weights import FP8
 from rollout import ENGINES, engine_builder
 from sampler import SamplingParams
 from weights import policy_tensors
-from sglang_engine import SGLangEngine, build_sglang_engine
+from sglang_engine import InProcessServer, SGLangEngine, build_sglang_engine
 from sglang_server import SGLangServer
 
 EOS = 1
@@ -424,7 +424,7 @@ def test_in_process_engine_sync_brackets_buckets_with_sessions_and_flushes_once(
         end_weight_update=lambda: calls.append("end") or (True, ""),
         update_weights_from_tensor=lambda named_tensors, flush_cache: calls.append(flush_cache) or (True, "ok"),
         flush_cache=lambda: calls.append("flush"))
-    SGLangEngine.from_engine(engine, tiny_cfg, eos_id=EOS, bucket_bytes=16 << 10).update_weights(
+    SGLangEngine.from_engine(InProcessServer(engine), tiny_cfg, eos_id=EOS, bucket_bytes=16 << 10).update_weights(
         policy_tensors(Transformer(tiny_cfg)), version=1)
     assert calls[0] == "begin" and calls[-2:] == ["end", "flush"] and set(calls[1:-2]) == {False}
 

@@ -121,21 +121,92 @@ def test_an_async_checkpoint_holds_the_predictor_the_producer_used_and_resume_re
     assert last["predictor"]["count"] == generated_by_step()[2] > first[1]["count"]
 
 
+def engine_reads(source: str) -> set[str]:
+    """The attributes a file reads of a rollout engine: `<x>.engine.<attr>` (a train.Run's, the async producer's;
+    cfg.engine, the config section, aside) and `engine.<attr>` (an engine passed in by name)."""
+    read = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        held = isinstance(v, ast.Attribute) and v.attr == "engine" and not (isinstance(v.value, ast.Name)
+                                                                             and v.value.id == "cfg")
+        if held or (isinstance(v, ast.Name) and v.id == "engine"):
+            read.add(node.attr)
+    return read
+
+
 def test_every_engine_attribute_the_rl_step_reads_is_declared_on_the_protocol_and_each_engine_has_it():
-    """What train.py, evaluation.py and shaping.py read of `run.engine` is rollout.Engine's, and both engines
-    (rollout.ENGINES' classes) define it: a method, or an attribute their code sets (SGLang's crash on
-    `run.engine.preemptions`, issue 31, was an undeclared one)."""
+    """What train.py and evaluation.py read of a rollout engine (`run.engine`, `r.engine`, `producer.engine`, an
+    `engine` argument) is rollout.Engine's, and both engines (rollout.ENGINES' classes) define it: a method, or an
+    attribute their code sets (SGLang's crash on `run.engine.preemptions`, issue 31, was an undeclared one).
+    shaping.py reads none (its judge's engine is a NativeEngine it builds)."""
     import rollout
     import sglang_engine
     declared = {n for n in vars(rollout.Engine) if not n.startswith("_")} | set(rollout.Engine.__annotations__)
-    read = set()
-    for name in ("train", "evaluation", "shaping"):
-        for node in ast.walk(ast.parse(open(os.path.join(ROOT, name + ".py")).read())):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "engine" \
-                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "run":
-                read.add(node.attr)
-    assert read and read <= declared, sorted(read - declared)
+    read = {name: engine_reads(open(os.path.join(ROOT, name + ".py")).read()) for name in ("train", "evaluation")}
+    assert read["train"] and read["evaluation"], read  # the matcher still sees the reads
+    read = set().union(*read.values())
+    assert read <= declared, sorted(read - declared)
     for cls in (rollout.NativeEngine, sglang_engine.SGLangEngine):
         source = open(os.path.join(ROOT, cls.__module__ + ".py")).read()
         missing = [n for n in declared if not hasattr(cls, n) and f"self.{n}" not in source]
         assert not missing, (cls.__name__, missing)
+
+
+# Where a top-level file may probe an object for an attribute (`hasattr(x, "name")`, `getattr(x, name, default)`),
+# and why: only where x is no object of the project's (STYLE.md rule 20: a function names the type of what it reads,
+# a Protocol's members or a class's fields, and reads them without a default). Key: (file, the probe as
+# ast.unparse writes it).
+PROBES_ALLOWED = {
+    ("checkpoint.py", "getattr(e, 'failures', {})"):
+        "any exception a save raised: torch.distributed.checkpoint's CheckpointException carries .failures, an "
+        "OSError or RuntimeError does not (third-party exceptions)",
+    ("distributed.py", "getattr(block, '_checkpoint_wrapped_module', block)"):
+        "a block wrapped by torch's CheckpointWrapper (activation checkpointing) or not: torch's wrapper, third-party",
+    ("hf_config.py", "getattr(want, '__name__', want)"):
+        "an expected JSON type (a Python type such as int) or a literal value, named in an error message",
+    ("metrics.py", "hasattr(self.backend, 'add_scalar')"):
+        "the logger backend: a tensorboard SummaryWriter or a wandb run, third-party objects told apart by their API",
+    ("model.py", "hasattr(type(w), 'to_local')"):
+        "torch's DTensor (an expert-parallel shard) or a plain tensor, asked of the class: dynamo answers hasattr on "
+        "a DTensor instance False",
+    ("plan.py", "getattr(k, 'name', k)"):
+        "torch's memory tracker snapshot keys: an enum member (its .name) or a str, third-party",
+    ("sandbox.py", "getattr(builtins, reply['raised'], None)"):
+        "a builtin exception named in the sandbox's reply (a module's names; an unknown name is no builtin)",
+    ("scoring.py", "getattr(_thread_limit, 'deadline', None)"):
+        "a threading.local: unset on a thread that has entered no time limit",
+    ("sglang_engine.py", "hasattr(engine, 'begin_weight_update')"):
+        "an sglang.Engine (InProcessServer's): a release before weight-update sessions (0.5.7) lacks the method",
+    ("sglang_engine.py", "hasattr(result, 'success')"):
+        "an SGLang control call's answer, whose shape differs by release (a tuple, a dict, an object with .success)",
+    ("sglang_engine.py", "getattr(result, 'message', '')"):
+        "the same answer object: a message only where SGLang gives one",
+    ("trainer.py", "hasattr(norm, 'full_tensor')"):
+        "clip_grad_norm_'s total norm: torch's DTensor under FSDP, a plain tensor in one process",
+    ("weights.py", "hasattr(t, 'full_tensor')"): "torch's DTensor (a shard) or a plain tensor",
+    ("weights.py", "hasattr(t, 'to_local')"): "torch's DTensor (a shard) or a plain tensor",
+}
+
+
+def attribute_probes() -> set[tuple[str, str]]:
+    """(file, probe) of every `hasattr(...)` and every `getattr(...)` with a default in the top-level files."""
+    found = set()
+    for name in sorted(f for f in os.listdir(ROOT) if f.endswith(".py")):
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, name)).read())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and (
+                    node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3)):
+                found.add((name, ast.unparse(node)))
+    return found
+
+
+def test_no_function_probes_an_object_of_the_project_for_an_attribute():
+    """No top-level file asks hasattr(x, "name") or getattr(x, "name", default) of an object of the project's: what
+    it reads of one is named by its type (rollout.Engine, reward.RewardModel's `sharded` and PairwiseJudge's
+    `counts`, sglang_engine.Server, batching.EngineParts, hf.load_hf's offsets). PROBES_ALLOWED says why each
+    remaining probe is of something else (torch's DTensor, an SGLang answer, a thread-local), and holds no stale
+    entry."""
+    found, allowed = attribute_probes(), set(PROBES_ALLOWED)
+    assert found <= allowed, f"a probe not allowed (name the type, or say why here): {sorted(found - allowed)}"
+    assert allowed <= found, f"allowed probes no file makes any more: {sorted(allowed - found)}"
