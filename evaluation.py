@@ -10,30 +10,49 @@ import math
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-from data import prompt_ids
+from data import Item, ItemList, prompt_ids
 from distributed import all_gather_list, rank_world
-from metrics import plot
+from metrics import MetricsLog, plot
+from rollout import Engine
 from scoring import RewardPool, score_inline
 
+if TYPE_CHECKING:
+    from config import TrainConfig
+    from tokenizer import Tokenizer
+
+
+
+@dataclass
+class HeldOut:
+    """The held-out prompts a run evaluates on, their task (the verifier), and the accuracies measured on them: per
+    prompt, (sampled, greedy), before RL (after the SFT warm-up; None with eval_before_rl off) and at the latest
+    eval after it."""
+    task: ItemList
+    items: list[Item]
+    before_rl: tuple[torch.Tensor, torch.Tensor] | None = None
+    after_rl: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @torch.no_grad()
-def evaluate(run, *, samples: int, temperature: float) -> tuple[torch.Tensor, Counter]:
-    """Per held-out item of run (a train.Run), the mean binary reward of `samples` completions at `temperature`,
-    [n] fp32, and how their scoring went over every rank (a count per reason: "ok", "timeout", "error: <type>").
+def evaluate(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, *, samples: int,
+             temperature: float) -> tuple[torch.Tensor, Counter]:
+    """Per held-out item, the mean binary reward of `samples` completions at `temperature`, [n] fp32, and how their
+    scoring went over every rank (a count per reason: "ok", "timeout", "error: <type>").
 
     Scored as the RL step scores (score_rollouts): each completion within reward.timeout_s, by reward
-    workers beside generation when the run has them (a RewardPool of the held-out task's verifier: the
-    run's own pool is bound to the training task's), else on this thread (scoring.score_inline). A
-    completion that cannot be scored (math-verify on 9^{9^{9^{9}}}, a verifier that raises) counts as
+    workers beside generation when the run has them (reward.workers: a RewardPool of the held-out task's
+    verifier, the run's own pool being bound to the training task's), else on this thread (scoring.score_inline).
+    A completion that cannot be scored (math-verify on 9^{9^{9^{9}}}, a verifier that raises) counts as
     wrong and is counted; it never ends the run. temperature 0 is greedy (use samples=1). Sampling is
     seeded by cfg.seed, so every eval of a run draws from the same random stream.
     """
-    cfg, items, task = run.cfg, run.eval_items, run.held_out
+    items, task = held.items, held.task
     params = dataclasses.replace(cfg.sampling, temperature=temperature)
     rank, world = rank_world()
     # items per call and rank: eval_batch_rows' worth, or with engine.slots all of this rank's (one call, `slots` live)
@@ -41,18 +60,18 @@ def evaluate(run, *, samples: int, temperature: float) -> tuple[torch.Tensor, Co
     mine = list(range(rank, len(items), world))  # multi-rank: rank r takes items r, r + world, ...
     calls = -(-len(items) // (rows * world))  # as many on every rank (the sharded engine's calls are collectives)
     pool = None
-    if run.pool is not None:  # the run scores on workers: so does its eval, with the same number and limit
+    if cfg.reward.workers:  # the run scores on workers: so does its eval, with the same number and limit
         pool = RewardPool(task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
     group_ids, results = [], []  # per completion: its item, and its (reward, reason)
     try:
-        with run.engine.phase():
+        with engine.phase():
             for c in range(calls):
                 chunk = mine[c * rows:(c + 1) * rows]
                 # item i's stream is keyed by (cfg.seed, i, sample): the same whichever rank and call generate it
-                outs = run.engine.generate([prompt_ids(run.tok, task, items[i], cfg.system_prompt) for i in chunk],
-                                           params, n=samples, seed=cfg.seed, group_ids=chunk)
+                outs = engine.generate([prompt_ids(tok, task, items[i], cfg.system_prompt) for i in chunk],
+                                       params, n=samples, seed=cfg.seed, group_ids=chunk)
                 for r in outs:  # a completion's key is its position among this rank's completions
-                    text, item = run.tok.decode(r.text_ids), items[r.group_id]
+                    text, item = tok.decode(r.text_ids), items[r.group_id]
                     if pool is not None:
                         pool.submit(len(group_ids), text, item)
                     else:
@@ -70,16 +89,18 @@ def evaluate(run, *, samples: int, temperature: float) -> tuple[torch.Tensor, Co
     return reward.view(len(items), samples).mean(dim=1), Counter(why for _, _, why in scored)  # (items, samples) -> [n]
 
 
-def run_eval(run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def run_eval(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, log: MetricsLog, step: int,
+             t_start: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled (mean of eval_samples at the rollout temperature) and greedy accuracy per held-out prompt, logged
-    with `eval/unscored`: the completions of both that could not be scored (timeout or error), counted wrong."""
-    sampled, reasons = evaluate(run, samples=run.cfg.eval_samples, temperature=run.cfg.sampling.temperature)
-    greedy, greedy_reasons = evaluate(run, samples=1, temperature=0.0)
+    (`log`, the run's time since t_start) with `eval/unscored`: the completions of both that could not be scored
+    (timeout or error), counted wrong."""
+    sampled, reasons = evaluate(engine, tok, held, cfg, samples=cfg.eval_samples, temperature=cfg.sampling.temperature)
+    greedy, greedy_reasons = evaluate(engine, tok, held, cfg, samples=1, temperature=0.0)
     reasons.update(greedy_reasons)
     unscored = sum(n for why, n in reasons.items() if why != "ok")
     (acc, se), (g_acc, g_se) = mean_se(sampled), mean_se(greedy)
-    run.log({"stage": "eval", "step": step, "eval_acc": acc, "eval_se": se, "eval_greedy_acc": g_acc,
-             "eval_greedy_se": g_se, "eval/unscored": unscored, "time": time.perf_counter() - run.t_start})
+    log({"stage": "eval", "step": step, "eval_acc": acc, "eval_se": se, "eval_greedy_acc": g_acc,
+         "eval_greedy_se": g_se, "eval/unscored": unscored, "time": time.perf_counter() - t_start})
     if rank_world()[0] == 0:
         tqdm.write(f"step {step}: eval accuracy {acc:.3f} +- {se:.3f} sampled, {g_acc:.3f} +- {g_se:.3f} greedy")
         if unscored:
@@ -93,46 +114,46 @@ def mean_se(x: torch.Tensor) -> tuple[float, float]:
     return x.mean().item(), (x.var(correction=0) / len(x)).sqrt().item()
 
 
-def summarize(run) -> dict:
-    """The end of a run (a train.Run): the optimizer steps taken, the plot and the held-out accuracy table, printed by
-    rank 0; returns their numbers."""
-    cfg, rank = run.cfg, rank_world()[0]
-    rl = [r for r in run.log.records if r.get("stage") == "rl"]
+def summarize(cfg: TrainConfig, held: HeldOut, records: list[dict], t_start: float) -> dict:
+    """The end of a run: the optimizer steps taken (its RL records'), the plot and the held-out accuracy table,
+    printed by rank 0; returns their numbers."""
+    rank = rank_world()[0]
+    rl = [r for r in records if r.get("stage") == "rl"]
     summary = {"optimizer_steps": sum(r.get("optimizer_steps", 0) for r in rl)}
     if rank == 0:
-        plot(run.log.records, os.path.join(cfg.out_dir, "plot.png"))
+        plot(records, os.path.join(cfg.out_dir, "plot.png"))
         skipped = sum(r.get("skipped_update", 0) for r in rl)
         print(f"{summary['optimizer_steps']} optimizer steps in {len(rl)} RL steps"
               + (f" ({skipped} with every group zero-variance and dropped: no update)" if skipped else ""))
-    if run.evals["after_rl"] is not None:  # None: no eval ran (eval_before_rl off and no RL step)
-        summary.update(accuracy_table(run))
+    if held.after_rl is not None:  # None: no eval ran (eval_before_rl off and no RL step)
+        summary.update(accuracy_table(cfg, held))
     if rank == 0:
         print(f"wrote {cfg.out_dir}/: the model in the HF hub layout (config.json, safetensors, tokenizer files), "
               f"run_config.json, metrics.jsonl, plot.png"
               f"{', ckpt/' if os.path.isdir(os.path.join(cfg.out_dir, 'ckpt')) else ''} "
-              f"in {time.perf_counter() - run.t_start:.0f}s")
+              f"in {time.perf_counter() - t_start:.0f}s")
     return summary
 
 
-def accuracy_table(run) -> dict:
+def accuracy_table(cfg: TrainConfig, held: HeldOut) -> dict:
     """Held-out accuracy before RL (after SFT) and after, with the paired gain, printed by rank 0; after RL alone
     when eval_before_rl is off. Returns {"sampled": ..., "greedy": ...}."""
-    cfg, rank = run.cfg, rank_world()[0]
-    after_sft, after_rl = run.evals["after_sft"], run.evals["after_rl"]
+    rank = rank_world()[0]
+    before, after = held.before_rl, held.after_rl
     start = "after SFT" if cfg.sft_steps else "before RL"  # a checkpoint's run has no SFT warm-up
     if rank == 0:
-        print(f"{f'held-out accuracy (n={len(run.eval_items)} prompts)':<38}"
-              + (f"{start:<17}{'after RL':<17}RL gain" if after_sft is not None else "after RL (eval_before_rl off)"))
+        print(f"{f'held-out accuracy (n={len(held.items)} prompts)':<38}"
+              + (f"{start:<17}{'after RL':<17}RL gain" if before is not None else "after RL (eval_before_rl off)"))
     table = {}
     for k, name in enumerate([f"sampled (mean of {cfg.eval_samples}, T={cfg.sampling.temperature})", "greedy"]):
-        a1, s1 = mean_se(after_rl[k])
-        if after_sft is None:
+        a1, s1 = mean_se(after[k])
+        if before is None:
             table[["sampled", "greedy"][k]] = {"rl_acc": a1, "rl_se": s1}
             if rank == 0:
                 print(f"{name:<38}{a1:.3f} +- {s1:.3f}")
             continue
-        a0, s0 = mean_se(after_sft[k])
-        gain, paired_se = mean_se(after_rl[k] - after_sft[k])  # same prompts before and after: a paired difference
+        a0, s0 = mean_se(before[k])
+        gain, paired_se = mean_se(after[k] - before[k])  # same prompts before and after: a paired difference
         if rank == 0:
             print(f"{name:<38}{a0:.3f} +- {s0:.3f}   {a1:.3f} +- {s1:.3f}   {gain:+.3f} = "
                   f"{gain / max(paired_se, 1e-9):.1f} paired SE ({gain / max(math.hypot(s0, s1), 1e-9):.1f} unpaired)")

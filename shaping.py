@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from distributed import all_gather_list, rank_world
+from distributed import all_gather_list
 from reward import PairwiseJudge, RewardConfig, Scorer, order_violations, scorer_outputs, shaped_rewards
 from rollout import NativeEngine
 from sampler import Rollout, SamplingParams
@@ -75,8 +75,7 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
     scores = [None] * len(groups)
     judge = isinstance(scorer, PairwiseJudge)
     if scorer is not None:
-        world = rank_world()[1]
-        # this rank's groups: their rollouts are whole here (Rollout), the others' are summaries
+        # this rank's groups: their rollouts are whole here (Scored.local), the others' are summaries
         mine = [p for p, (_, g) in enumerate(groups) if g[0].local]
         if scores_collectively(scorer):  # a collective (reward.rm_shard): one call of every own row (choice 4)
             rows = [(p, s) for p in mine for s in groups[p][1]]

@@ -44,10 +44,10 @@ from tqdm import tqdm
 from checkpoint import (CKPT_BYTES_PER_PARAM, check_run_folder, latest_checkpoint, lock_run_folder, read_checkpoint,
                         resume_checkpoint, rng_state, set_rng_state, write_checkpoint)
 from config import ConfigError, TrainConfig, parse_args
-from data import Item, ItemList, Prompts, RunData, load_run_data
+from data import Item, Prompts, RunData, load_run_data
 from distributed import Meshes, all_gather_list, build_model, rank_world, reference_copy, setup_distributed
 from espo import ragged_group_advantages
-from evaluation import run_eval, summarize
+from evaluation import HeldOut, run_eval, summarize
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, PromptHistory, Scored, is_informative, oversample_size,
                     pre_rollout_filter, probe_decisions, stage3)
 from hf import check_weights, save_hf
@@ -88,13 +88,11 @@ class Run:
     model: torch.nn.Module | None = None  # the policy (FSDP/EP-sharded under torchrun)
     opt: torch.optim.Optimizer | None = None  # the RL optimizer (SFT has its own)
     ref_model: torch.nn.Module | None = None  # the KL penalty's frozen reference
-    held_out: ItemList | None = None  # the eval prompts' task (their verifier), and the prompts:
-    eval_items: list[Item] = field(default_factory=list)
+    held_out: HeldOut | None = None  # the eval prompts, their task (verifier) and accuracies before and after RL
     log: MetricsLog = field(default_factory=MetricsLog)  # in memory only, unless given an out_dir
     pool: RewardPool | None = None  # reward workers that score while generation goes on
     scorer: Scorer | None = None  # reward model or judge (reward.reward_model_for), None without one
     scorer_queue: ScorerQueue | None = None  # with reward workers: the scorer at work while generation goes on
-    evals: dict = field(default_factory=dict)  # "after_sft" / "after_rl": (sampled, greedy) accuracy per prompt
     t_start: float = field(default_factory=time.perf_counter)
 
 
@@ -330,7 +328,7 @@ def rl_loop(run: Run, start: int):
         shown = "reward/shaped_mean" if cfg.reward.rm_only else "reward"
         bar.set_postfix(reward=f"{m.get(shown, math.nan):.2f}", zv=f"{m['filter/zero_variance_frac']:.2f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.rl_steps:
-            run.evals["after_rl"] = run_eval(run, step + 1)
+            run.held_out.after_rl = run_eval(run.engine, run.tok, run.held_out, cfg, run.log, step + 1, run.t_start)
         checkpoint(run, run.opt, "rl", step)
     if steps is not None:
         steps.close()
@@ -452,7 +450,7 @@ def checkpoint(run: Run, opt, phase: str, step: int):
         return
     state = {"phase": phase, "step": step, "position": position, "used": run.prompts.used, "rng": rng_state(),
              "filter_rng": run.filter_rng.getstate(), "history": run.history.state_dict(),
-             "predictor": run.predictor.state_dict(), "num_records": len(run.log.records), "evals": dict(run.evals),
+             "predictor": run.predictor.state_dict(), "num_records": len(run.log.records), "evals": {"after_sft": run.held_out.before_rl, "after_rl": run.held_out.after_rl},
              "ref_model": {n: full_tensor(t) for n, t in policy_tensors(run.ref_model)}
              if run.ref_model is not None else None}
     write_checkpoint(run.cfg.out_dir, position, run.model, opt, state, run.cfg)
@@ -512,7 +510,7 @@ def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
     scorer = reward_model_for(cfg.reward, device=cfg.device, judge_generator=judge_generator(cfg))
     return Run(cfg=cfg, engine=engine, tok=data.tok, prompts=data.prompts,
                predictor=LengthPredictor(prior=cfg.sampling.max_new_tokens / 2), filter_rng=random.Random(cfg.seed),
-               history=start.history, model=model, held_out=data.held_out, eval_items=data.eval_items,
+               history=start.history, model=model, held_out=HeldOut(data.held_out, data.eval_items),
                log=MetricsLog(cfg.out_dir, logger=cfg.logger, config=dataclasses.asdict(cfg), write=rank_world()[0] == 0,
                               keep=start.resumed["num_records"] if start.resumed else None),
                pool=RewardPool(data.task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
@@ -550,7 +548,7 @@ def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
         raise ConfigError(str(e)) from e
     if rank == 0:
         print(f"model: {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M params; {len(r.prompts.task)} train "
-              f"prompts, {len(r.eval_items)} held-out prompts" + (f"; {world} ranks (ep={cfg.ep})" if world > 1 else "")
+              f"prompts, {len(r.held_out.items)} held-out prompts" + (f"; {world} ranks (ep={cfg.ep})" if world > 1 else "")
               + (f"; resuming from {ckpt} ({resumed['step'] + 1} {resumed['phase']} steps done)" if ckpt else ""))
         if r.prompts.skipped:
             print(f"skipped {r.prompts.skipped} training prompts longer than max_prompt_tokens={cfg.prompt_limit()}")
@@ -569,7 +567,8 @@ def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
         del opt
         r.engine.wake()
         r.engine.update_weights(policy_tensors(r.model), version=0)
-        r.evals["after_sft"] = r.evals["after_rl"] = run_eval(r, 0) if cfg.eval_before_rl else None
+        if cfg.eval_before_rl:
+            r.held_out.before_rl = r.held_out.after_rl = run_eval(r.engine, r.tok, r.held_out, cfg, r.log, 0, r.t_start)
         r.opt = rl_optimizer(r.model, cfg)
         # the KL penalty's reference: a frozen copy of the policy as RL starts, kept only when used
         r.ref_model = reference_copy(r.model, cfg, meshes) if cfg.loss.kl_coef != 0 else None
@@ -579,7 +578,8 @@ def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
         read_checkpoint(ckpt, r.model, r.opt, cfg.dist_timeout_s)
         if resumed["ref_model"] is not None:
             r.ref_model = build_model(cfg, meshes, resumed["ref_model"]).requires_grad_(False)
-        r.prompts.used, rl_start, r.evals = resumed["used"], resumed["step"] + 1, dict(resumed["evals"])
+        r.prompts.used, rl_start = resumed["used"], resumed["step"] + 1
+        r.held_out.before_rl, r.held_out.after_rl = resumed["evals"]["after_sft"], resumed["evals"]["after_rl"]
         r.predictor.load_state_dict(resumed["predictor"])
         r.history.load_state_dict(resumed["history"])
         r.filter_rng.setstate(resumed["filter_rng"])
@@ -593,7 +593,7 @@ def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
         r.scorer_queue.close()
     r.log.close()
     save_model(r)
-    return summarize(r)
+    return summarize(cfg, r.held_out, r.log.records, r.t_start)
 
 
 def stopped(e: NonFiniteError, cfg: TrainConfig) -> str:

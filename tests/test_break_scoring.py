@@ -23,11 +23,11 @@ import torch
 
 import reward
 import sandbox
-import train
 from config import load_config
 from data import CodeTask, Item, ItemList, MathTask
+from evaluation import HeldOut, run_eval
+from metrics import MetricsLog
 from sampler import Rollout
-from scoring import RewardPool
 
 TIMEOUT_S = 0.5  # reward.timeout_s of these runs: a degenerate completion costs this, twice (sampled and greedy)
 SLOW_S = 3.0  # a verifier this slow would give reward 1.0, long after the limit
@@ -102,17 +102,12 @@ def test_eval_counts_an_unscorable_completion_wrong_and_goes_on(case, tmp_path):
     task = make_task()
     cfg = load_config(None, [f"out_dir={tmp_path}", f"reward.timeout_s={TIMEOUT_S}", f"reward.workers={workers}",
                              "eval_samples=1"])
-    # the run's own pool scores the training task; its presence is what sends the eval to workers too
-    run_pool = RewardPool(task.score, workers=1, timeout_s=TIMEOUT_S) if workers else None
-    run = train.Run(cfg=cfg, engine=ScriptedEngine(), tok=CompletionTable([bad, good]), prompts=None, predictor=None,
-                    filter_rng=None, held_out=task, eval_items=task.items, pool=run_pool)
-    try:
-        sampled, greedy = train.run_eval(run, step=0)
-    finally:
-        if run_pool is not None:
-            run_pool.close()
+    log = MetricsLog()
+    # reward.workers > 0 sends the eval to workers of its own, as the run's own pool scores the training task
+    sampled, greedy = run_eval(ScriptedEngine(), CompletionTable([bad, good]), HeldOut(task, task.items), cfg, log,
+                               step=0, t_start=0.0)
     assert sampled.tolist() == greedy.tolist() == [0.0, 1.0]
-    assert run.log.records[-1]["eval/unscored"] == 2  # once sampled, once greedy
+    assert log.records[-1]["eval/unscored"] == 2  # once sampled, once greedy
 
 
 # ----------------------------------------------------------------------------- 5. the sandbox's file system

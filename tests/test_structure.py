@@ -28,9 +28,9 @@ LAYERS = {
     # 5: files in and out, several ranks
     "hf": 5, "data": 5, "distributed": 6,
     # 7: engines, trainer, checkpoints, the dry-run plan
-    "sglang_engine": 7, "batching": 7, "evaluation": 7, "trainer": 7, "checkpoint": 7, "plan": 7, "reward_model": 7, "rollout": 8,
+    "sglang_engine": 7, "batching": 7, "trainer": 7, "checkpoint": 7, "plan": 7, "reward_model": 7, "rollout": 8,
     # 9: the RL step's parts above the engines; 10: the entry point and the RL step
-    "shaping": 9, "train": 10,
+    "shaping": 9, "evaluation": 9, "train": 10,
 }
 MAX_ARROWS = 92  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
 # reward_model -> reward, hf, hf_config, tokenizer and train -> reward_model (issue 27: a reward model read
