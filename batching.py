@@ -134,11 +134,11 @@ class ContinuousBatch:
         B = self.num_slots = min(options.slots, X)  # more slots than rows would only step padding
         T = max(len(p) for p in prompts)
         S = T + C - 1  # the last sampled token is never fed back
-        P = self.page_size = options.page_size
-        pages = pool_pages(B, T, C, P, options.kv_tokens)
-        if options.kv_tokens and (why := too_few_pages(options.kv_tokens, T, C, P)):
+        p = self.page_size = options.page_size
+        pages = pool_pages(B, T, C, p, options.kv_tokens)
+        if options.kv_tokens and (why := too_few_pages(options.kv_tokens, T, C, p)):
             raise ValueError(why)
-        self.cache = PagedKVCache(cfg, B, pages, P, S, dtype=engine.dtype, device=dev)  # (L, pages + 1, J, P, d)
+        self.cache = PagedKVCache(cfg, B, pages, p, S, dtype=engine.dtype, device=dev)  # (L, pages + 1, J, p, d)
         self.kv_bytes = 2 * self.cache.k.numel() * self.cache.k.element_size()
         self.kv_live_bytes = 0  # the most of the pool the rows (and held prompts) held at once, in bytes
         # the Rollout's dtype (route_dtype); a slot's columns past its row's last fed token are never read
@@ -161,7 +161,7 @@ class ContinuousBatch:
         self.prefilled: dict[tuple, Prefilled] = {}
         # rounds: admission rounds, each one prefill forward (a placeholder's on a sharded rank with no new prompt)
         self.stats = {"rows": X, "slots": B, "admissions": 0, "prefills": 0, "rounds": 0, "decode_steps": 0,
-                      "decode_row_steps": 0, "useful_row_steps": 0, "pages": pages, "page_size": P,
+                      "decode_row_steps": 0, "useful_row_steps": 0, "pages": pages, "page_size": p,
                       "peak_pages": 0, "preemptions": 0}
 
     def run(self, groups: list[int], weight_version: int) -> list[Rollout]:

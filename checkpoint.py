@@ -407,6 +407,8 @@ def resume_checkpoint(cfg: TrainConfig) -> tuple[str | None, dict | None]:
     if changes and rank == 0:
         print(f"resume_changed=True: {path} continues with changed settings (checkpoint -> this run: "
               f"{'; '.join(changes)})", flush=True)
+    if "phase" in state:  # a checkpoint written before the SFT / RL stage was named "stage"
+        state["stage"] = state.pop("phase")
     return path, state
 
 

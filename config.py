@@ -122,13 +122,13 @@ class EngineConfig:
     slots: int = 0
     """name='native': continuous batching (batching.ContinuousBatch). 0 = static calls: a step's rows go to the
     engine in generate calls of gen_batch_rows rows (eval_batch_rows for an eval), each decoding until its longest
-    row stops, batched by predicted length (scheduler.generation_batches). N > 0 = each generate round of a step,
-    and each eval pass, is one call per rank holding all of its rows, of which N decode at once, a stopped row's
-    slot taking the next: N replaces gen_batch_rows and eval_batch_rows as the bound on live rows (the KV cache
-    holds N rows; the dry run's plan sizes it so), and the length buckets have nothing left to do (the scheduler
+    row stops, batched by predicted length (scheduler.generation_batches). slots > 0 = each generate round of a
+    step, and each eval pass, is one call per rank holding all of its rows, of which `slots` decode at once, a
+    stopped row's slot taking the next: slots replaces gen_batch_rows and eval_batch_rows as the bound on live rows
+    (the KV cache holds that many rows; the dry run's plan sizes it so), and the length buckets have nothing left to do (the scheduler
     only deals the prompts over the ranks, longest-first round-robin, for balance). Reward workers then start
     scoring when the call returns. Under torchrun the ranks decode in lockstep, each MoE layer's all-to-all on
-    fixed buffers of N tokens (ep_decode.capacity_dispatch): no host sync per layer."""
+    fixed buffers of `slots` tokens (ep_decode.capacity_dispatch): no host sync per layer."""
     cuda_graph: bool = False
     """slots > 0: capture each generate call's decode step in a CUDA graph (graph_decode.GraphedDecode) at its first
     step and replay it at every later one, the step's kernel launches in one. Needs device='cuda' and bf16 (the

@@ -1,9 +1,9 @@
-"""A run's prompts: the tasks (`Item`, `ItemList`; reasoning-gym's `TaskMix`, and the datasets a user
+"""A run's prompts: the tasks (`Item`, `Task`; reasoning-gym's `TaskMix`, and the datasets a user
 brings as JSONL or parquet files of GSM8K, MATH, HumanEval or prompt-only rows: `load_task`, `load_tasks`), and
 the training prompts tokenized once, in a fixed random order (`Prompts`; `prompt_ids`: an item in
 the tokenizer's chat template). Each task scores with a verifier of reward.py.
 
-A task is an ItemList: `items`, `score(completion, item)`, `exclude`, `user_message(item)` and
+A task is an Task: `items`, `score(completion, item)`, `exclude`, `user_message(item)` and
 `demonstration(item)`. reasoning-gym's seeds: item i of seed s equals item i-1 of seed s+1, so
 train and eval seeds must lie further apart than the train size; `exclude` drops eval items whose
 question also appears in training.
@@ -89,7 +89,7 @@ class Item:
     index: int  # index within that dataset
 
 
-class ItemList:
+class Task:
     """A task's prompts as a list of Item (`self.items`), indexable, with eval de-duplication.
 
     A task (TaskMix; MathTask and HumanEvalTask for a user's files) also has
@@ -113,7 +113,7 @@ class ItemList:
         return item.question
 
 
-class TaskMix(ItemList):
+class TaskMix(Task):
     """Round-robin mix of reasoning-gym datasets: item i comes from dataset i % num_tasks.
 
     specs: list of (dataset name, kwargs) for `reasoning_gym.create_dataset` (a run's `tasks`).
@@ -164,7 +164,7 @@ class CodeTask:
     canonical_solution: str = ""  # the reference body that continues the prompt ("" if the data has none)
 
 
-class MathTask(ItemList):
+class MathTask(Task):
     """GSM8K or MATH rows, graded by reward.math_reward on the completion's one final answer (reward.final_answer).
     `skipped`: line numbers of rows whose gold math-verify cannot read, or a GSM8K gold that is no number
     (see the module docstring)."""
@@ -184,7 +184,7 @@ class MathTask(ItemList):
         return f"\\boxed{{{item.answer}}}"
 
 
-class HumanEvalTask(ItemList):
+class HumanEvalTask(Task):
     """HumanEval-format problems, run in the sandbox by reward.code_reward; `problems[item.index]` is an
     item's CodeTask, and an item's answer its canonical solution ("" if the data has none)."""
 
@@ -206,7 +206,7 @@ class HumanEvalTask(ItemList):
         return f"```python\n{problem.prompt}{problem.canonical_solution.rstrip()}\n```"
 
 
-class PromptTask(ItemList):
+class PromptTask(Task):
     """Prompt-only rows (choice 7): no gold, so no verifier. Its score is 0.0 for every completion: a run on it
     rewards by its reward model alone (reward.rm_only), and its eval accuracy is 0 by construction."""
 
@@ -392,7 +392,7 @@ def _humaneval_row(row: dict, name: str) -> CodeTask:
 
 # ----------------------------------------------------------------------------- a run's prompts
 
-def load_tasks(cfg: TrainConfig) -> tuple[ItemList, ItemList]:
+def load_tasks(cfg: TrainConfig) -> tuple[Task, Task]:
     """The training task and the held-out one: the dataset files (train_data, eval_data, every row read
     once), else reasoning-gym's tasks, held out by a seed far from the training one (and 4x eval_size
     of them, as some repeat a training question). Raises ValueError naming the field and the file, and for a
@@ -422,7 +422,7 @@ def load_tasks(cfg: TrainConfig) -> tuple[ItemList, ItemList]:
     return tasks[0], tasks[1]
 
 
-def prompt_ids(tok: Tokenizer, task: ItemList, item: Item, system: str = "") -> list[int]:
+def prompt_ids(tok: Tokenizer, task: Task, item: Item, system: str = "") -> list[int]:
     """An item's prompt as token ids: the task's wording of it, in the tokenizer's chat template (if any)."""
     return tok.prompt_ids(task.user_message(item), system)
 
@@ -433,7 +433,7 @@ class Prompts:
     tokenized once, up front (`ids`, by question: the task's wording, in the chat template if the
     tokenizer has one). Prompts longer than max_tokens leave the order (`skipped` counts them); none
     left raises ValueError."""
-    task: ItemList  # reasoning-gym's TaskMix, or a dataset file's (load_task)
+    task: Task  # reasoning-gym's TaskMix, or a dataset file's (load_task)
     order: list[int]  # a permutation of the task's items
     tok: Tokenizer
     max_tokens: int  # cfg.prompt_limit()
@@ -465,8 +465,8 @@ class Prompts:
 @dataclass
 class RunData:
     """A run's prompts and tokenizer, read (or learned) once before any work: the objects the run uses."""
-    task: ItemList  # the training prompts' task (their verifier)
-    held_out: ItemList  # the eval prompts' task
+    task: Task  # the training prompts' task (their verifier)
+    held_out: Task  # the eval prompts' task
     tok: Tokenizer
     prompts: Prompts  # the training prompts, tokenized, in the run's order
     eval_items: list[Item]  # eval_size held-out items, unseen in training and within the prompt limit
@@ -491,7 +491,7 @@ def load_run_data(cfg: TrainConfig) -> RunData:
     return RunData(task=task, held_out=held_out, tok=tok, prompts=prompts, eval_items=items)
 
 
-def run_tokenizer(cfg: TrainConfig, task: ItemList) -> Tokenizer:
+def run_tokenizer(cfg: TrainConfig, task: Task) -> Tokenizer:
     """The checkpoint's tokenizer (init_hf, or init_from: an earlier run's), else the tiny demo's own BPE
     learned from the task's prompts and answers. Raises ValueError naming the field: a tokenizer that does
     not load, ids past model.vocab_size, bpe_merges too many, system_prompt without a chat template."""
@@ -520,7 +520,7 @@ def run_tokenizer(cfg: TrainConfig, task: ItemList) -> Tokenizer:
     return tok
 
 
-def held_out_items(cfg: TrainConfig, task: ItemList, held_out: ItemList, tok: Tokenizer) -> list[Item]:
+def held_out_items(cfg: TrainConfig, task: Task, held_out: Task, tok: Tokenizer) -> list[Item]:
     """The first eval_size held-out items no training prompt repeats (reasoning-gym repeats questions) and
     within the prompt limit. Raises ValueError naming eval_size when fewer are left."""
     unseen = held_out.exclude({it.question for it in task.items})

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from data import Item, ItemList, prompt_ids
+from data import Item, Task, prompt_ids
 from distributed import all_gather_list, rank_world
 from metrics import MetricsLog, plot
 from rollout import Engine
@@ -33,7 +33,7 @@ class HeldOut:
     """The held-out prompts a run evaluates on, their task (the verifier), and the accuracies measured on them: per
     prompt, (sampled, greedy), before RL (after the SFT warm-up; None with eval_before_rl off) and at the latest
     eval after it."""
-    task: ItemList
+    task: Task
     items: list[Item]
     before_rl: tuple[torch.Tensor, torch.Tensor] | None = None
     after_rl: tuple[torch.Tensor, torch.Tensor] | None = None

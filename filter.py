@@ -167,9 +167,9 @@ class Scored:
     """One scored rollout, as the stages see it."""
     reward: float
     num_tokens: int  # generated tokens
-    payload: Any = None  # whatever the caller needs back (e.g. the Rollout)
+    rollout: Any = None  # the rollout (sampler.Rollout), or under torchrun another rank's summary of one
     reason: str = "ok"  # how scoring went: "ok", "timeout" or "error: <type>" (scoring.RewardPool); such a reward is 0
-    local: bool = True  # the payload is this rank's whole rollout (False: another rank's summary, under torchrun)
+    local: bool = True  # the rollout is this rank's whole one (False: another rank's summary, under torchrun)
 
 
 def rest_agree_probability(probe_reward: float, probe_size: int, rest: int, record: PromptRecord | None) -> float:

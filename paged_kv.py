@@ -1,7 +1,7 @@
 """A paged key/value cache for continuous batching (batching.ContinuousBatch, engine.page_size / engine.kv_tokens):
-keys and values live in fixed-size pages of P columns that a call's slots share through a page table, given to
+keys and values live in fixed-size pages of p columns that a call's slots share through a page table, given to
 rows as they grow and returned when they stop (PagedAttention, arXiv 2309.06180), so a call's KV memory follows
-its live tokens, not rows x max length. Shapes: N pages, P columns a page, M pages a slot's table can hold, the
+its live tokens, not rows x max length. Shapes: F pages, p columns a page (a slot's page table holds as many pages as its longest row needs), the
 rest as in the README's legend (L layers, B slots, J kv heads, W columns attended, d head dim).
 
 Notable choices:
@@ -15,10 +15,10 @@ Notable choices:
 3. A prompt's prefill is written into pages once (`write_prompt`); its full pages are shared by every row of the
    prompt (reference counts; a row writes only past its prompt, so no shared page is ever written), and its
    last, partial page is copied into a page of each admitted row's own (`attach`: copy at admission, at most
-   P - 1 columns a row, which the row then decodes into). Copy-on-write would save those columns and cost a
+   p - 1 columns a row, which the row then decodes into). Copy-on-write would save those columns and cost a
    check in every decode step's write; the copy is bounded, and measured in bench/continuous.py's table.
 4. Host-side bookkeeping: the free list, reference counts and each slot's pages are Python lists; the device
-   holds the pages and the table [B, M] that a decode step reads, rewritten only when a slot's pages change.
+   holds the pages and the table [B, pages a slot can hold] that a decode step reads, rewritten only when a slot's pages change.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def too_few_pages(kv_tokens: int, prompt_tokens: int, max_new_tokens: int, page_
 
 
 class PagedKVCache:
-    """Keys and values [L, N + 1, J, P, d] (page 0 scratch) and a page table [B, M] per slot.
+    """Keys and values [L, F + 1, J, p, d] (page 0 scratch) and a page table [B, pages a slot can hold] per slot.
 
     `update_rows` is model.KVCache's, so the model's attention decodes over either. Pages are handed out by
     `alloc`, shared by `share` and returned by `release` (reference counted); `attach`/`grow`/`detach` move a
@@ -73,11 +73,11 @@ class PagedKVCache:
 
     def __init__(self, cfg: ModelConfig, num_slots: int, num_pages: int, page_size: int, max_len: int, *,
                  dtype, device):
-        shape = (cfg.n_layers, num_pages + 1, cfg.n_kv_heads, page_size, cfg.head_dim)  # (L, N + 1, J, P, d)
+        shape = (cfg.n_layers, num_pages + 1, cfg.n_kv_heads, page_size, cfg.head_dim)  # (L, F + 1, J, p, d)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size, self.num_pages = page_size, num_pages
-        self.table_BM = torch.full((num_slots, pages_for(max_len, page_size)), SCRATCH, dtype=torch.long,
+        self.page_table = torch.full((num_slots, pages_for(max_len, page_size)), SCRATCH, dtype=torch.long,
                                    device=device)
         self.tables: list[list[int]] = [[] for _ in range(num_slots)]  # each slot's pages, host side
         self.free = list(range(num_pages, 0, -1))  # pop() hands out the lowest page first
@@ -110,17 +110,17 @@ class PagedKVCache:
     def write_prompt(self, k_LJTd: torch.Tensor, v_LJTd: torch.Tensor) -> list[int]:
         """Write a prompt's keys and values (its T real columns) into pages_for(T) new pages, held once (the
         prompt's own hold, released when its last row is admitted). The caller checked that they are free."""
-        T, P = k_LJTd.shape[2], self.page_size
-        pages = [self.alloc() for _ in range(pages_for(T, P))]
+        T, p = k_LJTd.shape[2], self.page_size
+        pages = [self.alloc() for _ in range(pages_for(T, p))]
         for i, page in enumerate(pages):
-            cols = slice(i * P, min(T, (i + 1) * P))
+            cols = slice(i * p, min(T, (i + 1) * p))
             self.k[:, page, :, :cols.stop - cols.start] = k_LJTd[:, :, cols]
             self.v[:, page, :, :cols.stop - cols.start] = v_LJTd[:, :, cols]
         return pages
 
     def attach(self, s: int, prompt_pages: list[int], T: int):
         """Give slot s its prompt of T columns: the full pages shared, the partial last one copied into a page of
-        its own (choice 3). Needs one free page when T is not a multiple of P."""
+        its own (choice 3). Needs one free page when T is not a multiple of p."""
         full = T // self.page_size
         for page in prompt_pages[:full]:
             self.share(page)
@@ -130,14 +130,14 @@ class PagedKVCache:
             self.k[:, own], self.v[:, own] = self.k[:, prompt_pages[full]], self.v[:, prompt_pages[full]]
             table = table + [own]
         self.tables[s] = table
-        self.table_BM[s, :len(table)] = torch.tensor(table, dtype=torch.long)
+        self.page_table[s, :len(table)] = torch.tensor(table, dtype=torch.long)
 
     def grow(self, s: int) -> bool:
         """One more page at the end of slot s's table; False when none is free."""
         page = self.alloc()
         if page is None:
             return False
-        self.table_BM[s, len(self.tables[s])] = page
+        self.page_table[s, len(self.tables[s])] = page
         self.tables[s].append(page)
         return True
 
@@ -145,19 +145,19 @@ class PagedKVCache:
         """Return slot s's pages and point its table at scratch."""
         self.release(self.tables[s])
         self.tables[s] = []
-        self.table_BM[s] = SCRATCH
+        self.page_table[s] = SCRATCH
 
     def update_rows(self, layer: int, col_B: torch.Tensor, k_BJ1d, v_BJ1d, width: int):
-        """model.KVCache.update_rows over pages: row b's token goes to column col_B[b] % P of its table's page
-        col_B[b] // P; returns columns [0, width) of every row gathered from its pages, [B, J, width, d] each."""
-        P = self.page_size
-        page_B = self.table_BM.gather(1, (col_B // P)[:, None])[:, 0]  # (B,)
-        # advanced indices on dims 0 and 2 of (N + 1, J, P, d) around a slice: the indexed dims are (B, J, d)
-        self.k[layer][page_B, :, col_B % P] = k_BJ1d[:, :, 0]
-        self.v[layer][page_B, :, col_B % P] = v_BJ1d[:, :, 0]
-        pages_B1M = self.table_BM[:, None, :pages_for(width, P)]
+        """model.KVCache.update_rows over pages: row b's token goes to column col_B[b] % p of its table's page
+        col_B[b] // p; returns columns [0, width) of every row gathered from its pages, [B, J, width, d] each."""
+        p = self.page_size
+        page_B = self.page_table.gather(1, (col_B // p)[:, None])[:, 0]  # (B,)
+        # advanced indices on dims 0 and 2 of (F + 1, J, p, d) around a slice: the indexed dims are (B, J, d)
+        self.k[layer][page_B, :, col_B % p] = k_BJ1d[:, :, 0]
+        self.v[layer][page_B, :, col_B % p] = v_BJ1d[:, :, 0]
+        pages = self.page_table[:, None, :pages_for(width, p)]  # (B, 1, the pages that hold columns [0, width))
         heads_1J1 = torch.arange(self.k.shape[2], device=col_B.device)[None, :, None]
 
-        def window(x_NJPd):  # indexed on its pages and heads at once: (B, J, M', P, d), one copy, then a view
-            return x_NJPd[pages_B1M, heads_1J1].flatten(2, 3)[:, :, :width]
+        def window(x_FJpd):  # indexed on its pages and heads at once: (B, J, those pages, p, d), one copy, then a view
+            return x_FJpd[pages, heads_1J1].flatten(2, 3)[:, :, :width]
         return window(self.k[layer]), window(self.v[layer])

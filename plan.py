@@ -49,11 +49,11 @@ Notable choices:
    fraction that fits leaves room for it, the margins and the graphs; its KV pool is what the
    fraction leaves after the trainer's parameters and the served weights (the checkpoint's
    bf16, or FP8, over tensor parallel ranks). A training step runs with the server asleep.
-7. Continuous batching (engine.slots = N > 0): a step's generate round, or an eval pass, is one call per rank
-   of all its rows (X), N of them live (batching.ContinuousBatch), so the decode routes and the sampler hold
-   N rows whatever gen_batch_rows and eval_batch_rows say, and the KV cache is a pool of pages
+7. Continuous batching (engine.slots > 0): a step's generate round, or an eval pass, is one call per rank
+   of all its rows, `slots` of them live (batching.ContinuousBatch), so the decode routes and the sampler hold
+   `slots` rows whatever gen_batch_rows and eval_batch_rows say, and the KV cache is a pool of pages
    (paged_kv.PagedKVCache) of engine.kv_tokens columns: the engine's KV memory is what the user sizes by live
-   tokens, not rows x max length (0 = N rows at full length, the bound that never preempts). The call holds the
+   tokens, not rows x max length (0 = `slots` rows at full length, the bound that never preempts). The call holds the
    pool from its start; an admission round prefills the new prompts of at most N rows into a left-padded cache
    of their own, written into pages and dropped; a decode step gathers one layer's window of N rows x S
    columns at a time (paged_kv's choice 2); the call keeps the X rows' tokens, logprobs and routes until it

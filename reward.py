@@ -591,7 +591,7 @@ class RewardConfig:
 
 
 
-def reward_model_for(cfg: RewardConfig) -> Scorer | None:
+def stand_in_scorer(cfg: RewardConfig) -> Scorer | None:
     """The built-in scorer cfg.model names (None for ""). A checkpoint folder's reward model is
     reward_model.reward_model_for's (it loads through hf.py, layers above this file); raises ValueError for one."""
     if cfg.model not in REWARD_MODELS:

@@ -6,7 +6,7 @@ holding a transformers sequence-classification checkpoint (config.json's archite
 this project's own model (model.Transformer, loaded by hf.load_hf), the `score` head [1, D] is read
 apart, and each (prompt, completion) is scored in the reward model's own chat template and tokenizer
 (tokenizer.load_hf_tokenizer). `reward_model_for(cfg)` is the run's scorer for `reward.model`: a
-checkpoint folder here, the stand-ins through reward.reward_model_for.
+checkpoint folder here, the stand-ins through reward.stand_in_scorer.
 
 `GenerativeJudge` is a pairwise judge (reward.PairwiseJudge) on a causal LM's checkpoint
 (`reward.model=judge:<folder>`): `JUDGE_PROMPT` rendered in the judge's chat template, a greedy reply from a
@@ -82,7 +82,7 @@ import torch
 from distributed import all_reduce_float, own_meshes, parallelize, rank_world
 from hf import load_hf
 from hf_config import config_from_hf, read_config, weight_files
-from reward import JUDGE_OUTCOMES, JUDGE_PREFIX, REWARD_MODELS, RewardConfig, Scorer, reward_model_for as stand_in_for
+from reward import JUDGE_OUTCOMES, JUDGE_PREFIX, REWARD_MODELS, RewardConfig, Scorer, stand_in_scorer
 from tokenizer import NFC, Tokenizer, _compiled_template, _specials, _token_name, load_hf_tokenizer
 
 if TYPE_CHECKING:
@@ -270,7 +270,7 @@ def reward_model_for(cfg: RewardConfig, *, device: str | torch.device = "cpu",
                      judge_generator: Callable[[Transformer, Tokenizer], Generate] | None = None) -> Scorer | None:
     """The run's scorer for cfg.model: an HFRewardModel of a checkpoint folder (on device, cfg.rm_batch_size
     pairs per forward), a GenerativeJudge of 'judge:<folder>' (its model loaded by hf.load_hf, its generator
-    `judge_generator(model, tokenizer)`), else reward.reward_model_for's stand-in (None for "").
+    `judge_generator(model, tokenizer)`), else reward.stand_in_scorer's stand-in (None for "").
     Raises ValueError for rm_only without a scorer, a judge without judge_generator, and what the loaders refuse."""
     if cfg.rm_only and not cfg.model:
         raise ValueError("reward.rm_only=True: the reward is the reward model's alone, so reward.model must name one "
@@ -287,7 +287,7 @@ def reward_model_for(cfg: RewardConfig, *, device: str | torch.device = "cpu",
                                max_new_tokens=cfg.judge_max_new_tokens)
     if os.path.isdir(cfg.model):
         return HFRewardModel(cfg.model, device, batch_size=cfg.rm_batch_size, shard=cfg.rm_shard)
-    return stand_in_for(cfg)
+    return stand_in_scorer(cfg)
 
 
 def scorer_model_config(cfg: RewardConfig) -> ModelConfig | None:

@@ -175,12 +175,12 @@ class NativeEngine:
             to_fp8_modules(self.model, dtype)
         self.weight_version = 0
         named = list(self.model.named_parameters(remove_duplicate=False)) + list(self.model.named_buffers())
-        self._slots = dict(named)  # every name a trainer may send, tied names included
+        self._tensors = dict(named)  # every name a trainer may send, tied names included
         persistent = set(self.model.state_dict())  # non-persistent buffers (softmax router's expert_bias) need not come
         # what every sync must bring: each parameter once (tied ones under one name) and each persistent buffer
         self._required = {n for n, _ in list(self.model.named_parameters()) + list(self.model.named_buffers())
                           if n in persistent}
-        self._fp8_weights = {n for n, t in self._slots.items() if t.dtype == FP8}  # quantise these on arrival
+        self._fp8_weights = {n for n, t in self._tensors.items() if t.dtype == FP8}  # quantise these on arrival
 
     @contextmanager
     def phase(self):
@@ -250,14 +250,14 @@ class NativeEngine:
         named_tensors = ((n, self._as_slot(n, full_tensor(t))) for n, t in named_tensors)
         for bucket in weight_buckets(named_tensors, DEFAULT_BUCKET_BYTES):
             for name, t in _stage(bucket, self.device):
-                slot = self._slots.get(name)
+                slot = self._tensors.get(name)
                 if slot is None:
                     raise ValueError(f"update_weights: unknown tensor {name!r}")
                 if slot.shape != t.shape:
                     raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, expected {tuple(slot.shape)}")
                 if name in self._fp8_weights and t.dtype != FP8:
                     q, s = quantize_fp8_blockwise(t)  # the same blocks as quantize_fp8 on the trainer's side
-                    self._slots[name + "_scale_inv"].copy_(s)
+                    self._tensors[name + "_scale_inv"].copy_(s)
                     t = q
                     seen.add(name + "_scale_inv")
                 slot.copy_(t)  # in place: the modules (and a compiled decode step) keep holding the same tensors
@@ -271,7 +271,7 @@ class NativeEngine:
 
     def _as_slot(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """t in its slot's floating dtype (an FP8 slot takes high precision and quantises it on arrival)."""
-        slot = self._slots.get(name)
+        slot = self._tensors.get(name)
         if slot is None or slot.dtype == FP8 or not t.is_floating_point() or t.dtype == FP8:
             return t
         return t.to(slot.dtype)

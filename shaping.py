@@ -80,14 +80,14 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
         if scores_collectively(scorer):  # a collective (reward.rm_shard): one call of every own row (choice 4)
             rows = [(p, s) for p in mine for s in groups[p][1]]
             flat = scorer.score([groups[p][0].question for p, _ in rows],
-                                [tok.decode(s.payload.text_ids) for _, s in rows])
+                                [tok.decode(s.rollout.text_ids) for _, s in rows])
             flat, own = torch.tensor(flat, dtype=torch.float64), []
             for p in mine:
                 own.append((p, flat[:len(groups[p][1])]))
                 flat = flat[len(groups[p][1]):]
         else:  # with reward workers: scored while generating, waited for here (choice 3)
-            own = [(p, queue.scores([s.payload for s in groups[p][1]]) if queue is not None else
-                    scorer_outputs(scorer, groups[p][0].question, [tok.decode(s.payload.text_ids)
+            own = [(p, queue.scores([s.rollout for s in groups[p][1]]) if queue is not None else
+                    scorer_outputs(scorer, groups[p][0].question, [tok.decode(s.rollout.text_ids)
                                                                    for s in groups[p][1]], groups[p][0].answer))
                    for p in mine]
         if queue is not None:
@@ -99,7 +99,7 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
     if queue is not None:  # the scorer's own seconds this step, generation's overlap included
         m["t_reward_model_busy"] = queue.take_busy_s()
     classes = [torch.zeros_like(c) for c in correct] if cfg.rm_only else correct
-    rewards = [shaped_rewards(c, [s.payload.completion_ids for s in g], cfg, scorer=scorer, scores=x,
+    rewards = [shaped_rewards(c, [s.rollout.completion_ids for s in g], cfg, scorer=scorer, scores=x,
                               max_new_tokens=max_new_tokens)
                for (_, g), c, x in zip(groups, classes, scores)]
     pairs = 0

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from tokenizer import Tokenizer
 
 STEP_SEED_STRIDE = 1000  # seed offset between RL steps' rollouts (cfg.seed + step, spread apart)
-STREAM_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds (probes, the rest, over-sampling)
+ROUND_SEED_STRIDE = 1_000_000_000  # seed offset between a step's generate rounds (probes, the rest, over-sampling)
 ROLLOUT_TIMEOUT_S = 3600.0  # async loop: a producer silent this long is taken as hung
 
 
@@ -120,7 +120,7 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     t_generate = time.perf_counter() - t0
     for item, g in groups:  # every completion teaches the length predictor (generation buckets, stage 1's estimates)
         for s in g:
-            run.predictor.observe(item.question, s.num_tokens, task=item.task, prompt_len=s.payload.prompt_len)
+            run.predictor.observe(item.question, s.num_tokens, task=item.task, prompt_len=s.rollout.prompt_len)
     correct = [torch.tensor([s.reward for s in g]) for _, g in groups]  # the verifier's 0/1
     # shaping (penalties, reward model, judge) moves a reward only inside its correctness class, so no
     # correct response can get a negative advantage (reward.adjust_rewards)
@@ -149,7 +149,7 @@ def draw_groups(run: Run, step: int) -> tuple[list[tuple[Item, list[Scored]]], d
     sampling) draws more prompts while informative groups are missing."""
     cfg, filt = run.cfg, run.cfg.filter
     groups = []  # (item, [Scored]) in draw order: what the stages have kept so far
-    streams = itertools.count()  # numbers the step's generate rounds, so each draws its own random numbers
+    gen_rounds = itertools.count()  # numbers the step's generate rounds, so each draws its own random numbers
     drawn = 0  # prompts drawn this step: over-sampling's informative rate is over these
     stage1, stage2 = Counter({k: 0 for k in STAGE1_COUNTS}), Counter({k: 0 for k in STAGE2_COUNTS})
     items, rounds = run.prompts.draw(cfg.prompts_per_step), 0
@@ -172,17 +172,17 @@ def draw_groups(run: Run, step: int) -> tuple[list[tuple[Item, list[Scored]]], d
         if not items:
             continue
         if filt.probe_size:  # stage 2, during rollout
-            new = sample_groups(run, items, filt.probe_size, step, next(streams))
+            new = sample_groups(run, items, filt.probe_size, step, next(gen_rounds))
             go_on, counts = probe_decisions(new, [run.history.records.get(it.question) for it in items], filt,
                                             group_size=cfg.group_size)
             if go_on:
                 rest = sample_groups(run, [items[i] for i in go_on], filt.rest_size(cfg.group_size), step,
-                                     next(streams))
+                                     next(gen_rounds))
                 for i, extra in zip(go_on, rest):
                     new[i] = new[i] + extra  # probes first, in order
             stage2.update(counts)
         else:
-            new = sample_groups(run, items, cfg.group_size, step, next(streams))
+            new = sample_groups(run, items, cfg.group_size, step, next(gen_rounds))
         if filt.skip_prob > 0 or filt.probe_size:  # what stages 1 and 2 read next time (a stopped prompt: its probes)
             for it, g in zip(items, new):
                 run.history.observe(it.question, sum(s.reward for s in g) / len(g), step, n=len(g))
@@ -208,20 +208,20 @@ def update_policy(run: Run, batch: TrainBatch, step: int) -> dict:
 
 # ----------------------------------------------------------------------------- the step's pieces
 
-def sample_groups(run: Run, items: list[Item], n: int, step: int, stream: int) -> list[list[Scored]]:
-    """n scored rollouts of each item (payload: the Rollout): generate, then score."""
-    rollouts = generate_rollouts(run, items, n, step, stream)
-    return score_rollouts(run, rollouts, items, n, stream)
+def sample_groups(run: Run, items: list[Item], n: int, step: int, gen_round: int) -> list[list[Scored]]:
+    """n scored rollouts of each item: generate, then score."""
+    rollouts = generate_rollouts(run, items, n, step, gen_round)
+    return score_rollouts(run, rollouts, items, n, gen_round)
 
 
-def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: int) -> list[Rollout]:
+def generate_rollouts(run: Run, items: list[Item], n: int, step: int, gen_round: int) -> list[Rollout]:
     """n rollouts of each item from the engine, in batches of similar predicted length (scheduler.py);
     with reward workers each batch is handed to them (and to the scorer's queue) as soon as it is generated.
     With continuous batching (engine.slots) one batch holds every item: one call per rank, the engine keeping
     `slots` rows live.
 
-    stream: which of the step's generate rounds this is (probes, the rest, over-sampling), so each
-    draws its own random numbers. A rollout's random stream is keyed by (step, stream, group id,
+    gen_round: which of the step's generate rounds this is (probes, the rest, over-sampling), so each
+    draws its own random numbers. A rollout's random stream is keyed by (step, gen_round, group id,
     sample index) alone (sampling is batch-invariant), so how prompts are batched, and on which
     rank, does not change what is sampled. Multi-rank: each batch spans every rank, each rank
     generates its share (all ranks in the same calls, in lockstep) and returns only its own rollouts.
@@ -229,7 +229,7 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
     cfg = run.cfg
     prompts = [run.prompts.ids[it.question] for it in items]
     rank, world = rank_world()
-    seed = (cfg.seed + step) * STEP_SEED_STRIDE + stream * STREAM_SEED_STRIDE
+    seed = (cfg.seed + step) * STEP_SEED_STRIDE + gen_round * ROUND_SEED_STRIDE
     rollouts = []
     # prompts per batch and rank: gen_batch_rows' worth, or with engine.slots all of them (the engine bounds the
     # rows live at once; the scheduler only deals the prompts over the ranks, longest first, for balance)
@@ -238,9 +238,9 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
                                     per_call, num_workers=world, worker=rank):
         # share: this rank's indices into items (maybe none), which become the rollouts' group ids
         generated = run.engine.generate([prompts[i] for i in share], cfg.sampling, n=n, group_ids=share, seed=seed)
-        if run.pool is not None:  # rollouts of a prompt come out in order, so (stream, group, j) names each one
+        if run.pool is not None:  # rollouts of a prompt come out in order, so (gen_round, group, j) names each one
             for j, r in enumerate(generated):
-                run.pool.submit((stream, r.group_id, j % n), run.tok.decode(r.text_ids), items[r.group_id])
+                run.pool.submit((gen_round, r.group_id, j % n), run.tok.decode(r.text_ids), items[r.group_id])
         if run.scorer_queue is not None:  # the reward model or judge too (shaping's choice 3)
             submit_groups(run.scorer_queue, run.tok, generated, items, n)
         rollouts += generated
@@ -248,28 +248,28 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, stream: in
     return rollouts
 
 
-def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int, stream: int) -> list[list[Scored]]:
+def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int, gen_round: int) -> list[list[Scored]]:
     """The verifier's reward of each rollout (waiting for the reward workers, if any), as groups of n
     per item. Multi-rank: every rank learns every rollout's reward and lengths (a RolloutSummary as the
-    payload of the others' rollouts), so filter, advantages and history agree; tokens and routes stay on
+    rollout of the others'), so filter, advantages and history agree; tokens and routes stay on
     the rank that generated them (with reward shaping, the completions' ids travel too)."""
     if run.pool is not None:
         mine = sorted({r.group_id for r in rollouts})
-        rewards, reasons = run.pool.gather([(stream, i, j) for i in mine for j in range(n)])
+        rewards, reasons = run.pool.gather([(gen_round, i, j) for i in mine for j in range(n)])
     else:
         # on this thread, each bounded by reward_timeout_s as a worker's would be
         results = [score_inline(run.prompts.task.score, run.tok.decode(r.text_ids), items[r.group_id],
                                 timeout_s=run.cfg.reward.timeout_s) for r in rollouts]
         rewards, reasons = [w for w, _ in results], [why for _, why in results]
-    scored = [Scored(reward=w, num_tokens=len(r.completion_ids), payload=r, reason=why)
+    scored = [Scored(reward=w, num_tokens=len(r.completion_ids), rollout=r, reason=why)
               for w, r, why in zip(rewards, rollouts, reasons)]
     rank, world = rank_world()
     if world > 1:
         tokens = run.cfg.reward.shapes
-        everyone = all_gather_list([dataclasses.replace(s, payload=s.payload.summary(rank, tokens)) for s in scored])
+        everyone = all_gather_list([dataclasses.replace(s, rollout=s.rollout.summary(rank, tokens)) for s in scored])
         mine = iter(scored)  # this rank's part of the gathered list, in the same order: keep the full rollouts
-        scored = [next(mine) if s.payload.rank == rank else dataclasses.replace(s, local=False) for s in everyone]
-        scored.sort(key=lambda s: s.payload.group_id)  # stable: a group is generated on one rank, in sample order
+        scored = [next(mine) if s.rollout.rank == rank else dataclasses.replace(s, local=False) for s in everyone]
+        scored.sort(key=lambda s: s.rollout.group_id)  # stable: a group is generated on one rank, in sample order
     # sorted by group id, n per group and the sort stable: group i is the i-th slice of n, in sample order
     return [scored[i * n:(i + 1) * n] for i in range(len(items))]
 
@@ -282,7 +282,7 @@ def kept_batch(run: Run, groups, keep_P: torch.Tensor, zero_var_P: torch.Tensor,
     if not kept:
         return None
     mine = [j for j, (_, _, s) in enumerate(kept) if s.local]  # this rank's, numbered among every rank's kept ones
-    r = [kept[j][2].payload for j in mine]
+    r = [kept[j][2].rollout for j in mine]
     # a zero-variance group is all correct or all wrong: one rollout's reward says which (RL-ZVP's sign)
     zvp = {a: kept[j][2].reward > 0 for a, j in enumerate(mine) if zero_var_P[kept[j][1]]}
     return TrainBatch(seqs=[x.prompt_ids + x.completion_ids for x in r], starts=[x.prompt_len for x in r],
@@ -299,10 +299,10 @@ def rollout_metrics(step: int, groups, correct, lengths, filtered: dict, t_gener
                 **{f"filter/{k}": v for k, v in filtered.items()},
                 "filter/rollouts_generated": 0, "filter/tokens_generated": 0}
     length = torch.cat(lengths)
-    versions = [s.payload.weight_version for s in scored]
+    versions = [s.rollout.weight_version for s in scored]
     return {"stage": "rl", "step": step, "reward": torch.cat(correct).mean().item(),
             "completion_len": length.float().mean().item(),
-            "stop_frac": sum(s.payload.finish_reason == "stop" for s in scored) / len(scored), "t_generate": t_generate,
+            "stop_frac": sum(s.rollout.finish_reason == "stop" for s in scored) / len(scored), "t_generate": t_generate,
             **{f"filter/{k}": v for k, v in filtered.items()},
             "filter/rollouts_generated": len(scored), "filter/tokens_generated": int(length.sum()),
             "reward/timeouts": sum(s.reason == "timeout" for s in scored),
@@ -443,12 +443,12 @@ def ckpt_due(cfg: TrainConfig, position: int) -> bool:
     return bool(cfg.ckpt_every) and position % cfg.ckpt_every == 0
 
 
-def checkpoint(run: Run, opt, phase: str, step: int):
-    """Write a checkpoint after `step` of `phase` ("sft" or "rl") if one is due."""
-    position = step + 1 if phase == "sft" else run.cfg.sft_steps + step + 1  # optimizer steps so far, both phases
+def checkpoint(run: Run, opt, stage: str, step: int):
+    """Write a checkpoint after `step` of `stage` ("sft" or "rl") if one is due."""
+    position = step + 1 if stage == "sft" else run.cfg.sft_steps + step + 1  # optimizer steps so far, both stages
     if not ckpt_due(run.cfg, position):
         return
-    state = {"phase": phase, "step": step, "position": position, "used": run.prompts.used, "rng": rng_state(),
+    state = {"stage": stage, "step": step, "position": position, "used": run.prompts.used, "rng": rng_state(),
              "filter_rng": run.filter_rng.getstate(), "history": run.history.state_dict(),
              "predictor": run.predictor.state_dict(), "num_records": len(run.log.records), "evals": {"after_sft": run.held_out.before_rl, "after_rl": run.held_out.after_rl},
              "ref_model": {n: full_tensor(t) for n, t in policy_tensors(run.ref_model)}
@@ -549,13 +549,13 @@ def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
     if rank == 0:
         print(f"model: {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M params; {len(r.prompts.task)} train "
               f"prompts, {len(r.held_out.items)} held-out prompts" + (f"; {world} ranks (ep={cfg.ep})" if world > 1 else "")
-              + (f"; resuming from {ckpt} ({resumed['step'] + 1} {resumed['phase']} steps done)" if ckpt else ""))
+              + (f"; resuming from {ckpt} ({resumed['step'] + 1} {resumed['stage']} steps done)" if ckpt else ""))
         if r.prompts.skipped:
             print(f"skipped {r.prompts.skipped} training prompts longer than max_prompt_tokens={cfg.prompt_limit()}")
-        if start.offline_rates and (resumed is None or resumed["phase"] == "sft"):
+        if start.offline_rates and (resumed is None or resumed["stage"] == "sft"):
             print(f"stage 1: {start.offline_rates} offline pass rates from {cfg.filter.pass_rate_file}")
 
-    if resumed is None or resumed["phase"] == "sft":  # a fresh run, or one resumed inside its SFT warm-up
+    if resumed is None or resumed["stage"] == "sft":  # a fresh run, or one resumed inside its SFT warm-up
         opt, start = sft_optimizer(r.model, cfg), 0
         if resumed is not None:
             read_checkpoint(ckpt, r.model, opt, cfg.dist_timeout_s)

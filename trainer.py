@@ -93,30 +93,30 @@ def lr_at(step: int, peak: float, warmup: int, total: int, cosine: bool) -> floa
 class NonFiniteError(FloatingPointError):
     """A NaN or inf found before the optimizer step it would have poisoned.
 
-    quantity: "loss", "grad_norm" or "advantages"; phase: "sft" or "rl"; step: the step's index in its
-    phase; detail: the value (or how many values were not finite). A FloatingPointError rather than a
+    quantity: "loss", "grad_norm" or "advantages"; stage: "sft" or "rl"; step: the step's index in its
+    stage; detail: the value (or how many values were not finite). A FloatingPointError rather than a
     ValueError: the config was valid, the numbers went bad (train.py's __main__ reports it in one line).
     """
 
-    def __init__(self, quantity: str, phase: str, step: int, detail: str):
-        self.quantity, self.phase, self.step, self.detail = quantity, phase, step, detail
-        super().__init__(f"non-finite {quantity} ({detail}) at {phase} step {step}")
+    def __init__(self, quantity: str, stage: str, step: int, detail: str):
+        self.quantity, self.stage, self.step, self.detail = quantity, stage, step, detail
+        super().__init__(f"non-finite {quantity} ({detail}) at {stage} step {step}")
 
 
-def check_finite(value: float, quantity: str, phase: str, step: int):
+def check_finite(value: float, quantity: str, stage: str, step: int):
     """Raise NonFiniteError if value is NaN or inf. Give it a value every rank shares (a global norm, an
     all-reduced loss), so all ranks raise together."""
     if not math.isfinite(value):
-        raise NonFiniteError(quantity, phase, step, str(value))
+        raise NonFiniteError(quantity, stage, step, str(value))
 
 
-def optimizer_step(model, opt, cfg: TrainConfig, lr: float, loss: float, *, phase: str, step: int) -> float:
+def optimizer_step(model, opt, cfg: TrainConfig, lr: float, loss: float, *, stage: str, step: int) -> float:
     """Clip the global gradient norm to cfg.grad_clip, step, zero the gradients; returns the norm before clipping.
 
     loss: the step's loss, summed or averaged over ranks. Raises NonFiniteError, before opt.step(), if it or
     the norm is NaN or inf: the weights and the optimizer's moments stay those of the last good step.
     """
-    check_finite(loss, "loss", phase, step)
+    check_finite(loss, "loss", stage, step)
     for g in opt.param_groups:
         g["lr"] = lr
     if rank_world()[1] > 1:  # DTensor grads on two meshes (dense and expert): torchtitan's norm spans both
@@ -127,7 +127,7 @@ def optimizer_step(model, opt, cfg: TrainConfig, lr: float, loss: float, *, phas
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
     # the norm before clipping, global over ranks: one NaN or inf gradient anywhere makes it non-finite (the clip
     # has already scaled the gradients by NaN then, but they are never applied)
-    check_finite(norm, "grad_norm", phase, step)
+    check_finite(norm, "grad_norm", stage, step)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return norm
@@ -158,7 +158,7 @@ def sft_step(model, opt, seqs: list[list[int]], starts: list[int], pad_id: int, 
         loss = nll.sum() / mask.sum()
         loss.backward()
         value = loss.item()
-    optimizer_step(model, opt, cfg, lr, value, phase="sft", step=step)
+    optimizer_step(model, opt, cfg, lr, value, stage="sft", step=step)
     return value
 
 
@@ -357,7 +357,7 @@ def train_on_rollouts(model, opt, batch: TrainBatch, step: int, cfg: TrainConfig
         loss, metrics = minibatch_backward(model, batch, members, mb == 0, cfg, ref_model)
         if mb == 0:  # RL-ZVP's token advantages come from pi_old's entropy: all of them exist from here on
             check_advantages(list(batch.adv_tokens.values()), step)
-        m["grad_norm"] = optimizer_step(model, opt, cfg, lr, loss, phase="rl", step=step)
+        m["grad_norm"] = optimizer_step(model, opt, cfg, lr, loss, stage="rl", step=step)
         losses.append(loss)
         lmetrics += metrics
     lmetrics = all_gather_list(lmetrics)  # every rank's micro-batches, so the means are the 1-process ones

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from data import Item, ItemList, Prompts  # noqa: E402
+from data import Item, Task, Prompts  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
 from sampler import SamplingParams  # noqa: E402
 from scheduler import LengthPredictor  # noqa: E402
@@ -55,7 +55,7 @@ NO_EOS = -1  # an id never sampled, so every row runs to the token limit
 SMOKE = {"verifier_ms": 5.0, "workers": 4, "batches": 2, "rows": 16, "new_tokens": 4, "repeats": 1, "threads": 1}
 
 
-class RandomPrompts(ItemList):
+class RandomPrompts(Task):
     """The bench's prompts as a task: each question is its own user message (the pool scores them)."""
 
     def __init__(self, items: list[Item]):
@@ -105,7 +105,7 @@ def main():
 
     def generate(pool=None):
         run.pool = pool  # with a pool, train.generate_rollouts hands each batch to it as soon as it is generated
-        return train.generate_rollouts(run, items, args.group_size, step=0, stream=0)
+        return train.generate_rollouts(run, items, args.group_size, step=0, gen_round=0)
 
     generate()  # warm-up
     runs = []  # per repeat: generate alone, reward alone, generate with overlapped reward (and its generation part)

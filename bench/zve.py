@@ -53,7 +53,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]  # the project, and bench/ (mismatch.py's helpers)
 import train  # noqa: E402
 from config import load_config  # noqa: E402
-from data import Item, ItemList, Prompts, prompt_ids  # noqa: E402
+from data import Item, Task, Prompts, prompt_ids  # noqa: E402
 from sampler import Rollout  # noqa: E402
 from scheduler import LengthPredictor  # noqa: E402
 from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402
@@ -69,7 +69,7 @@ SMOKE = {"prompts": 200, "steps": 3, "batch": 4, "group_size": 4, "probes": 2, "
          "tiny_pool": 16, "sft_steps": 1, "threads": 1}
 
 
-class SimTask(ItemList):
+class SimTask(Task):
     """Prompts "p{i}" with pass rate p_i: a rollout's reward is Bernoulli(p_i)."""
 
     def __init__(self, pass_rate: list[float], seed: int):

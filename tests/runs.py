@@ -9,7 +9,7 @@ import torch
 import train
 from config import TrainConfig, load_config
 from model import Transformer
-from data import Item, ItemList
+from data import Item, Task
 from reward_model import reward_model_for
 from rollout import NativeEngine
 from scheduler import LengthPredictor
@@ -40,7 +40,7 @@ eval_every = 2
 """
 
 
-class ParityTask(ItemList):
+class ParityTask(Task):
     """Stand-in task: prompts "question i", reward 1 for completions of even character length (mixed groups)."""
 
     def __init__(self, size: int = 10_000):

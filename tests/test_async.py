@@ -127,7 +127,7 @@ def test_async_checkpoints_hold_no_rollout_run_ahead_and_resume_finishes(tmp_pat
     for name, s in sync.items():
         a = fast[name]
         assert a["used"] == s["used"] and a["history"]["records"].keys() == s["history"]["records"].keys(), name
-        if a["phase"] == "rl":
+        if a["stage"] == "rl":
             assert all(r[1] <= a["step"] for r in a["history"]["records"].values())
     records = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
     assert max(r.get("async/staleness_max", 0) for r in records if r["stage"] == "rl") <= 1

@@ -413,7 +413,7 @@ def test_settings_that_may_change_on_resume_leave_it_the_same_run(ws, monkeypatc
                                  "logger=tensorboard", "microbatch_tokens=1024", "gen_batch_rows=16"])
     assert error is None and not warned
     (_, start), = ws.started
-    assert start.ckpt == os.path.join(ws.run, NEWEST) and start.resumed["phase"] == "rl"
+    assert start.ckpt == os.path.join(ws.run, NEWEST) and start.resumed["stage"] == "rl"
     assert "resume_changed" not in capsys.readouterr().out
     assert torch.load(os.path.join(start.ckpt, "trainer_state.pt"), weights_only=False)["step"] == 0
 

@@ -24,7 +24,7 @@ import torch
 import reward
 import sandbox
 from config import load_config
-from data import CodeTask, Item, ItemList, MathTask
+from data import CodeTask, Item, Task, MathTask
 from evaluation import HeldOut, run_eval
 from metrics import MetricsLog
 from sampler import Rollout
@@ -60,7 +60,7 @@ class CompletionTable:
         return "".join(self.texts[i] for i in ids)
 
 
-class VerifierStub(ItemList):
+class VerifierStub(Task):
     """A verifier that raises on "raise", takes SLOW_S on "slow" (then says correct), and is right on "right"."""
 
     def __init__(self):

@@ -131,7 +131,7 @@ def test_crash_during_a_checkpoint_save_leaves_the_previous_one_loadable(tmp_pat
     cfg = load_config(path, over)
     model = Transformer(cfg.model)
     state = checkpoint.read_checkpoint(str(ckpt_dir / "step_00000002"), model, train.sft_optimizer(model, cfg))
-    assert (state["phase"], state["step"], state["used"]) == ("sft", 1, 2 * cfg.sft_batch_size)
+    assert (state["stage"], state["step"], state["used"]) == ("sft", 1, 2 * cfg.sft_batch_size)
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         checkpoint.read_checkpoint(str(ckpt_dir / "step_00000004.tmp"), model, train.sft_optimizer(model, cfg))
     monkeypatch.setattr(checkpoint, "_write_trainer_state", real)
@@ -346,7 +346,7 @@ def test_run_stopped_by_a_nan_keeps_its_last_good_checkpoint_newest_and_resumes_
     monkeypatch.setattr(train, "train_on_rollouts", note_step)
     with pytest.raises(NonFiniteError) as stop:
         train.main(load_config(path, over))
-    assert (stop.value.phase, stop.value.step) == ("rl", 1)
+    assert (stop.value.stage, stop.value.step) == ("rl", 1)
     assert "at rl step 1" in str(stop.value)
     newest = checkpoint.latest_checkpoint(str(out))
     assert newest == str(out / "ckpt" / "step_00000004")  # after RL step 0; no later one, not even a temporary

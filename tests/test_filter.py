@@ -10,12 +10,12 @@ import train
 from config import load_config
 from filter import (OFFLINE_WEIGHT, FilterConfig, PromptHistory, PromptRecord, Scored, post_rollout_filter, stage3,
                     pre_rollout_filter, probe_decisions, rest_agree_probability)
-from data import Item, ItemList
+from data import Item, Task
 from espo import zvp_token_advantages
 from runs import make_run, micro_config
 
 
-class ScriptedTask(ItemList):
+class ScriptedTask(Task):
     """Prompts named by the script's keys; prompt p's j-th scored rollout gets reward script[p][j % len(script[p])]."""
 
     def __init__(self, script: dict):

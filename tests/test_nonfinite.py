@@ -51,7 +51,7 @@ def test_optimizer_step_refuses_a_non_finite_loss_or_grad_norm_before_stepping(q
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(2, 4)).sum().backward()
-    optimizer_step(model, opt, cfg, 0.1, 1.0, phase="rl", step=6)  # a good step: AdamW holds moments now
+    optimizer_step(model, opt, cfg, 0.1, 1.0, stage="rl", step=6)  # a good step: AdamW holds moments now
     before = snapshot(model, opt)
     model(torch.randn(2, 4)).sum().backward()
     loss = 1.0
@@ -60,8 +60,8 @@ def test_optimizer_step_refuses_a_non_finite_loss_or_grad_norm_before_stepping(q
     else:
         loss = value
     with pytest.raises(NonFiniteError, match=f"non-finite {quantity} .* at rl step 7") as stop:
-        optimizer_step(model, opt, cfg, 0.1, loss, phase="rl", step=7)
-    assert (stop.value.quantity, stop.value.phase, stop.value.step) == (quantity, "rl", 7)
+        optimizer_step(model, opt, cfg, 0.1, loss, stage="rl", step=7)
+    assert (stop.value.quantity, stop.value.stage, stop.value.step) == (quantity, "rl", 7)
     assert same(snapshot(model, opt), before)
 
 

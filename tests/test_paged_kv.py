@@ -70,7 +70,7 @@ def test_a_prompts_full_pages_are_shared_its_last_page_copied_and_every_page_com
     assert paged.in_use == 5
     for s in range(3):
         paged.detach(s)
-        assert torch.equal(paged.table_BM[s], torch.zeros_like(paged.table_BM[s]))
+        assert torch.equal(paged.page_table[s], torch.zeros_like(paged.page_table[s]))
     assert paged.in_use == 0 and sorted(paged.free) == list(range(1, 13)) and paged.peak == 6
 
 

@@ -18,7 +18,7 @@ import scoring
 from data import CodeTask, load_task
 from espo import group_advantages
 from reward import (RewardConfig, StubJudge, StubRewardModel, adjust_rewards, code_reward, extract_answer, judge_score,
-                    math_reward, overlong_penalty, repetition_penalty, reward_model_for, rm_score, shaped_rewards)
+                    math_reward, overlong_penalty, repetition_penalty, rm_score, shaped_rewards, stand_in_scorer)
 from scoring import RewardPool, ScoreTimeout, score_inline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -270,7 +270,7 @@ def test_shaped_rewards_ramp_the_overlong_penalty_up_to_the_generation_limit_the
     assert r[0] > r[1] > r[2] > r[3]  # the longer within each class, the lower; every correct one above every wrong one
     assert torch.equal(shaped_rewards(correct, ids, cfg, max_new_tokens=40), correct)  # nothing near a higher limit
     assert shaped_rewards(correct, ids, RewardConfig(), max_new_tokens=20) is correct  # no shaping: as it was
-    assert isinstance(reward_model_for(RewardConfig(model="stub")), StubRewardModel)
+    assert isinstance(stand_in_scorer(RewardConfig(model="stub")), StubRewardModel)
     with pytest.raises(ValueError, match="model='gpt'"):
         RewardConfig(model="gpt")
 

@@ -407,7 +407,7 @@ def test_an_inverted_group_stops_the_run_naming_its_step(monkeypatch):
     from config import TrainConfig
     kw = dict(cfg=RewardConfig(repetition_weight=0.1), max_new_tokens=TrainConfig().sampling.max_new_tokens,
               tok=None, scorer=None, queue=None)
-    g = [SimpleNamespace(payload=SimpleNamespace(completion_ids=[1, 2])) for _ in range(4)]
+    g = [SimpleNamespace(rollout=SimpleNamespace(completion_ids=[1, 2])) for _ in range(4)]
     correct = [torch.tensor([1.0, 0.0, 0.0, 1.0])]
     rewards, m = shaping.shape_rewards([(None, g)], correct, step=3, **kw)
     assert torch.equal(rewards[0], correct[0]) and m["reward/order_pairs_checked"] == 4
@@ -541,8 +541,8 @@ def shape_worker(rank, world, port, out):
                     ids = [1] * (1 + p + 2 * j)
                     here = Rollout([0], ids, torch.zeros(len(ids)), torch.zeros(0), "length", p, 0)
                     local = p // 2 == rank
-                    payload = here if local else here.summary(p // 2, True)
-                    g.append(Scored(reward=float(j), num_tokens=len(ids), payload=payload, local=local))
+                    rollout = here if local else here.summary(p // 2, True)
+                    g.append(Scored(reward=float(j), num_tokens=len(ids), rollout=rollout, local=local))
                 groups.append((SimpleNamespace(question=f"q{p}", answer="a"), g))
             correct = [torch.tensor([0.0, 1.0])] * 4
             rewards, m = shaping.shape_rewards(groups, correct, step=0, **shaping_of(scorer))
@@ -587,7 +587,7 @@ def test_each_rank_scores_only_the_groups_it_generated_and_all_learn_every_score
         scorer = recording_scorer(judge)  # one process, every group whole
         groups = [(SimpleNamespace(question=f"q{p}", answer="a"),
                    [Scored(reward=float(j), num_tokens=1 + p + 2 * j,
-                           payload=Rollout([0], [1] * (1 + p + 2 * j), torch.zeros(1), torch.zeros(0), "length", p, 0))
+                           rollout=Rollout([0], [1] * (1 + p + 2 * j), torch.zeros(1), torch.zeros(0), "length", p, 0))
                     for j in range(2)]) for p in range(4)]
         rewards, m = shaping.shape_rewards(groups, [torch.tensor([0.0, 1.0])] * 4, step=0, **shaping_of(scorer))
         assert [r.tolist() for r in rewards] == zero[1] and untimed(m) == untimed(zero[2])

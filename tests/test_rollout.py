@@ -214,7 +214,7 @@ def test_fp8_engine_quantises_attention_and_experts_only(tiny_cfg):
     from weights import FP8
     engine = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, options=EngineConfig(fp8=True))
     engine.update_weights(Transformer(tiny_cfg).named_parameters(), version=1)
-    low = {n for n, t in engine._slots.items() if t.dtype == FP8}
+    low = {n for n, t in engine._tensors.items() if t.dtype == FP8}
     assert low == {f"layers.{i}.{w}" for i in range(tiny_cfg.n_layers)
                    for w in ("attn.wqkv.weight", "attn.wo.weight", "mlp.experts.w13", "mlp.experts.w2")}
 

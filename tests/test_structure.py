@@ -112,10 +112,10 @@ def test_an_async_checkpoint_holds_the_predictor_the_producer_used_and_resume_re
         return {r["step"]: sum(x["filter/rollouts_generated"] for x in rl if x["step"] <= r["step"]) for r in rl}
 
     run("rl_steps=2")
-    first = {s["step"]: s["predictor"] for s in checkpoints().values() if s["phase"] == "rl"}
+    first = {s["step"]: s["predictor"] for s in checkpoints().values() if s["stage"] == "rl"}
     assert first and all(p["count"] == generated_by_step()[step] > 0 for step, p in first.items())
     run("resume=auto")  # from the checkpoint after RL step 1, to the end (3 RL steps)
-    last = max((s for s in checkpoints().values() if s["phase"] == "rl"), key=lambda s: s["step"])
+    last = max((s for s in checkpoints().values() if s["stage"] == "rl"), key=lambda s: s["step"])
     assert last["step"] == 2
     # the resumed producer started from the checkpointed predictor: its count spans the steps before the resume
     assert last["predictor"]["count"] == generated_by_step()[2] > first[1]["count"]
