@@ -165,12 +165,13 @@ class EngineConfig:
         check_fields(self)
         if self.urls and self.name != "sglang":
             raise ValueError(f"sglang_urls={self.sglang_urls!r} is read only with name='sglang' (name={self.name!r})")
-        # the native engine's continuous batching, which a recipe may set: with SGLang (which batches on its own) or
-        # slots=0 (static calls) they are left unread, said at start, so switching engines is one setting
+        # the native engine's continuous batching, which a recipe may set: with SGLang (which batches on its own)
+        # slots only sends each generate round as one request batch, and the page settings are left unread, said at
+        # start, so switching engines is one setting
         if self.slots and self.name != "native":
-            warnings.warn(f"engine.slots={self.slots} (and page_size, kv_tokens, prefill_tokens, cuda_graph): the "
-                          f"native engine's continuous batching, not read with name={self.name!r} (SGLang batches "
-                          "continuously on its own)")
+            warnings.warn(f"engine.slots={self.slots} with name={self.name!r}: each generate round goes to the server "
+                          f"as one batch of requests (SGLang batches continuously on its own); page_size, kv_tokens, "
+                          f"prefill_tokens and cuda_graph, the native engine's paging, are not read")
         elif self.kv_tokens and not self.slots:
             warnings.warn(f"engine.kv_tokens={self.kv_tokens}: the pages of continuous batching, not read with "
                           "engine.slots=0 (static generate calls hold gen_batch_rows rows at full length)")

@@ -105,8 +105,8 @@ class PromptHistory:
         checkpoints get n = OFFLINE_WEIGHT and no draw)."""
         self.records = {k: PromptRecord(*rec) for k, rec in state["records"].items()}
 
-    def load_offline(self, path: str, *, step: int = 0) -> int:
-        """Record pass rates from a JSONL file of {"id": ..., "pass_rate": p}; returns the rows read.
+    def load_offline(self, path: str) -> int:
+        """Record pass rates from a JSONL file of {"id": ..., "pass_rate": p}, as seen at step 0; returns the rows read.
 
         Raises ValueError on a row without both fields or a pass rate outside [0, 1].
         """
@@ -125,7 +125,7 @@ class PromptHistory:
                         or not 0.0 <= rate <= 1.0):
                     raise ValueError(f"{path} line {i + 1}: need 'id' and a number 'pass_rate' in [0, 1], got "
                                      f"{str(row)[:80]}")
-                self.observe(row["id"], float(rate), step)
+                self.observe(row["id"], float(rate), 0)
                 n += 1
         return n
 

@@ -682,7 +682,7 @@ class Transformer(nn.Module):
             self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None):
+    def init_weights(self):
         """Normal(0, init_std) matrices, residual-branch outputs scaled by 1/sqrt(2 n_layers)
         (GPT-2, Radford et al. 2019); norms 1; biases and the expert bias 0."""
         std = self.cfg.init_std
@@ -695,7 +695,7 @@ class Transformer(nn.Module):
                 # wo and w2 end a residual branch, two per block: GPT-2 scales them by 1/sqrt(2 n_layers) so
                 # the stream's variance does not grow with depth. "w2" alone is the stacked experts' Parameter
                 out_proj = name.endswith(("wo.weight", "w2", "w2.weight"))
-                p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers) if out_proj else std, generator=generator)
+                p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers) if out_proj else std)
         for name, b in self.named_buffers():
             if name.endswith("expert_bias"):
                 b.zero_()

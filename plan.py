@@ -242,12 +242,6 @@ def kv_columns(cfg) -> int:
     return (pool_pages(cfg.engine.slots, P, C, page, cfg.engine.kv_tokens) + 1) * page
 
 
-def live_rows(cfg) -> int:
-    """Rows a step's generate call decodes at once: engine.slots when the engine batches continuously (choice 7),
-    else gen_batch_rows."""
-    return cfg.engine.slots or cfg.gen_batch_rows
-
-
 def _experts_are_trainer_shards(cfg, world: int) -> bool:
     """Whether the engine decodes the trainer's own expert tensors: EP-only experts (ep = world > 1), which
     distributed.parallelize leaves outside FSDP, so nothing gathers or casts them ahead of the rollout phase."""

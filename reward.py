@@ -353,8 +353,9 @@ def code_solution(completion: str, task: CodeProblem) -> str:
     return f"{task.prompt}\n{code}" if defines else task.prompt + code
 
 
-def code_reward(completion: str, task: CodeProblem, *, limits: sandbox.SandboxLimits = sandbox.SandboxLimits()) -> float:
-    """1.0 if the completion passes the task's tests inside the sandbox, else 0.0 (a timeout included).
+def code_reward(completion: str, task: CodeProblem) -> float:
+    """1.0 if the completion passes the task's tests inside the sandbox (sandbox.SandboxLimits' defaults), else 0.0
+    (a timeout included).
 
     The tests run apart from the completion's code (sandbox.Check): only plain data crosses
     between them, so a value rigged to equal anything, a redefined check or builtin, an
@@ -363,7 +364,7 @@ def code_reward(completion: str, task: CodeProblem, *, limits: sandbox.SandboxLi
     # the prompt goes with the tests too: HumanEval's tests call its helpers (encode_cyclic for decode_cyclic),
     # and the completion's own versions of them must not be the ones the tests trust
     check = sandbox.Check(task.test, task.entry_point, context=task.prompt)
-    return 1.0 if sandbox.run(code_solution(completion, task), limits, check=check).passed else 0.0
+    return 1.0 if sandbox.run(code_solution(completion, task), check=check).passed else 0.0
 
 
 # ----------------------------------------------------------------------------- penalties
@@ -385,13 +386,14 @@ def overlong_penalty(length: int, *, max_len: int, buffer: int) -> float:
     return -1.0
 
 
-def repetition_penalty(token_ids: Sequence[int], *, n: int = 4) -> float:
-    """-(fraction of the completion's n-grams that repeat an earlier one), in [-1, 0]; 0 if it has none.
+REPETITION_NGRAM = 4
+"""repetition_penalty's n-gram length."""
 
-    Raises ValueError if n < 1.
-    """
-    if n < 1:
-        raise ValueError(f"n={n} must be >= 1")
+
+def repetition_penalty(token_ids: Sequence[int]) -> float:
+    """-(fraction of the completion's REPETITION_NGRAM-grams that repeat an earlier one), in [-1, 0]; 0 if it has
+    none."""
+    n = REPETITION_NGRAM
     # over token ids, as generated (nothing to decode); a degenerate loop scores near -1, and a completion
     # shorter than n has no n-grams and no penalty
     grams = [tuple(token_ids[i:i + n]) for i in range(len(token_ids) - n + 1)]

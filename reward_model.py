@@ -335,7 +335,8 @@ def parse_verdict(text: str) -> str | None:
     """'better', 'worse' or 'tie' if the last non-empty line of a judge's reply is exactly `Verdict: <word>`
     (JUDGE_PROMPT's format; spaces around the line aside), else None: no verdict, a malformed or hedged one,
     text after it, a reply over MAX_JUDGE_CHARS, or anything that is not a str. The caller counts None as a
-    tie (`judge_outcome`), never as a reward."""
+    tie (GenerativeJudge.compare: reward.JUDGE_OUTCOMES' 1/2, which reward.judge_score turns into exactly zero
+    shaping), never as a reward."""
     if not isinstance(text, str) or len(text) > MAX_JUDGE_CHARS:
         return None
     lines = [line for line in text.splitlines() if line.strip()]
@@ -344,16 +345,10 @@ def parse_verdict(text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def judge_outcome(text: str) -> float:
-    """P(answer beats the reference) from a judge's reply, reward.JUDGE_OUTCOMES' scale: 1, 1/2 or 0; a reply
-    parse_verdict cannot read is a tie (1/2), which reward.judge_score turns into exactly zero shaping."""
-    return JUDGE_OUTCOMES[parse_verdict(text) or "tie"]
-
-
 class GenerativeJudge:
     """A pairwise judge (reward.PairwiseJudge) that asks a causal LM: JUDGE_PROMPT with the question, the reference
     and the answer (each through neutralize_specials, choice 7) as the user's turn in tok's chat template, one
-    greedy reply of at most max_new_tokens from `generate`, read by judge_outcome. counts: the calls' judgements,
+    greedy reply of at most max_new_tokens from `generate`, read by parse_verdict. counts: the calls' judgements,
     'unparsed' replies and 'too_long' prompts (prompt + max_new_tokens over max_seq_len: not sent), both ties;
     the caller reads and resets them."""
 

@@ -99,7 +99,7 @@ def sample(logits_BV: torch.Tensor, params: SamplingParams, u_B: torch.Tensor) -
     u_B: the rows' uniforms in [0, 1) (float64, from `row_uniforms`).
     """
     temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
-    logits_BV = logits_BV.float()  # fp32 whatever the engine dtype, as the trainer's token_logprobs
+    logits_BV = logits_BV.float()  # fp32 whatever the engine dtype, as the trainer's (logprobs.chunked_logprobs)
     if temperature == 0:
         logp_BV = logits_BV.log_softmax(dim=-1)  # dividing by temperature 0 is undefined: report the untempered logprob
         ids_B = logp_BV.argmax(dim=-1)

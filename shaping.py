@@ -113,7 +113,7 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
     if rewards:
         r = torch.cat(rewards).double()
         m.update({"reward/shaped_mean": r.mean().item(), "reward/shaped_std": r.std(correction=0).item()})
-    m.update({"reward/order_pairs_checked": pairs, "reward/order_violations": 0})
+    m["reward/order_pairs_checked"] = pairs  # a violation stops the run (above)
     if scorer is not None and scores:
         x = torch.cat(scores)
         if judge:

@@ -91,7 +91,7 @@ class Run:
     held_out: HeldOut | None = None  # the eval prompts, their task (verifier) and accuracies before and after RL
     log: MetricsLog = field(default_factory=MetricsLog)  # in memory only, unless given an out_dir
     pool: RewardPool | None = None  # reward workers that score while generation goes on
-    scorer: Scorer | None = None  # reward model or judge (reward.reward_model_for), None without one
+    scorer: Scorer | None = None  # reward model or judge (reward_model.reward_model_for), None without one
     scorer_queue: ScorerQueue | None = None  # with reward workers: the scorer at work while generation goes on
     t_start: float = field(default_factory=time.perf_counter)
 
@@ -257,7 +257,7 @@ def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int,
         mine = sorted({r.group_id for r in rollouts})
         rewards, reasons = run.pool.gather([(gen_round, i, j) for i in mine for j in range(n)])
     else:
-        # on this thread, each bounded by reward_timeout_s as a worker's would be
+        # on this thread, each bounded by reward.timeout_s as a worker's would be
         results = [score_inline(run.prompts.task.score, run.tok.decode(r.text_ids), items[r.group_id],
                                 timeout_s=run.cfg.reward.timeout_s) for r in rollouts]
         rewards, reasons = [w for w, _ in results], [why for _, why in results]

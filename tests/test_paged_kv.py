@@ -123,7 +123,7 @@ def test_kv_tokens_below_one_row_at_full_length_is_refused_by_the_engine_and_the
     with pytest.warns(UserWarning, match="engine.kv_tokens=4096: the pages of continuous batching, not read with "
                                          "engine.slots=0"):
         train.parse_args(["configs/tiny.py", "engine.kv_tokens=4096"])
-    with pytest.warns(UserWarning, match="engine.slots=96 .* not read with name='sglang'"):
+    with pytest.warns(UserWarning, match="engine.slots=96 with name='sglang': each generate round .* are not read"):
         EngineConfig(name="sglang", slots=96)
     with pytest.raises(ValueError, match=r"engine.page_size=1000: a page holds at most model.max_seq_len=256"):
         train.parse_args(["configs/tiny.py", "engine.slots=4", "engine.page_size=1000"])
