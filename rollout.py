@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 import torch
 import torch.nn as nn
 
-from batching import ContinuousBatch, EngineParts
+from engines.batching import ContinuousBatch, EngineParts
 from config import EngineConfig
 from distributed import (all_ranks, collective_group, gathered, load_shards, own_meshes, rank_world,
                          reference_copy, set_group_timeouts)

@@ -19,7 +19,7 @@ arg_groups/fields/ (server arguments, flat in /server_info), sampling/sampling_b
 (sampling_seed), constants.py (memory tags), the model runner's weight updater; PRs 12162
 (routed experts), 28710 / 28001 (weight-update sessions). Each use below names what it was checked
 against: the sglang 0.5.21 wheel's code (requirements-sglang.txt), which shares the trainer's torch 2.13.0 and
-its NCCL (sglang_server.py lists the routes and answers).
+its NCCL (engines/sglang_server.py lists the routes and answers).
 
 Shapes: T, C, L, K (letters of the README's legend; T is one prompt's tokens here, as in rollout.py).
 
@@ -84,7 +84,7 @@ from distributed import all_gather_list, barrier, rank_world
 from hf import hf_tensors, save_hf
 from model import ModelConfig, route_dtype
 from sampler import Rollout, SamplingParams, row_keys
-from sglang_server import (ABSENT, SGLangServer, check_server, checkpoint_dtype, launch_wait_s, nccl_pairing,
+from engines.sglang_server import (ABSENT, SGLangServer, check_server, checkpoint_dtype, launch_wait_s, nccl_pairing,
                            served_dtype, wait_until_serving)
 from weights import (DEFAULT_BUCKET_BYTES, Named, fp8_bf16_modules, full_tensor, quantize_fp8, sglang_ep,
                      weight_buckets)

@@ -23,8 +23,14 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC_FILES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
-MODULES = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
-FOLDERS = ("bench", "configs", "docs", "tests", "tools")  # the repository's folders a doc may cite
+PACKAGES = ("engines",)  # folders of the project's code (tests/test_structure.py's FOLDERS)
+# module (a top-level file's name, or a package's "engines.batching") -> its path
+PATHS = {f[:-3]: f for f in os.listdir(ROOT) if f.endswith(".py")} | {
+    f"{p}.{f[:-3]}": f"{p}/{f}" for p in PACKAGES for f in os.listdir(os.path.join(ROOT, p))
+    if f.endswith(".py") and f != "__init__.py"}
+MODULES = sorted(PATHS)
+SHORT = {m.split(".")[-1]: m for m in MODULES if "." in m}  # `batching.ContinuousBatch` in prose: engines.batching's
+FOLDERS = ("bench", "configs", "docs", "tests", "tools", *PACKAGES)  # the repository's folders a doc may cite
 FILE_EXTENSIONS = {"json", "jsonl", "py", "md", "pt", "png", "safetensors", "jinja", "txt", "tmp", "lock", "parquet"}
 README_MAX_LINES = 300  # the before-stop hook's bound (STYLE.md 21 aims at ~250): operator material goes to docs/
 
@@ -34,7 +40,7 @@ def parse(path: str) -> ast.Module:
         return ast.parse(f.read())
 
 
-TREES = {m: parse(m + ".py") for m in MODULES}
+TREES = {m: parse(path) for m, path in PATHS.items()}
 
 
 def defined_names(body: list[ast.stmt]) -> set[str]:
@@ -146,7 +152,7 @@ PATH_RE = re.compile(r"[\w.*-]+(/[\w.*-]*)+(::\w+)?")
 def repo_paths(text: str) -> list[str]:
     tokens = [t.strip(",;:()'\"") for t in text.split()]
     return [t for t in tokens if PATH_RE.fullmatch(t) and (t.split("/")[0] in FOLDERS
-                                                           or t.split("/")[0] in {m + ".py" for m in MODULES})]
+                                                           or t.split("/")[0] in set(PATHS.values()))]
 
 
 DOTTED_RE = re.compile(r"(?<![\w./$-])([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)+)")
@@ -156,14 +162,19 @@ def check_dotted(first: str, rest: list[str]) -> str | None:
     """None if first.rest names something of ours that exists (or nothing of ours), else the problem."""
     if rest[-1] in FILE_EXTENSIONS:  # a file name: ours must exist, a checkpoint's or a run folder's are not ours
         name = ".".join([first, *rest])
-        return None if rest[-1] != "py" or first not in MODULES or os.path.exists(os.path.join(ROOT, name)) \
+        return None if rest[-1] != "py" or first not in PATHS or os.path.exists(os.path.join(ROOT, name)) \
             else f"no file {name}"
     if first in SECTIONS and rest[0] in SECTIONS[first] and len(rest) == 1:
         return None
+    if first in PACKAGES and f"{first}.{rest[0]}" in PATHS:  # engines.batching.ContinuousBatch
+        first, rest = f"{first}.{rest[0]}", rest[1:]
+        if not rest:
+            return None
+    first = SHORT.get(first, first)
     if first in MODULES:
         scope = defined_names(TREES[first].body)
         if rest[0] not in scope:
-            return f"{first}.py defines no {rest[0]}"
+            return f"{PATHS[first]} defines no {rest[0]}"
         classes = [n for n in TREES[first].body if isinstance(n, ast.ClassDef) and n.name == rest[0]]
         if classes and len(rest) > 1 and rest[1] not in set().union(*map(members, classes)):
             return f"{first}.{rest[0]} has no {rest[1]}"
@@ -270,8 +281,8 @@ def file_map() -> dict[str, list[int]]:
             if line.startswith("#"):
                 m = re.match(r"#+ Layer (\d+)\b", line)
                 layer = int(m.group(1)) if m else None
-            elif layer is not None and (m := re.match(r"\| `(\w+)\.py` \|", line)):
-                listed.setdefault(m.group(1), []).append(layer)
+            elif layer is not None and (m := re.match(r"\| `([\w/]+)\.py` \|", line)):
+                listed.setdefault(m.group(1).replace("/", "."), []).append(layer)
     return listed
 
 

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import distributed
 from config import load_config
-from ep_decode import capacity_dispatch, capacity_experts
+from engines.ep_decode import capacity_dispatch, capacity_experts
 from rollout import NativeEngine
 from runs import free_port
 from sampler import SamplingParams

@@ -57,7 +57,7 @@ def test_the_snapshot_holds_the_cuda_wheels_own_pins():
 def test_the_nccl_each_sglang_release_runs_is_read_from_the_wheels_as_the_engine_holds_it():
     """sglang_server.SERVER_NCCL, which connect compares exactly against the trainer's NCCL, is what the wheels pin
     (sglang -> torch -> nvidia-nccl-cu13); the pinned server's is the pinned trainer's own."""
-    import sglang_server
+    from engines import sglang_server
     assert set(sglang_server.SERVER_NCCL) == set(check_install.SERVER_RELEASES)
     for release, nccl in sglang_server.SERVER_NCCL.items():
         assert check_install.server_nccl(requires(), release) == ".".join(map(str, nccl)), release

@@ -7,9 +7,9 @@ import torch
 
 import train
 from config import EngineConfig
-from batching import ContinuousBatch
+from engines.batching import ContinuousBatch
 from model import KVCache, Transformer
-from paged_kv import PagedKVCache, least_pages
+from engines.paged_kv import PagedKVCache, least_pages
 from rollout import NativeEngine
 from sampler import SamplingParams, row_keys
 

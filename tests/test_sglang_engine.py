@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import sglang_engine
-import sglang_server
+from engines import sglang_server
 from config import EngineConfig, TrainConfig, load_config, parse_sglang_urls
 from hf_config import config_to_hf
 from model import ModelConfig, Transformer, route_dtype
@@ -24,7 +24,7 @@ from rollout import ENGINES, engine_builder
 from sampler import SamplingParams
 from weights import policy_tensors
 from sglang_engine import InProcessServer, SGLangEngine, build_sglang_engine
-from sglang_server import SGLangServer
+from engines.sglang_server import SGLangServer
 
 EOS = 1
 TOK = SimpleNamespace(stop_ids=(EOS,), pad_id=0, enc=SimpleNamespace(n_vocab=256))  # what build_sglang_engine

@@ -15,23 +15,27 @@ from runs import MICRO
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Who may import whom: a file imports only files on lower layers (DESIGN.md's layers, in the order a reader
-# meets them bottom up). A new top-level file gets a layer here.
+# meets them bottom up). A new file of the project's code (top level or in FOLDERS) gets a layer here.
 LAYERS = {
     # 1: leaves, importing nothing of the project's
-    "rules": 1, "logprobs": 1, "sandbox": 1, "sglang_server": 1, "scoring": 1, "scheduler": 1, "tokenizer": 1, "metrics": 1,
+    "rules": 1, "logprobs": 1, "sandbox": 1, "engines.sglang_server": 1, "scoring": 1, "scheduler": 1, "tokenizer": 1,
+    "metrics": 1,
     # 2: the leaves' own configs sit beside them (each imports rules; model imports logprobs)
     "model": 2, "sampler": 2, "espo": 2, "filter": 2, "reward": 2,
     # 3: what reads the model's shape and moves its weights
-    "hf_config": 3, "weights": 3, "ep_decode": 3, "paged_kv": 3, "graph_decode": 3,
+    "hf_config": 3, "weights": 3, "engines.ep_decode": 3, "engines.paged_kv": 3, "engines.graph_decode": 3,
     # 4: the run's configuration, composed of the sections above
     "config": 4,
     # 5: files in and out, several ranks
     "hf": 5, "data": 5, "distributed": 6,
     # 7: engines, trainer, checkpoints, the dry-run plan
-    "sglang_engine": 7, "batching": 7, "trainer": 7, "checkpoint": 7, "plan": 7, "reward_model": 7, "rollout": 8,
+    "sglang_engine": 7, "engines.batching": 7, "trainer": 7, "checkpoint": 7, "plan": 7, "reward_model": 7,
+    "rollout": 8,
     # 9: the RL step's parts above the engines; 10: the entry point and the RL step
     "shaping": 9, "evaluation": 9, "train": 10,
 }
+FOLDERS = ("engines",)  # folders of the project's Python code beside the top-level files (tests/, bench/ and tools/
+# sit above everything and import what they test or measure)
 MAX_ARROWS = 92  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
 # reward_model -> reward, hf, hf_config, tokenizer and train -> reward_model (issue 27: a reward model read
 # from an HF checkpoint); batching's four and rollout -> batching, ep_decode -> model (continuous batching
@@ -44,13 +48,23 @@ MAX_ARROWS = 92  # 58 after issue 23; checkpoint -> weights (a shard's bytes) an
 # run's summary and its plot out of train.py)
 
 
+def project_files() -> dict[str, str]:
+    """Module name -> path of every Python file of the project's code: the top-level files and those of FOLDERS
+    (as folder.name; a folder's __init__ holds only its docstring)."""
+    files = {f[:-3]: os.path.join(ROOT, f) for f in os.listdir(ROOT) if f.endswith(".py")}
+    for folder in FOLDERS:
+        files.update({f"{folder}.{f[:-3]}": os.path.join(ROOT, folder, f) for f in os.listdir(os.path.join(ROOT, folder))
+                      if f.endswith(".py") and f != "__init__.py"})
+    return files
+
+
 def import_graph() -> dict[str, set[str]]:
-    """file -> the top-level files it imports at run time (module level or inside a function; imports under
+    """module -> the project's modules it imports at run time (module level or inside a function; imports under
     `if TYPE_CHECKING:` are annotations only and are left out)."""
-    files = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+    files = project_files()
     graph = {}
-    for name in files:
-        tree = ast.parse(open(os.path.join(ROOT, name + ".py")).read())
+    for name, path in files.items():
+        tree = ast.parse(open(path).read())
         typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                        and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
         graph[name] = set()
@@ -58,16 +72,16 @@ def import_graph() -> dict[str, set[str]]:
             if id(node) in typing_only:
                 continue
             if isinstance(node, ast.Import):
-                graph[name] |= {a.name.split(".")[0] for a in node.names}
+                graph[name] |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                graph[name].add(node.module.split(".")[0])
-        graph[name] = (graph[name] & files) - {name}
+                graph[name] |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}  # `from folder import x`
+        graph[name] = (graph[name] & set(files)) - {name}
     return graph
 
 
 def test_imports_point_down_with_no_cycle_and_fewer_than_max_arrows():
     graph = import_graph()
-    assert set(graph) == set(LAYERS), f"give every top-level file a layer: {set(graph) ^ set(LAYERS)}"
+    assert set(graph) == set(LAYERS), f"give every file of the project's code a layer: {set(graph) ^ set(LAYERS)}"
     upward = [f"{a} (layer {LAYERS[a]}) -> {b} (layer {LAYERS[b]})" for a in graph for b in graph[a]
               if LAYERS[b] >= LAYERS[a]]
     assert not upward, upward  # strictly downward arrows cannot form a cycle either
@@ -191,10 +205,12 @@ PROBES_ALLOWED = {
 
 
 def attribute_probes() -> set[tuple[str, str]]:
-    """(file, probe) of every `hasattr(...)` and every `getattr(...)` with a default in the top-level files."""
+    """(file, probe) of every `hasattr(...)` and every `getattr(...)` with a default in the project's code (the
+    top-level files and FOLDERS')."""
     found = set()
-    for name in sorted(f for f in os.listdir(ROOT) if f.endswith(".py")):
-        for node in ast.walk(ast.parse(open(os.path.join(ROOT, name)).read())):
+    for path in sorted(project_files().values()):
+        name = os.path.relpath(path, ROOT)
+        for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and (
                     node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3)):
                 found.add((name, ast.unparse(node)))
@@ -202,7 +218,7 @@ def attribute_probes() -> set[tuple[str, str]]:
 
 
 def test_no_function_probes_an_object_of_the_project_for_an_attribute():
-    """No top-level file asks hasattr(x, "name") or getattr(x, "name", default) of an object of the project's: what
+    """No file of the project's code asks hasattr(x, "name") or getattr(x, "name", default) of an object of the project's: what
     it reads of one is named by its type (rollout.Engine, reward.RewardModel's `sharded` and PairwiseJudge's
     `counts`, sglang_engine.Server, batching.EngineParts, hf.load_hf's offsets). PROBES_ALLOWED says why each
     remaining probe is of something else (torch's DTensor, an SGLang answer, a thread-local), and holds no stale

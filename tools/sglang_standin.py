@@ -46,7 +46,7 @@ from hf import from_hf, hf_shapes, load_hf  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
 from sampler import SamplingParams  # noqa: E402
 from sglang_engine import join_update_group  # noqa: E402
-from sglang_server import SERVED_DTYPES  # noqa: E402
+from engines.sglang_server import SERVED_DTYPES  # noqa: E402
 from weights import policy_tensors  # noqa: E402
 
 VERSION = "0.5.21"

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from distributed import all_reduce_float
-from ep_decode import capacity_dispatch
-from graph_decode import decode_step
+from engines.ep_decode import capacity_dispatch
+from engines.graph_decode import decode_step
 from model import KVCache, Transformer, route_dtype
-from paged_kv import PagedKVCache, pages_for, pool_pages, too_few_pages
+from engines.paged_kv import PagedKVCache, pages_for, pool_pages, too_few_pages
 from sampler import Rollout, SamplingParams, row_uniforms, row_uniforms_at, sample
 
 if TYPE_CHECKING:
