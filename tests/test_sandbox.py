@@ -179,8 +179,8 @@ NONCE_PRINTER = ("import gc, os, re, sys\nfound, frame = [], sys._getframe()\n"
 
 
 def test_a_program_that_prints_the_runners_nonce_passes_only_without_a_check():
-    # without a Check the nonce is a local of the runner's frame, below the program's (the module
-    # docstring's limit 3); with one it never enters the program's process
+    # without a Check the nonce is a local of the runner's frame, below the program's
+    # (sandbox_child.py's docstring, limit 2); with one it never enters the program's process
     assert sandbox.run(NONCE_PRINTER, FAST).passed
     result = sandbox.run(NONCE_PRINTER + "def f():\n    return 1\n", FAST, check=check_of("def check(c):\n    assert c() == 1\n"))
     assert not result.passed and "ProgramEnded" in result.reason
