@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import reward
-import sandbox
+import sandbox_child
 from config import load_config
 from data import CodeTask, Item, Task, MathTask
 from evaluation import HeldOut, run_eval
@@ -184,8 +184,8 @@ LOOKUPS = {  # how a program finds the dataset
 SIGHTS = {  # what a program reads or lists of the host: (expression, what the host holds there)
     "glob of the repository's parent for its tests":
         (f"bool(glob.glob('{os.path.dirname(REPO)}/*/tests/test_sandbox.py'))", lambda: True),
-    "reading __main__'s __file__ (sandbox.py)":
-        ("open(sys.modules['__main__'].__file__).readline()", lambda: first_line(sandbox.__file__)),
+    "reading __main__'s __file__ (sandbox_child.py)":
+        ("open(sys.modules['__main__'].__file__).readline()", lambda: first_line(sandbox_child.__file__)),
     "open('/etc/passwd')": ("open('/etc/passwd').readline()", lambda: first_line("/etc/passwd")),
     "listing /home": ("sorted(os.listdir('/home'))", lambda: sorted(os.listdir("/home"))),
     "listing /": ("sorted(os.listdir('/'))", lambda: sorted(os.listdir("/"))),
@@ -257,14 +257,14 @@ def test_the_audit_hook_fallback_refuses_host_paths_processes_and_ctypes_but_not
     script = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {REPO!r})
-        import sandbox
-        sandbox._audit_reads(os.getcwd())
+        import sandbox_child
+        sandbox_child._audit_reads(os.getcwd())
         import decimal, hashlib, json
         open('mine.txt', 'w').write('x')
         assert open('mine.txt').read() == 'x' and os.listdir('.') == ['mine.txt']
         refused = []
         for attempt in (lambda: open('/etc/passwd'), lambda: os.listdir('/'), lambda: os.listdir({HOST_TMP!r}),
-                        lambda: open(sandbox.__file__), lambda: os.chdir('/'),
+                        lambda: open(sandbox_child.__file__), lambda: os.chdir('/'),
                         lambda: __import__('subprocess').run(['true']), lambda: __import__('ctypes').CDLL(None)):
             try:
                 attempt()

@@ -118,6 +118,20 @@ def test_network_connection_to_the_host_never_arrives(layers):
     assert_host_clean(result)
 
 
+def test_the_program_cannot_import_the_projects_modules_nor_see_the_callers_environment(monkeypatch):
+    # the child is sandbox_child.py, started with -I beside the project's files: neither it nor the program
+    # finds them on sys.path, and the program's environment is the few variables sandbox.run sets
+    monkeypatch.setenv("EVERYPROMPT_SECRET", "not for the program")
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.abspath(sandbox.__file__)))
+    program = ("import os\n"
+               "for name in ('sandbox', 'sandbox_child', 'rules'):\n"
+               "    try:\n        __import__(name)\n    except ImportError:\n        continue\n"
+               "    raise AssertionError(f'imported {name}')\n"
+               "assert sorted(os.environ) == ['HOME', 'LANG', 'PATH', 'TMPDIR'], sorted(os.environ)\n")
+    result = sandbox.run(program, FAST)
+    assert result.passed, result.output
+
+
 # ----------------------------------------------------------------------------- a Check: tests apart from the program
 
 def check_of(test: str, entry_point: str = "f", context: str = "") -> sandbox.Check:
@@ -179,8 +193,8 @@ NONCE_PRINTER = ("import gc, os, re, sys\nfound, frame = [], sys._getframe()\n"
 
 
 def test_a_program_that_prints_the_runners_nonce_passes_only_without_a_check():
-    # without a Check the nonce is a local of the runner's frame, below the program's (the module
-    # docstring's limit 3); with one it never enters the program's process
+    # without a Check the nonce is a local of the runner's frame, below the program's
+    # (sandbox_child.py's docstring, limit 2); with one it never enters the program's process
     assert sandbox.run(NONCE_PRINTER, FAST).passed
     result = sandbox.run(NONCE_PRINTER + "def f():\n    return 1\n", FAST, check=check_of("def check(c):\n    assert c() == 1\n"))
     assert not result.passed and "ProgramEnded" in result.reason

@@ -17,7 +17,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Who may import whom: a file imports only files on lower layers (DESIGN.md's layers, in the order a reader
 # meets them bottom up). A new file of the project's code (top level or in FOLDERS) gets a layer here.
 LAYERS = {
-    # 1: leaves, importing nothing of the project's
+    # 0: what runs inside the code sandbox (`python -I`, which cannot import the project's files): below sandbox
+    "sandbox_child": 0,
+    # 1: leaves, importing nothing of the project's (but sandbox, which imports the child it starts)
     "rules": 1, "logprobs": 1, "sandbox": 1, "engines.sglang_server": 1, "scoring": 1, "scheduler": 1, "tokenizer": 1,
     "metrics": 1,
     # 2: the leaves' own configs sit beside them (each imports rules; model imports logprobs)
@@ -36,7 +38,7 @@ LAYERS = {
 }
 FOLDERS = ("engines",)  # folders of the project's Python code beside the top-level files (tests/, bench/ and tools/
 # sit above everything and import what they test or measure)
-MAX_ARROWS = 92  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
+MAX_ARROWS = 93  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
 # reward_model -> reward, hf, hf_config, tokenizer and train -> reward_model (issue 27: a reward model read
 # from an HF checkpoint); batching's four and rollout -> batching, ep_decode -> model (continuous batching
 # and expert-parallel decode in files of their own); evaluation's four and train -> evaluation (the evals
@@ -45,7 +47,8 @@ MAX_ARROWS = 92  # 58 after issue 23; checkpoint -> weights (a shard's bytes) an
 # shaping's six and train -> shaping (the step's reward-model shaping out of train.py, which drops -> reward);
 # reward_model -> distributed (reward.rm_shard: a reward model sharded like the policy); sglang_engine ->
 # sglang_server (one server's HTTP API and connect checks out of sglang_engine.py); evaluation -> metrics (the
-# run's summary and its plot out of train.py)
+# run's summary and its plot out of train.py); sandbox -> sandbox_child (the sandbox's child side, run as a script,
+# in a file of its own: issue 32)
 
 
 def project_files() -> dict[str, str]:
@@ -187,7 +190,7 @@ PROBES_ALLOWED = {
         "a DTensor instance False",
     ("plan.py", "getattr(k, 'name', k)"):
         "torch's memory tracker snapshot keys: an enum member (its .name) or a str, third-party",
-    ("sandbox.py", "getattr(builtins, reply['raised'], None)"):
+    ("sandbox_child.py", "getattr(builtins, reply['raised'], None)"):
         "a builtin exception named in the sandbox's reply (a module's names; an unknown name is no builtin)",
     ("scoring.py", "getattr(_thread_limit, 'deadline', None)"):
         "a threading.local: unset on a thread that has entered no time limit",
