@@ -21,7 +21,7 @@ Notable choices:
    as the real ones are; the all-to-all's send and receive buffers (2 x N * K x D) are added.
 2. The micro-batch is microbatch_tokens tokens in rows of min(max_seq_len, microbatch_tokens)
    (the packer's widest case), rounded so the routed rows split evenly over the experts
-   (model.grouped_mm's stand-in on fake tensors).
+   (ops.grouped_mm's stand-in on fake tensors).
 3. Every block after the dense ones is the same, so memory is affine in the number of layers
    once the peak falls at the same point of the step (from two MoE blocks on): the fake steps
    run with two and three MoE blocks and the result is extended to L blocks (tests/test_plan.py
@@ -177,7 +177,7 @@ def _fake_steps(cfg, world: int, activation_checkpoint: bool, n_layers: int) -> 
         else:
             distributed.checkpoint_and_compile(model, activation_checkpoint=activation_checkpoint, compile=False)
         with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
-            # model.grouped_mm's fake stand-in returns a view (nothing writes to it in place); the real op does not
+            # ops.grouped_mm's fake stand-in returns a view (nothing writes to it in place); the real op does not
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
             model.to_empty(device="cpu")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-6)

@@ -117,7 +117,7 @@ def decode_step(model: Transformer, tokens_B: torch.Tensor, state: DecodeState, 
 
     The model's own forward (`Transformer.hidden`) for one token per row over the static cache:
     the same modules and routing as the prefill and the trainer, attention over columns
-    [0, col] (`model.single_query_attention`). Writes this token's keys and values at column
+    [0, col] (`ops.single_query_attention`). Writes this token's keys and values at column
     col of every layer and its routed experts into state.routes_BSLK.
     """
     h_B1D, routes_B1LK = model.hidden(tokens_B[:, None], pos_BT=state.pos_BS[:, col:col + 1], return_routes=True,

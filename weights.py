@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GroupedExperts, ModelConfig, Transformer, grouped_mm, swiglu
+from model import GroupedExperts, ModelConfig, Transformer
+from ops import grouped_mm, swiglu
 
 Named = Iterable[tuple[str, torch.Tensor]]
 """(name, tensor) pairs under state-dict names: what a weight sync or an export takes."""

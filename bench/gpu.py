@@ -97,7 +97,7 @@ CUT_SHORT_EXIT = 3  # the exit status of a run the watchdog ended (1 is Python's
 SUBPROCESS_TIMEOUT_S = 150  # section 4's second allocator setting (imports, CUDA init, a build, 4 steps), at most
 SUBPROCESS_END_S = 10  # and it is killed this long before END_S, so the watchdog never leaves it running
 LABEL = 40  # the table's label column
-# SDPA without its math kernel, as section 5 runs the prefill. Written here, not taken from model.py's own
+# SDPA without its math kernel, as section 5 runs the prefill. Written here, not taken from ops.py's own
 # list: the check must not borrow what it checks
 NOT_MATH = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 PHASE_ROUNDS = 3  # section 4's rollout phases, each followed by a training step

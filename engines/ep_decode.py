@@ -28,7 +28,7 @@ def capacity_experts(experts: nn.Module, x_ND: torch.Tensor, ids_NK: torch.Tenso
     after every real row, past the grouped GEMMs' last offset, so no expert computes it), and the
     outputs return through the slots they came in. Three equal-split all-to-alls per layer, as
     torchtitan's three, and the host reads nothing (the experts' grouped GEMMs take device offsets
-    in bf16 on CUDA and anywhere on CPU; model.grouped_mm's fp32-on-CUDA fallback still reads them).
+    in bf16 on CUDA and anywhere on CPU; ops.grouped_mm's fp32-on-CUDA fallback still reads them).
     Each all-to-all moves Y * A rows whatever the routes: meant for decode steps and short inputs.
 
     Equal to torchtitan's path, not just close: each expert's GEMM sees the same rows in the same

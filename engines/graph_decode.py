@@ -24,7 +24,7 @@ Choices:
 3. tokens_B, col_B and the bias are copied into static buffers; the cache and the routes buffer are the call's
    own tensors, written in place by the graph. The logits come back in the graph's output tensor, which the
    next replay overwrites: sample from them before the next step.
-4. The step must not sync with the host (a capture refuses it): bf16 grouped GEMMs (model.grouped_mm takes
+4. The step must not sync with the host (a capture refuses it): bf16 grouped GEMMs (ops.grouped_mm takes
    device offsets in bf16; in fp32 on CUDA it reads them on the host), and under expert parallelism
    ep_decode.capacity_dispatch around every call (the graph keeps the path its capture took). The all-to-alls
    are captured with the rest (NCCL >= 2.9 captures collectives; a capture and each launch are collective, so

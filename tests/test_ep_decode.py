@@ -5,7 +5,7 @@ Host syncs are counted device-agnostically, on CPU: the ops that make the host w
 (a tensor read as a Python number or list, an output whose size depends on the data) are recorded by a
 dispatch mode while one forward runs; `Tensor.tolist` is counted at the Python level (on a CPU tensor
 it reads memory without dispatching). torch._grouped_mm on CPU reads its offsets inside its kernel,
-seen by no one: on CUDA in bf16 it takes them on the device (model.grouped_mm), fp32 on CUDA falls back
+seen by no one: on CUDA in bf16 it takes them on the device (ops.grouped_mm), fp32 on CUDA falls back
 to one matmul per expert, which syncs. Capturing a decode step in a CUDA graph needs a GPU: not here.
 """
 import os
@@ -114,7 +114,7 @@ def worker(rank, world, port, ep):
         moe, x_ND = model.layers[0].mlp, torch.randn(4 + rank, cfg.model.dim)
         with torch.no_grad():
             ids_NK, weights_NK = moe.route(x_ND, None)
-            args = (moe.experts, x_ND, ids_NK, weights_NK)  # fp32 grouped GEMMs: model.grouped_mm's opaque op
+            args = (moe.experts, x_ND, ids_NK, weights_NK)  # fp32 grouped GEMMs: ops.grouped_mm's opaque op
             kwargs = dict(exchange=moe.exchange, ep=ep, max_tokens=8)
             traced = torch.compile(capacity_experts, fullgraph=True, backend="eager")(*args, **kwargs)
             assert torch.equal(traced, capacity_experts(*args, **kwargs))

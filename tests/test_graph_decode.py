@@ -89,7 +89,7 @@ def assert_same_step(model, tokens_B, cache, routes_BSLK, col_B, bias_B11W, *, t
 @pytest.mark.parametrize("kind", CACHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_decode_step_compiles_as_one_graph_with_eager_numbers(dtype, kind):
-    # fp32: model.grouped_mm's op opaque to the compiler; bf16: torch._grouped_mm itself in the graph
+    # fp32: ops.grouped_mm's op opaque to the compiler; bf16: torch._grouped_mm itself in the graph
     cfg = load_config(None, MODEL).model
     torch.manual_seed(0)
     model = Transformer(cfg).to(dtype)

@@ -4,8 +4,8 @@ import torch.nn.functional as F
 
 import math
 
-from model import (GatherRows, KVCache, MoE, ModelConfig, Transformer, fused_attention, grouped_mm,
-                   rope_frequencies)
+from model import KVCache, MoE, ModelConfig, Transformer, rope_frequencies
+from ops import GatherRows, fused_attention, grouped_mm
 from sglang_engine import check_routes
 
 
