@@ -583,7 +583,7 @@ class Transformer(nn.Module):
         additive float, 0 = attend) covers all S = cache_start+T columns. Without a mask attention is causal, which is
         right only when cache_start = 0 (SDPA aligns its causal mask to the top left).
         Raises ValueError on a replay of another shape or a float dtype (the ids' values are checked
-        once, where they enter from outside: sglang_engine.check_routes).
+        once, where they enter from outside: sglang_server.check_routes).
         """
         h, routes = self.hidden(tokens_BT, **kwargs)
         if targets_BT is None:

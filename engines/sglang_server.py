@@ -1,6 +1,8 @@
-"""One SGLang server over its HTTP API (`SGLangServer`: sglang.Engine's methods as routes, so sglang_engine's
-SGLangEngine drives an in-process Engine and a server alike) and what is checked or waited for when connecting to
-one: routed-expert capture and deterministic inference (`check_server`), the NCCL the weight broadcast pairs with
+"""One SGLang server over its HTTP API: what /generate takes and answers (`sglang_request`, and
+`decode_sglang_output` with the routed experts it brings, checked where they enter: `decode_routed_experts`,
+`check_routes`), the routes as sglang.Engine's methods (`SGLangServer`, so sglang_engine's SGLangEngine drives an
+in-process Engine and a server alike), and what is checked or waited for when connecting to one: routed-expert
+capture and deterministic inference (`check_server`), the NCCL the weight broadcast pairs with
 (`nccl_pairing`), and a launched server's wait (`launch_wait_s`, `wait_until_serving`). Needs no sglang package,
 and none has met a real server: tested on CPU against a stand-in. Every route, body and answer is checked against
 the sglang 0.5.21 wheel's code (python/sglang/srt/; requirements-sglang.txt pins it):
@@ -18,6 +20,7 @@ the sglang 0.5.21 wheel's code (python/sglang/srt/; requirements-sglang.txt pins
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import json
 import os
@@ -26,6 +29,9 @@ import urllib.error
 import urllib.request
 
 import torch
+
+from model import ModelConfig, route_dtype
+from sampler import Rollout, SamplingParams, row_keys
 
 HTTP_TIMEOUT_S = 3600.0
 """Seconds one HTTP call may take: a /generate call holds a whole batch of long completions."""
@@ -43,6 +49,121 @@ HEALTH_CALL_TIMEOUT_S = 60.0
 """Seconds one /health_generate probe may take: SGLang answers 503 after its own 20 s (SGLANG_HEALTH_CHECK_TIMEOUT)."""
 ABSENT = object()  # what an HTTP call answers for a route this server's SGLang version lacks (404)
 
+
+SGLANG_SEED_BITS = 31
+"""Per-request sampling_seed kept a non-negative int32, a range every SGLang version takes."""
+
+
+# ----------------------------------------------------------------------------- what /generate takes and answers
+
+def sglang_request(prompts: list[list[int]], params: SamplingParams, *, n: int, seed: int | None, eos_id,
+                   group_ids: list[int] | None = None) -> dict:
+    """The body of /generate (and the keywords of `sglang.Engine.generate`) for n samples of each
+    prompt, prompt-major.
+
+    Each sample is its own request (SGLang's radix cache shares the prompt's prefill).
+    Sample j of group g gets sampling_seed derived from (seed, g, j) as NativeEngine keys
+    its streams, so a request's seed does not depend on its batch. Logprobs of output
+    tokens only (logprob_start_len=-1); routes from the first prompt token
+    (routed_experts_start_len=0: SGLang's io_struct documents the response as covering
+    [routed_experts_start_len, seqlen - 1)). top_k 0 (off) is SGLang's -1.
+    """
+    rows = [list(p) for p in prompts for _ in range(n)]  # row i = sample i % n of prompt i // n, as NativeEngine
+    # stop on EOS; no_stop_trim and skip_special_tokens=False ask SGLang to remove nothing from the output, so the
+    # EOS stays part of the completion, as in NativeEngine's
+    stop_ids = [eos_id] if isinstance(eos_id, int) else list(eos_id)  # one id, or a chat model's several
+    base = dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else -1, stop_token_ids=stop_ids, skip_special_tokens=False,
+                no_stop_trim=True)
+    per_row = [dict(base) for _ in rows]  # a copy per request: each gets its own sampling_seed
+    if seed is not None:  # without a seed, sampling is SGLang's own (its engine-wide random_seed)
+        groups = group_ids if group_ids is not None else list(range(len(prompts)))
+        # the same (seed, group id, sample index) keys as NativeEngine.generate
+        keys = row_keys(seed, [g for g in groups for _ in range(n)], [j for _ in prompts for j in range(n)])
+        # the key's low 31 bits: mix64 output, so every bit is as random as the others
+        for p, k in zip(per_row, (keys & ((1 << SGLANG_SEED_BITS) - 1)).tolist()):
+            p["sampling_seed"] = k
+    return dict(input_ids=rows, sampling_params=per_row, return_logprob=True, logprob_start_len=-1,
+                return_routed_experts=True, routed_experts_start_len=0)
+
+
+def check_routes(routed_experts: torch.Tensor, num_experts: int):
+    """The values of integer expert ids [..., K] that enter from outside this project (SGLang's routed_experts),
+    checked once where they enter, not in every forward (model.check_route_layout, the dtype and shape, is
+    that one; this syncs with the host): each id in [0, E) or a whole row of -1 (padding), the K ids of a
+    row distinct. Raises ValueError naming what is wrong."""
+    if routed_experts.numel() == 0:
+        return
+    lo, hi = int(routed_experts.min()), int(routed_experts.max())
+    if lo < -1 or hi >= num_experts:
+        raise ValueError(f"routed_experts ids span [{lo}, {hi}]; valid ids are -1 (padding) and [0, {num_experts})")
+    # a padding row is all -1: a partly padded row would mix replayed ids with the router's own
+    pad = routed_experts < 0
+    if bool((pad.any(-1) & ~pad.all(-1)).any()):
+        raise ValueError("routed_experts has a row mixing -1 and expert ids; a padding row must be all -1")
+    # sorted along K, a repeated expert shows as two equal neighbours (-1 pairs of padding rows aside)
+    ids = routed_experts.sort(dim=-1).values
+    if bool(((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any()):
+        raise ValueError("routed_experts repeats an expert within a token's top-k; ids in a row must be distinct")
+
+
+def decode_routed_experts(payload, num_tokens: int, cfg: ModelConfig) -> torch.Tensor:
+    """SGLang's meta_info["routed_experts"] -> [num_tokens, L, K] expert ids over the MoE layers only,
+    in Rollout.routes' dtype (`route_dtype`: the smallest integer dtype that holds the expert ids).
+
+    SGLang sends base64 of int32 [num_tokens, num_hidden_layers, top_k] (logical expert
+    ids); the first `first_k_dense_replace` layers are dense (GLM-4.5) and their rows are
+    dropped. num_tokens is T + C - 1 when the request set routed_experts_start_len=0.
+    Raises ValueError when the size does not match or an id is not a valid one (check_routes: ids that
+    enter from outside are checked here, once, not in every replayed forward).
+    """
+    # Format as SGLang documents it (sgl-project/sglang R3 usage notes, and sglang-jax
+    # docs/features/return_routed_experts.md, after sglang PR 12162): base64-decode,
+    # read int32, reshape(-1, num_layers, top_k); a list payload is accepted as well.
+    if isinstance(payload, (str, bytes)):
+        # bytearray: frombuffer needs a writable buffer (bytes would warn); the raw bytes are read in native order
+        flat = torch.frombuffer(bytearray(base64.b64decode(payload)), dtype=torch.int32)
+    else:
+        flat = torch.as_tensor(payload).to(torch.int32).flatten()
+    want = num_tokens * cfg.n_layers * cfg.top_k  # n_layers: SGLang reports every hidden layer, dense ones too
+    if flat.numel() != want:
+        raise ValueError(f"routed_experts holds {flat.numel()} ids; expected {num_tokens} tokens x {cfg.n_layers} "
+                         f"layers x {cfg.top_k} = {want}")
+    # (num_tokens, n_layers, K) -> (num_tokens, L, K): the dense layers come first
+    routes = flat.view(num_tokens, cfg.n_layers, cfg.top_k)[:, cfg.first_k_dense_replace:]
+    check_routes(routes, cfg.num_experts)  # before the cast: an id past route_dtype's range would wrap around
+    return routes.to(route_dtype(cfg.num_experts), copy=True)  # copy=True owns the memory
+
+
+def decode_sglang_output(out: dict, prompt_ids: list[int], *, cfg: ModelConfig, group_id: int,
+                         weight_version: int) -> Rollout:
+    """One SGLang generate() result -> Rollout.
+
+    Reads meta_info["output_token_logprobs"] ((logprob, token id, text) per output token,
+    the stop token included), meta_info["finish_reason"] ({"type": "stop" | "length" |
+    "abort", ...}) and meta_info["routed_experts"]. Raises ValueError on a payload that
+    does not add up, RuntimeError on an aborted request.
+    """
+    meta = out["meta_info"]
+    lp = meta["output_token_logprobs"]
+    ids = [int(x[1]) for x in lp]  # the completion, read from the logprob entries so each id has its logprob
+    if "output_ids" in out and [int(i) for i in out["output_ids"]] != ids:  # when both are present they must agree
+        raise ValueError(f"output_ids {list(out['output_ids'])[:8]}... disagree with output_token_logprobs' ids "
+                         f"{ids[:8]}...")
+    reason = meta["finish_reason"]
+    kind = reason.get("type") if isinstance(reason, dict) else reason  # documented as a dict; a plain str taken too
+    if kind == "abort":
+        raise RuntimeError(f"SGLang aborted the request: {reason}")
+    if kind not in ("stop", "length"):
+        raise ValueError(f"finish_reason {reason!r}; expected type 'stop', 'length' or 'abort'")
+    T, C = len(prompt_ids), len(ids)
+    # routes of every token fed to the model: the prompt and all but the last completion token, as NativeEngine
+    return Rollout(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=torch.tensor([float(x[0]) for x in lp]),
+                   routes=decode_routed_experts(meta["routed_experts"], T + C - 1, cfg), finish_reason=kind,
+                   group_id=group_id, weight_version=weight_version)
+
+
+# ----------------------------------------------------------------------------- one server
 
 class SGLangServer:
     """`sglang.Engine`'s methods over one server's HTTP API (routes and bodies as in SGLang's

@@ -30,7 +30,7 @@ from config import load_config, parse_args
 from espo import LossConfig
 from hf import save_hf
 from model import Transformer, check_route_layout
-from sglang_engine import check_routes
+from engines.sglang_server import check_routes
 from rules import check_fields
 from runs import MICRO
 from tokenizer import build_tokenizer, demo_tokenizer

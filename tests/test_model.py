@@ -6,7 +6,7 @@ import math
 
 from model import KVCache, MoE, ModelConfig, Transformer, rope_frequencies
 from ops import GatherRows, fused_attention, grouped_mm
-from sglang_engine import check_routes
+from engines.sglang_server import check_routes
 
 
 @pytest.mark.parametrize("num_shared_experts", [0, 1])
@@ -72,8 +72,8 @@ def test_replay_with_wrong_shape_is_a_value_error(tiny_cfg, bad, msg):
         model(torch.zeros(2, 6, dtype=torch.long), routed_experts=torch.zeros(bad, dtype=torch.long))
 
 
-# The ids' values are checked where they enter from outside (sglang_engine.check_routes, called by
-# sglang_engine.decode_routed_experts), not in every replayed forward: it syncs with the host.
+# The ids' values are checked where they enter from outside (sglang_server.check_routes, called by
+# sglang_server.decode_routed_experts), not in every replayed forward: it syncs with the host.
 @pytest.mark.parametrize("value", [-2, 8])
 def test_replay_with_out_of_range_expert_id_is_a_value_error(tiny_cfg, value):
     replay = torch.zeros(1, 4, tiny_cfg.num_moe_layers, tiny_cfg.top_k, dtype=torch.long)

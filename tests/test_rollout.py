@@ -251,7 +251,7 @@ def _sglang_output(ids, logps, routes_TLK, reason="stop"):
 
 
 def test_sglang_request_asks_for_logprobs_routes_and_seeded_samples():
-    from sglang_engine import sglang_request
+    from engines.sglang_server import sglang_request
     req = sglang_request([[1, 2], [3]], SamplingParams(max_new_tokens=5, temperature=1.0, top_p=0.9, top_k=0), n=2, seed=7, eos_id=9, group_ids=[4, 5])
     assert req["input_ids"] == [[1, 2], [1, 2], [3], [3]]
     assert req["return_logprob"] and req["return_routed_experts"] and req["routed_experts_start_len"] == 0
@@ -263,7 +263,7 @@ def test_sglang_request_asks_for_logprobs_routes_and_seeded_samples():
 
 
 def test_sglang_output_decodes_to_a_rollout_with_moe_layers_only(tiny_cfg):
-    from sglang_engine import decode_sglang_output
+    from engines.sglang_server import decode_sglang_output
     cfg = dataclasses.replace(tiny_cfg, n_layers=3, first_k_dense_replace=1, dense_inter_dim=16, router="sigmoid",
                               hf_model_type="glm4_moe")
     prompt, ids, logps = [5, 6, 7], [11, 12, EOS], [-0.5, -1.0, -0.25]
@@ -281,7 +281,7 @@ def test_routes_travel_in_the_smallest_integer_type_that_holds_every_expert_id()
 
 
 def test_sglang_payload_of_the_wrong_size_is_a_value_error(tiny_cfg):
-    from sglang_engine import decode_sglang_output
+    from engines.sglang_server import decode_sglang_output
     out = _sglang_output([11, 12], [-0.1, -0.2], torch.zeros(3, tiny_cfg.n_layers, tiny_cfg.top_k))  # one row short
     with pytest.raises(ValueError, match="routed_experts"):
         decode_sglang_output(out, [5, 6, 7], cfg=tiny_cfg, group_id=0, weight_version=0)

@@ -203,7 +203,7 @@ def test_external_servers_get_the_documented_generate_payload_round_robin_by_gro
     assert sent[a.url]["return_routed_experts"] and sent[a.url]["routed_experts_start_len"] == 0
     # each row keeps the seed the whole batch would give it: split over servers, sampled as in one call
     seeds = [p["sampling_seed"] for p in sent[a.url]["sampling_params"] + sent[b.url]["sampling_params"]]
-    whole = sglang_engine.sglang_request([[5, 6], [9, 10, 11], [7]], PARAMS, n=2, seed=3, eos_id=EOS,
+    whole = sglang_server.sglang_request([[5, 6], [9, 10, 11], [7]], PARAMS, n=2, seed=3, eos_id=EOS,
                                          group_ids=[4, 6, 5])
     assert seeds == [p["sampling_seed"] for p in whole["sampling_params"]]
     assert [r.group_id for r in out] == [4, 4, 5, 5, 6, 6]  # back in the caller's order
@@ -311,12 +311,12 @@ def test_routed_experts_with_an_id_out_of_range_are_refused_before_the_cast(tiny
     # 8 experts travel as uint8: unchecked, 259 would wrap around to expert 3, a valid-looking id
     routes = torch.arange(3 * tiny_cfg.n_layers * tiny_cfg.top_k, dtype=torch.int32) % tiny_cfg.num_experts
     payload = base64.b64encode(routes.numpy().tobytes()).decode("ascii")
-    assert torch.equal(sglang_engine.decode_routed_experts(payload, 3, tiny_cfg).long(),
+    assert torch.equal(sglang_server.decode_routed_experts(payload, 3, tiny_cfg).long(),
                        routes.view(3, tiny_cfg.n_layers, tiny_cfg.top_k).long())
     routes[:2] = torch.tensor([7, bad])  # the first token's first layer: only `bad` is wrong (distinct, no -1)
     payload = base64.b64encode(routes.numpy().tobytes()).decode("ascii")
     with pytest.raises(ValueError, match=f"routed_experts ids span {span}; valid ids are -1"):
-        sglang_engine.decode_routed_experts(payload, 3, tiny_cfg)
+        sglang_server.decode_routed_experts(payload, 3, tiny_cfg)
 
 
 def test_an_error_answer_names_the_server_the_route_and_sglangs_message(tiny_cfg, log):
