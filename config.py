@@ -48,7 +48,7 @@ from espo import LossConfig
 from filter import FilterConfig
 from hf_config import read_config, shape_differences
 from model import ModelConfig
-from engines.paged_kv import PAGE_SIZE, PREFILL_TOKENS, too_few_pages
+from paged_kv import PAGE_SIZE, PREFILL_TOKENS, too_few_pages
 from reward import RewardConfig
 from rules import FLAG, NON_NEGATIVE, PATH, POSITIVE, Rule, check_fields, integer, kind, number, one_of, section, text
 from sampler import SamplingParams

@@ -81,7 +81,7 @@ import torch
 
 from logprobs import LOGITS_CHUNK_TOKENS
 from model import ModelConfig, Transformer, route_dtype
-from engines.paged_kv import pool_pages, too_few_pages
+from paged_kv import pool_pages, too_few_pages
 
 GB = 1024 ** 3
 # what PyTorch can allocate on each (torch.cuda.get_device_properties(0).total_memory, as its out-of-memory

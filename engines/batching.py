@@ -18,7 +18,7 @@ from distributed import all_reduce_float
 from engines.ep_decode import capacity_dispatch
 from engines.graph_decode import decode_step
 from model import KVCache, Transformer, route_dtype
-from engines.paged_kv import PagedKVCache, pages_for, pool_pages, too_few_pages
+from paged_kv import PagedKVCache, pages_for, pool_pages, too_few_pages
 from sampler import Rollout, SamplingParams, row_uniforms, row_uniforms_at, sample
 
 if TYPE_CHECKING:

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 if TYPE_CHECKING:
     from model import KVCache
-    from engines.paged_kv import PagedKVCache
+    from paged_kv import PagedKVCache
 
 WARMUP = 3
 """Eager steps on a side stream before the capture: PyTorch's CUDA graph example warms up with 3."""

@@ -15,7 +15,7 @@ from engines.batching import decode_rows
 from config import load_config
 from engines.graph_decode import GraphedDecode, decode_step
 from model import KVCache, Transformer, route_dtype
-from engines.paged_kv import PagedKVCache, pages_for
+from paged_kv import PagedKVCache, pages_for
 
 from test_ep_decode import MODEL  # its model: num_experts=8, top_k=3, a shared expert
 S, P = 8, 3  # cache columns of each slot; a page's columns (paged_kv), three pages a slot

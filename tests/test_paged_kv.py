@@ -9,7 +9,7 @@ import train
 from config import EngineConfig
 from engines.batching import ContinuousBatch
 from model import KVCache, Transformer
-from engines.paged_kv import PagedKVCache, least_pages
+from paged_kv import PagedKVCache, least_pages
 from rollout import NativeEngine
 from sampler import SamplingParams, row_keys
 

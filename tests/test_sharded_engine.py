@@ -13,7 +13,7 @@ import distributed
 from config import EngineConfig, load_config
 from model import MoE
 from plan import engine_bytes
-from engines.paged_kv import least_pages
+from paged_kv import least_pages
 from rollout import NativeEngine, weight_bytes
 from runs import free_port
 from sampler import SamplingParams

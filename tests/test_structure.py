@@ -25,7 +25,7 @@ LAYERS = {
     # 2: the leaves' own configs sit beside them (each imports rules; model imports logprobs and ops)
     "model": 2, "sampler": 2, "espo": 2, "filter": 2, "reward": 2,
     # 3: what reads the model's shape and moves its weights
-    "hf_config": 3, "weights": 3, "engines.sglang_server": 3, "engines.ep_decode": 3, "engines.paged_kv": 3, "engines.graph_decode": 3,
+    "hf_config": 3, "weights": 3, "engines.sglang_server": 3, "engines.ep_decode": 3, "paged_kv": 3, "engines.graph_decode": 3,
     # 4: the run's configuration, composed of the sections above
     "config": 4,
     # 5: files in and out, several ranks
