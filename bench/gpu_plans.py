@@ -122,12 +122,32 @@ def small_plan(cfg: TrainConfig) -> dict:
     return {"config": digest(cfg), "train": train, "generate": plan.engine_memory(cfg)["generate"]}
 
 
+PLAN_SOURCES = ("plan.py", "bench/gpu_plans.py")
+"""The files whose code computes the plans: an edit of either makes the carried plans stale (`inputs`)."""
+
+
+def cuts() -> dict[str, TrainConfig]:
+    """The config of each plan bench/gpu.py may read on a GPU: each cut of EXPERT_CUTS, and small.py plain and
+    --quick."""
+    out = {f"wide_{e}": wide_config("cuda", e) for e in EXPERT_CUTS}
+    out["small"] = small_config(os.path.join(ROOT, SMALL), "cuda")
+    out["small_quick"] = small_config(os.path.join(ROOT, SMALL), "cuda", quick=True)
+    return out
+
+
+def inputs() -> dict:
+    """What the plans are computed from, cheaply: each plan's config digest and a digest of PLAN_SOURCES' code. The
+    default tests compare it with the carried file's (a full recompute, about 15 s, is a slow test)."""
+    code = hashlib.sha256(b"".join(open(os.path.join(ROOT, f), "rb").read() for f in PLAN_SOURCES)).hexdigest()[:16]
+    return {"sources": code, "configs": {name: digest(cfg, GPU_SHAPES if name.startswith("wide") else None)
+                                         for name, cfg in cuts().items()}}
+
+
 def compute_plans() -> dict:
-    """Every plan bench/gpu.py may read on a GPU: each cut of EXPERT_CUTS, and small.py plain and --quick."""
-    plans = {f"wide_{e}": wide_plan(wide_config("cuda", e)) for e in EXPERT_CUTS}
-    plans["small"] = small_plan(small_config(os.path.join(ROOT, SMALL), "cuda"))
-    plans["small_quick"] = small_plan(small_config(os.path.join(ROOT, SMALL), "cuda", quick=True))
-    return {"written_by": "python bench/gpu.py --write_plans", "torch": torch.__version__, "plans": plans}
+    """Every plan bench/gpu.py may read on a GPU (`cuts`), and the inputs they were computed from."""
+    plans = {name: (wide_plan if name.startswith("wide") else small_plan)(cfg) for name, cfg in cuts().items()}
+    return {"written_by": "python bench/gpu.py --write_plans", "torch": torch.__version__, "plans": plans,
+            "inputs": inputs()}
 
 
 def write_plans(path: str = PLANS) -> dict:

@@ -64,6 +64,14 @@ def test_the_gpu_check_smoke_runs_every_section_on_cpu_without_torchtitan_or_sgl
     assert "H100 80GB: 48; H200 141GB: 128" in proc.stdout.splitlines()[0], proc.stdout.splitlines()[0]
 
 
+def test_the_gpu_plans_were_computed_from_todays_configs_and_plan_code():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_plans
+    assert gpu_plans.read_plans()["inputs"] == gpu_plans.inputs(), \
+        "bench/gpu_plans.json is stale: run python bench/gpu.py --write_plans"
+
+
+@pytest.mark.slow
 def test_the_gpu_plans_are_what_the_code_computes_now():  # about 15 s: the plans' fake training steps
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import gpu_plans
