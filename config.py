@@ -235,7 +235,7 @@ class TrainConfig:
     """Seconds a collective may wait for the other ranks before the job fails (> 0; a dead rank must not hang it)."""
     # checkpoints and logging
     ckpt_every: int = 100
-    """Optimizer steps (SFT and RL counted together) between checkpoints under out_dir/ckpt (0 = none)."""
+    """Steps (SFT steps and RL steps counted together) between checkpoints under out_dir/ckpt (0 = none)."""
     ckpt_keep: int = 2
     """Complete checkpoints kept (>= 1), counted up to the position just written; older ones are deleted once a
     newer one is complete."""
@@ -292,7 +292,7 @@ class TrainConfig:
     lr: float = 5e-5
     """RL AdamW learning rate (constant after a short warm-up)."""
     lr_warmup_steps: int = 5
-    """Optimizer steps of linear warm-up at the start of both the SFT and the RL schedule."""
+    """Steps of linear warm-up at the start of both the SFT schedule (SFT steps) and the RL schedule (RL steps)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0

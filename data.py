@@ -3,7 +3,7 @@ brings as JSONL or parquet files of GSM8K, MATH, HumanEval or prompt-only rows: 
 the training prompts tokenized once, in a fixed random order (`Prompts`; `prompt_ids`: an item in
 the tokenizer's chat template). Each task scores with a verifier of reward.py.
 
-A task is an Task: `items`, `score(completion, item)`, `exclude`, `user_message(item)` and
+A task (`Task`) is `items`, `score(completion, item)`, `exclude`, `user_message(item)` and
 `demonstration(item)`. reasoning-gym's seeds: item i of seed s equals item i-1 of seed s+1, so
 train and eval seeds must lie further apart than the train size; `exclude` drops eval items whose
 question also appears in training.

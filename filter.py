@@ -15,15 +15,16 @@ rollouts carry no policy gradient (DAPO, arXiv 2503.14476 sec. 3.2). The seed pa
   rest likely to differ: reading 3), its other G - k rollouts are never generated; the
   rest get G - k more (or G' - k, G' > G, to spend the savings on prompts that are
   informative).
-- Stage 3, after rollout (`post_rollout_filter`, espo.zvp_token_advantages): drop the groups
+- Stage 3, after rollout (`stage3`: `post_rollout_filter`, espo.zvp_token_advantages): drop the groups
   that are still zero-variance, or keep them with RL-ZVP's entropy-shaped token
   advantages (arXiv 2509.21880): all correct A_t = a H_t, all wrong A_t = -a (max_t H - H_t).
 - Over-sampling (`oversample_size`, DAPO's dynamic sampling): more prompts, in rounds,
   until the step has its target number of informative groups.
 
-Every function here decides from plain data (rewards, lengths, history); train.py's
-`collect_rollouts` calls them in the order above, around its generate-and-score rounds,
-and the trainer computes RL-ZVP's token advantages once it has pi_old's entropy.
+Every function here decides from plain data (rewards, lengths, history). train.py's `draw_groups` calls stages 1
+and 2 and over-sampling around its generate-and-score rounds (over-sampling's draws before stage 3), its
+`collect_rollouts` calls `stage3` once every group is scored (and shaped), and the trainer computes RL-ZVP's token
+advantages once it has pi_old's entropy.
 
 Readings chosen:
 1. Stage 1's decay is in training steps since the prompt's last rollout, and each record

@@ -48,7 +48,7 @@ Notable choices:
    flat copy per dtype (`_stage`): staging memory stays bounded and a sync is a few large
    transfers, not one per tensor.
 7. Continuous batching, off by default (engine.slots, `batching.ContinuousBatch`): at
-   most N rows decode at once, each slot at its own cache columns (in pages: paged_kv.PagedKVCache), and a
+   most `slots` rows decode at once, each slot at its own cache columns (in pages: paged_kv.PagedKVCache), and a
    stopped row's slot and pages take the next row of the call, its prompt's prefill shared. The same sampling
    streams, so the same tokens and routes as one static call; a long-tailed call then runs its
    rows in far fewer decode row-steps than static calls of N rows (bench/continuous.py). On the
@@ -95,7 +95,7 @@ def _stage(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> list
     out = {}
     for dtype in {t.dtype for _, t in bucket}:  # torch.cat takes one dtype: one flat buffer per dtype
         part = [(n, t) for n, t in bucket if t.dtype == dtype]
-        # (sum of numels,) flat; to a GPU engine the slots' copy_ is ordered after it on the same stream
+        # (sum of numels,) flat; to a GPU engine the destinations' copy_ is ordered after it on the same stream
         flat = torch.cat([t.detach().reshape(-1) for _, t in part]).to(device, non_blocking=True)
         for (n, t), piece in zip(part, flat.split([t.numel() for _, t in part])):
             out[n] = piece.view(t.shape)  # split and view: no copy on this side
@@ -140,8 +140,8 @@ class NativeEngine:
     engine, on a sharded copy of the policy, has groups of its own (`producer_engine`).
     options: the run's engine section (config.EngineConfig, checked when built; the defaults without one): fp8
     (blockwise-FP8 weights, one process) and continuous batching: slots = 0 decodes every row of a call in one
-    static batch until the last one stops; N > 0 decodes at most N rows at once and refills a stopped row's slot
-    (`ContinuousBatch`, over a paged KV cache: page_size, kv_tokens, prefill_tokens; cuda_graph), on the sharded
+    static batch until the last one stops; slots > 0 decodes at most that many rows at once, refilling a stopped
+    row's slot (`ContinuousBatch`, over a paged KV cache: page_size, kv_tokens, prefill_tokens; cuda_graph), on the sharded
     policy in lockstep with the other ranks. `batch_stats` then holds the last call's counts.
     """
 
@@ -246,21 +246,21 @@ class NativeEngine:
             return
         seen = set()
         # a DTensor shard (FSDP, EP) is gathered whole (the engine holds unsharded weights), then cast to its
-        # slot's dtype before any transfer: a bf16 engine receives bf16 bytes
-        named_tensors = ((n, self._as_slot(n, full_tensor(t))) for n, t in named_tensors)
+        # destination's dtype before any transfer: a bf16 engine receives bf16 bytes
+        named_tensors = ((n, self._as_dest(n, full_tensor(t))) for n, t in named_tensors)
         for bucket in weight_buckets(named_tensors, DEFAULT_BUCKET_BYTES):
             for name, t in _stage(bucket, self.device):
-                slot = self._tensors.get(name)
-                if slot is None:
+                dest = self._tensors.get(name)
+                if dest is None:
                     raise ValueError(f"update_weights: unknown tensor {name!r}")
-                if slot.shape != t.shape:
-                    raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, expected {tuple(slot.shape)}")
+                if dest.shape != t.shape:
+                    raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, expected {tuple(dest.shape)}")
                 if name in self._fp8_weights and t.dtype != FP8:
                     q, s = quantize_fp8_blockwise(t)  # the same blocks as quantize_fp8 on the trainer's side
                     self._tensors[name + "_scale_inv"].copy_(s)
                     t = q
                     seen.add(name + "_scale_inv")
-                slot.copy_(t)  # in place: the modules (and a compiled decode step) keep holding the same tensors
+                dest.copy_(t)  # in place: the modules (and a compiled decode step) keep holding the same tensors
                 seen.add(name)
         if missing := self._required - seen:
             raise ValueError(f"update_weights: missing {sorted(missing)[:5]} ({len(missing)} in all)")
@@ -269,12 +269,13 @@ class NativeEngine:
                 module.refresh()  # the cached dequantised weights follow the new values
         self.weight_version = version  # stamped on every Rollout generated from now on
 
-    def _as_slot(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """t in its slot's floating dtype (an FP8 slot takes high precision and quantises it on arrival)."""
-        slot = self._tensors.get(name)
-        if slot is None or slot.dtype == FP8 or not t.is_floating_point() or t.dtype == FP8:
+    def _as_dest(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """t in its destination's floating dtype (an FP8 destination takes high precision and quantises it on
+        arrival)."""
+        dest = self._tensors.get(name)
+        if dest is None or dest.dtype == FP8 or not t.is_floating_point() or t.dtype == FP8:
             return t
-        return t.to(slot.dtype)
+        return t.to(dest.dtype)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, seed: int | None = None,

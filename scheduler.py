@@ -10,7 +10,7 @@ system measures include length-based load balancing and rollout overlapped with 
 Notable choices:
 1. Why lengths: in a batched engine a generation batch runs until its longest member
    stops, and every row pays for the padding of the longest prompt, so mixing short and
-   long rollouts wastes the short rows' compute; across workers, the slowest worker sets
+   long rollouts wastes the short rows' compute; across ranks, the slowest rank sets
    the step time. The seed paper reports a 1.66x cumulative speed-up from its system
    measures, length-based load balancing among them (arXiv 2512.07710).
 2. `LengthPredictor` answers from a prompt's own history, else the mean for its task and
@@ -96,20 +96,20 @@ def length_buckets(predicted_lengths: list[float], batch_size: int) -> list[list
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def generation_batches(predictor: LengthPredictor, requests: list[tuple], rows_per_batch: int, *,
-                       num_workers: int = 1, worker: int = 0) -> list[list[int]]:
-    """This worker's share of each generation batch of a step's prompts (request indices; a share may be empty).
+def generation_batches(predictor: LengthPredictor, requests: list[tuple], prompts_per_batch: int, *,
+                       num_ranks: int = 1, rank: int = 0) -> list[list[int]]:
+    """This rank's share of each generation batch of a step's prompts (request indices; a share may be empty).
 
     requests: (key, task, prompt_len) of each prompt; each is predicted to take prompt_len plus
-    its predicted completion tokens. Batches of <= rows_per_batch prompts per worker and similar
-    lengths (`length_buckets`), longest first; each batch spans every worker, dealt round-robin in
-    its longest-first order, so every worker is busy, holds at most rows_per_batch prompts (what its
+    its predicted completion tokens. Batches of <= prompts_per_batch prompts per rank and similar
+    lengths (`length_buckets`), longest first; each batch spans every rank, dealt round-robin in
+    its longest-first order, so every rank is busy, holds at most prompts_per_batch prompts (what its
     KV cache is sized for) and gets about the same predicted work (its neighbours in length).
-    Every worker computes the same split and gets as many shares as there are batches: workers
+    Every rank computes the same split and gets as many shares as there are batches: ranks
     that decode in lockstep (the sharded engine) make the same calls.
     """
     predicted = [n + predictor.predict(key, task=task, prompt_len=n) for key, task, n in requests]
-    return [sorted(bucket[worker::num_workers]) for bucket in length_buckets(predicted, rows_per_batch * num_workers)]
+    return [sorted(bucket[rank::num_ranks]) for bucket in length_buckets(predicted, prompts_per_batch * num_ranks)]
 
 
 class Pipeline:

@@ -13,13 +13,13 @@ server that checks every payload and the call order, the in-process path against
 `sglang.Engine`; the end-to-end GPU test skips without CUDA and sglang.
 
 Sources (sgl-project/sglang, python/sglang/srt/): entrypoints/engine.py (Engine's methods),
-entrypoints/http_server.py (routes and bodies), entrypoints/http_server_engine.py
+entrypoints/http_server.py (endpoints and bodies), entrypoints/http_server_engine.py
 (launch_server_process), managers/io_struct.py (request fields), server_args.py and
 arg_groups/fields/ (server arguments, flat in /server_info), sampling/sampling_batch_info.py
 (sampling_seed), constants.py (memory tags), the model runner's weight updater; PRs 12162
 (routed experts), 28710 / 28001 (weight-update sessions). Each use below names what it was checked
 against: the sglang 0.5.21 wheel's code (requirements-sglang.txt), which shares the trainer's torch 2.13.0 and
-its NCCL (engines/sglang_server.py lists the routes and answers).
+its NCCL (engines/sglang_server.py lists the endpoints and answers).
 
 Shapes: T, C, L, K (letters of the README's legend; T is one prompt's tokens here, as in rollout.py).
 

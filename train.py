@@ -2,14 +2,15 @@
 
 A run is a short cold-start SFT warm-up on the task's demonstrations (the seed paper, arXiv
 2512.07710, also starts RL from an SFT model), then RL steps. One RL step (`rl_step`) follows
-the seed paper's figure; each stage is one call into the file that owns it:
+the seed paper's figure; each line is one call into the file that owns it:
 
-    draw prompts -> [stage 1: skip prompts recently all-correct or all-wrong]      filter.py
-      -> batch them by predicted length                                           scheduler.py
+    draw prompts -> [stage 1: skip prompts recently all-correct or all-wrong]      data.py, filter.py
+      -> batch them by prompt and predicted completion length                     scheduler.py
       -> generate G rollouts per prompt: tokens, logprobs, routed experts         rollout.py
          [stage 2: k probes first; the other G - k only where the probes differ]  filter.py
-      -> score them [shaped inside the correctness class]                         reward.py, scoring.py
+      -> score them (the verifier)                                                scoring.py, reward.py
       -> [over-sampling: more prompts while the step lacks informative groups]    filter.py
+      -> [shape the rewards inside the correctness class]                         shaping.py, reward.py
       -> stage 3: drop zero-variance groups [or keep them with RL-ZVP]            filter.py
       -> group-relative advantages                                                espo.py
       -> policy update: pi_old, ESPO loss with the routes replayed, AdamW         trainer.py
@@ -235,7 +236,7 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, gen_round:
     # rows live at once; the scheduler only deals the prompts over the ranks, longest first, for balance)
     per_call = max(1, len(items)) if cfg.engine.slots else max(1, cfg.gen_batch_rows // n)
     for share in generation_batches(run.predictor, [(it.question, it.task, len(p)) for it, p in zip(items, prompts)],
-                                    per_call, num_workers=world, worker=rank):
+                                    per_call, num_ranks=world, rank=rank):
         # share: this rank's indices into items (maybe none), which become the rollouts' group ids
         generated = run.engine.generate([prompts[i] for i in share], cfg.sampling, n=n, group_ids=share, seed=seed)
         if run.pool is not None:  # rollouts of a prompt come out in order, so (gen_round, group, j) names each one
@@ -439,13 +440,13 @@ def rl_optimizer(model, cfg: TrainConfig):
 # ----------------------------------------------------------------------------- a run: build, resume, finish
 
 def ckpt_due(cfg: TrainConfig, position: int) -> bool:
-    """A checkpoint is written after `position` optimizer steps (SFT and RL counted together)."""
+    """A checkpoint is written after `position` steps (SFT steps and RL steps counted together)."""
     return bool(cfg.ckpt_every) and position % cfg.ckpt_every == 0
 
 
 def checkpoint(run: Run, opt, stage: str, step: int):
     """Write a checkpoint after `step` of `stage` ("sft" or "rl") if one is due."""
-    position = step + 1 if stage == "sft" else run.cfg.sft_steps + step + 1  # optimizer steps so far, both stages
+    position = step + 1 if stage == "sft" else run.cfg.sft_steps + step + 1  # steps so far, SFT and RL
     if not ckpt_due(run.cfg, position):
         return
     state = {"stage": stage, "step": step, "position": position, "used": run.prompts.used, "rng": rng_state(),

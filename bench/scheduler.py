@@ -99,7 +99,7 @@ def schedule(pred: LengthPredictor, num_prompts: int, prompt_len: int, rows_per_
     """Per generation batch, each worker's share (prompt indices), as train.generate_rollouts gets them from
     scheduler.generation_batches: prompts keyed by their index, all prompt_len tokens long."""
     requests = [(i, None, prompt_len) for i in range(num_prompts)]
-    shares = [generation_batches(pred, requests, rows_per_batch, num_workers=workers, worker=w) for w in range(workers)]
+    shares = [generation_batches(pred, requests, rows_per_batch, num_ranks=workers, rank=w) for w in range(workers)]
     return [list(batch) for batch in zip(*shares)]  # every worker gets as many shares as there are batches
 
 

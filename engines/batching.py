@@ -16,7 +16,7 @@ import torch
 
 from distributed import all_reduce_float
 from engines.ep_decode import capacity_dispatch
-from engines.graph_decode import decode_step
+from engines.graph_decode import make_decode_step
 from model import KVCache, Transformer, route_dtype
 from paged_kv import PagedKVCache, pages_for, pool_pages, too_few_pages
 from sampler import Rollout, SamplingParams, row_uniforms, row_uniforms_at, sample
@@ -32,7 +32,7 @@ DONE, STEP, ADMIT = 0, 1, 2
 
 def decode_rows(model: Transformer, tokens_B: torch.Tensor, cache: KVCache | PagedKVCache, routes_BSLK: torch.Tensor,
                 col_B: torch.Tensor, bias_B11W: torch.Tensor) -> torch.Tensor:
-    """`decode_step` with a cache column per row, col_B [B] int64: logits [B, V] fp32 after feeding tokens_B.
+    """rollout.decode_step with a cache column per row, col_B [B] int64: logits [B, V] fp32 after feeding tokens_B.
 
     Row b's token is written at column col_B[b] with RoPE position col_B[b] (a slot's columns start at its
     prompt's first token) and attends over columns [0, W) under bias_B11W (fp32, 0 on its columns <= col_B[b],
@@ -145,7 +145,7 @@ class ContinuousBatch:
         self.routes_BSLK = torch.empty(B, S, cfg.num_moe_layers, cfg.top_k, dtype=route_dtype(cfg.num_experts),
                                        device=dev)
         # the decode step: decode_rows eagerly, or captured in a CUDA graph at its first call (engine.cuda_graph)
-        self.decode = decode_step(decode_rows, engine.model, self.cache, self.routes_BSLK,
+        self.decode = make_decode_step(decode_rows, engine.model, self.cache, self.routes_BSLK,
                                   cuda_graph=options.cuda_graph)
         # (X + 1, C): rollout X is where idle slots write, so a step's writes need no host-side selection
         self.ids_XC = torch.full((X + 1, C), engine.pad_id, dtype=torch.long, device=dev)

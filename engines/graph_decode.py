@@ -1,6 +1,6 @@
 """The continuous-batching decode step captured in a CUDA graph (engine.cuda_graph): `GraphedDecode`, one call's
 step (batching.decode_rows) captured once in a torch.cuda.CUDAGraph and replayed at every later step, and
-`decode_step`, which gives it or the eager step. Needs CUDA; has not run on a GPU.
+`make_decode_step`, which gives it or the eager step. Needs CUDA; has not run on a GPU.
 
 A decode step is a few hundred small kernels whose launches, more than their arithmetic, can bound its time; a
 replay launches them all at once. Shapes as in model.py, with batching.py's B (a slot) and W (the columns a step
@@ -104,7 +104,7 @@ class GraphedDecode:
         self.captures += 1
 
 
-def decode_step(step: Callable, model: nn.Module, cache: KVCache | PagedKVCache, routes_BSLK: torch.Tensor, *,
+def make_decode_step(step: Callable, model: nn.Module, cache: KVCache | PagedKVCache, routes_BSLK: torch.Tensor, *,
                 cuda_graph: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """One continuous-batching call's decode step, (tokens_B, col_B, bias_B11W) -> logits [B, V] fp32, writing
     `cache` and `routes_BSLK`: a `GraphedDecode` when cuda_graph (engine.cuda_graph), else `step` run eagerly.

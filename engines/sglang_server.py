@@ -1,10 +1,10 @@
 """One SGLang server over its HTTP API: what /generate takes and answers (`sglang_request`, and
 `decode_sglang_output` with the routed experts it brings, checked where they enter: `decode_routed_experts`,
-`check_routes`), the routes as sglang.Engine's methods (`SGLangServer`, so sglang_engine's SGLangEngine drives an
+`check_routes`), the endpoints as sglang.Engine's methods (`SGLangServer`, so sglang_engine's SGLangEngine drives an
 in-process Engine and a server alike), and what is checked or waited for when connecting to one: routed-expert
 capture and deterministic inference (`check_server`), the NCCL the weight broadcast pairs with
 (`nccl_pairing`), and a launched server's wait (`launch_wait_s`, `wait_until_serving`). Needs no sglang package,
-and none has met a real server: tested on CPU against a stand-in. Every route, body and answer is checked against
+and none has met a real server: tested on CPU against a stand-in. Every endpoint, body and answer is checked against
 the sglang 0.5.21 wheel's code (python/sglang/srt/; requirements-sglang.txt pins it):
 
 - entrypoints/http_server.py: /server_info answers ServerArgs.resolved_dict() flat (tp_size, pp_size, dp_size,

@@ -167,6 +167,6 @@ def test_generation_batches_spread_each_length_bucket_over_every_worker():
     requests = [("a", 0, 5), ("b", 0, 10), ("c", 0, 5), ("d", 0, 10), ("e", 0, 5)]
     one = generation_batches(predictor, requests, 2)
     assert one == [[1, 3], [0, 2], [4]]  # longest first, similar lengths together
-    two = [generation_batches(predictor, requests, 1, num_workers=2, worker=w) for w in (0, 1)]
+    two = [generation_batches(predictor, requests, 1, num_ranks=2, rank=w) for w in (0, 1)]
     # the same batches, each dealt over both workers: as many calls on each (lockstep), none above 1 prompt
     assert two == [[[1], [0], [4]], [[3], [2], []]]

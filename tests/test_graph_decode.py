@@ -13,7 +13,7 @@ import torch
 
 from engines.batching import decode_rows
 from config import load_config
-from engines.graph_decode import GraphedDecode, decode_step
+from engines.graph_decode import GraphedDecode, make_decode_step
 from model import KVCache, Transformer, route_dtype
 from paged_kv import PagedKVCache, pages_for
 
@@ -119,7 +119,7 @@ def test_without_a_cuda_graph_the_step_is_decode_rows_itself():
     cache2, routes2 = copies(cache, routes_BSLK)
     with torch.no_grad():
         want = decode_rows(model, tokens_B, cache, routes_BSLK, col_B, bias_B11W)
-        got = decode_step(decode_rows, model, cache2, routes2, cuda_graph=False)(tokens_B, col_B, bias_B11W)
+        got = make_decode_step(decode_rows, model, cache2, routes2, cuda_graph=False)(tokens_B, col_B, bias_B11W)
     assert torch.equal(got, want) and torch.equal(routes2, routes_BSLK) and torch.equal(cache2.k, cache.k)
 
 
@@ -135,7 +135,7 @@ def test_cuda_graph_replays_give_the_eager_decode_steps_numbers(kind):
     B = 3
     _, cache, routes_BSLK, _, _ = decode_inputs(cfg, B, S, seed=2, dtype=torch.bfloat16, device="cuda", kind=kind)
     cache_eager, routes_eager = copies(cache, routes_BSLK)
-    graphed = decode_step(decode_rows, model, cache, routes_BSLK, cuda_graph=True)
+    graphed = make_decode_step(decode_rows, model, cache, routes_BSLK, cuda_graph=True)
     assert isinstance(graphed, GraphedDecode)
     with torch.no_grad():
         for step, W in enumerate((3, 4, 6)):
