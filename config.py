@@ -145,9 +145,9 @@ class EngineConfig:
     """With slots: the KV pages' columns in all, per rank (what the dry run's plan sizes the cache by). 0 = enough
     for every slot at full length (slots x (max_prompt_tokens + max_new_tokens) and one prompt's pages): no row
     is ever preempted. Fewer: a call keeps `slots` rows live while their tokens fit, and when a growing row finds
-    no free page the youngest row is preempted and generated again later (batching.ContinuousBatch's choice 6);
-    each step logs the most of the pool its rows held (engine/kv_live_bytes) and its preemptions
-    (engine/preemptions), to size this by."""
+    no free page a younger row is preempted and generated again later, never an older one, so the oldest row
+    always finishes and so does the call (batching.ContinuousBatch's choice 6); each step logs the most of the
+    pool its rows held (engine/kv_live_bytes) and its preemptions (engine/preemptions), to size this by."""
 
     RULES = {  # each field's type and range (rules.py); not a field: no annotation
         "name": text("an engine's name in rollout.ENGINES ('native', 'sglang')", lambda v: bool(v.strip())),

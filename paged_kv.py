@@ -41,8 +41,10 @@ def pages_for(columns: int, page_size: int) -> int:
 
 
 def least_pages(prompt_tokens: int, max_new_tokens: int, page_size: int) -> int:
-    """The smallest pool a continuous batch can finish in: one row at full length (its prompt and every sampled
-    token but the last) beside its prompt's own pages (batching.ContinuousBatch's choice 6)."""
+    """The least pool a continuous batch accepts: one row at full length (its prompt and every sampled token but the
+    last) beside its prompt's own pages. Every call in it finishes: the oldest live row takes pages from younger
+    rows and held prompts, never the reverse, and at full length holds no more than the first term; one row at
+    admission (its prompt's pages and its copy of the last) fits as well (batching.ContinuousBatch's choice 6)."""
     return pages_for(prompt_tokens + max_new_tokens - 1, page_size) + pages_for(prompt_tokens, page_size)
 
 

@@ -18,7 +18,7 @@ from distributed import all_reduce_float
 from engines.ep_decode import capacity_dispatch
 from engines.graph_decode import make_decode_step
 from model import KVCache, Transformer, route_dtype
-from paged_kv import PagedKVCache, pages_for, pool_pages, too_few_pages
+from paged_kv import PagedKVCache, least_pages, pages_for, pool_pages, too_few_pages
 from sampler import Rollout, SamplingParams, row_uniforms, row_uniforms_at, sample
 
 if TYPE_CHECKING:
@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 IDLE = -1
 """slot_row of a slot holding no row: it keeps stepping with padding (no shape depends on data), its output dropped."""
-DONE, STEP, ADMIT = 0, 1, 2
-"""ContinuousBatch's next move, ordered so that the largest over ranks is the one every rank takes."""
+DONE, STEP, ADMIT, STALLED = 0, 1, 2, 3
+"""ContinuousBatch's next move, ordered so that the largest over ranks is the one every rank takes: STALLED (a rank
+made no progress, choice 8) stops every rank together."""
 
 
 def decode_rows(model: Transformer, tokens_B: torch.Tensor, cache: KVCache | PagedKVCache, routes_BSLK: torch.Tensor,
@@ -104,16 +105,33 @@ class ContinuousBatch:
        most `slots` rows), so no MoE layer waits for the host; a prefill (many tokens) keeps the dispatcher.
     6. Pages (engine.kv_tokens // engine.page_size of them; by default enough for every slot at full length
        beside one prompt's, so nothing is ever preempted): a row is admitted only when the pages it needs at
-       once are free (its prompt's, if not prefilled yet, and its own copy of the last one), and takes one more
-       each time it crosses into a new page. When none is free the youngest other live row is preempted
-       (vLLM's recompute preemption): its pages return, it goes back to the head of the queue and is generated
-       again from its first token. Its tokens come from its own stream (choice 3), so the redo samples them
-       again, up to the float rounding of other batch-mates. If no other row is live, the prompts held for
-       queued rows give their pages back (and are prefilled again when their rows come up). The smallest pool
-       holds one row at full length beside its prompt's pages; a smaller one is refused before any step.
+       once are free (its prompt's, if not prefilled yet, and its own copy of the last one) beside those the oldest
+       live row may still take up to its full length (else it would soon be preempted for them), and takes one more
+       each time it crosses into a new page, the rows in order of admission, oldest first. A row that finds no
+       page free takes one from a younger row, never from an older one (vLLM's recompute preemption, the victim
+       the youngest): the youngest live row younger than itself is preempted (its pages return, it goes back to
+       the head of the queue and is generated again from its first token); with none, the prompts held for
+       queued rows give their pages back (prefilled again when their rows come up); with none of those either,
+       the row preempts itself. Its tokens come from its own stream (choice 3), so the redo samples them again,
+       up to the float rounding of other batch-mates.
+       Invariant: the oldest live row is never preempted and always gets its page. Every other live row is
+       younger, so it can take all their pages and the held prompts'; it then holds only its own row's pages,
+       at most pages_for(T + C - 1) at full length, fewer than the least pool (paged_kv.least_pages:
+       pages_for(T + C - 1) + pages_for(T), refused below it before any step). So the oldest row gains a token
+       every decode step and stops within C - 1 of them; new rows are admitted younger and a preempted one
+       comes back younger, so it stays the oldest until it stops. Nor can admission stall: with no row live the
+       held prompts are given back, and one row (pages_for(T) + 1 pages at most) fits the least pool. So while
+       rows are left, one stops at least every C - 1 decode steps, and the call ends within X * (C - 1) of them. (Preempting
+       "the youngest other row" instead lets a younger row take an older one's pages: two rows that hold the
+       pool preempt each other in turn, each restarting from its first token, and the call never ends.)
     7. An admission round prefills new prompts of engine.prefill_tokens tokens at most, left padding counted
        (one prompt whatever its length), which bounds its activations; the rows it leaves out are admitted by the
        next round, before the next decode step (slots stay free no longer than the prefills take).
+    8. A progress guard: a rank with rows left counts the decode steps since one of its rows last stopped; C of
+       them (more than a row needs, choice 6) can only mean a pool below the least (a caller's bypass of the
+       check, or a bug), and the call raises a RuntimeError naming the engine settings and its counts rather
+       than spin. So does a queue whose next row cannot fit an empty pool. On the sharded policy the rank says
+       STALLED in the move's all-reduce (choice 5), so every rank raises at the same step.
     The decode step runs eagerly, or with engine.cuda_graph replays a CUDA graph captured at the call's first step
     (graph_decode.GraphedDecode: it attends all S columns every step; needs CUDA and bf16, and has not run on a
     GPU). The engine's compile option is for the static step.
@@ -153,7 +171,7 @@ class ContinuousBatch:
         self.stops = torch.tensor(engine.stop_ids, dtype=torch.long, device=dev)
         self.queue = deque(range(X))  # the rollouts (rows) not yet admitted, in row order
         self.slot_row, self.slot_step, self.slot_col = [IDLE] * B, [0] * B, [0] * B  # step: tokens sampled so far
-        self.slot_age = [0] * B  # when the slot's row was admitted: the youngest is preempted first (choice 6)
+        self.slot_age = [0] * B  # when the slot's row was admitted: a row takes pages from younger ones only (choice 6)
         self.last_B = torch.full((B,), engine.pad_id, dtype=torch.long, device=dev)  # what each slot feeds next
         self.keys_B = torch.zeros(B, dtype=torch.long, device=dev)  # the stream key of each slot's row
         self.length, self.stopped, self.routes = [0] * X, [False] * X, [None] * X
@@ -163,11 +181,14 @@ class ContinuousBatch:
         self.stats = {"rows": X, "slots": B, "admissions": 0, "prefills": 0, "rounds": 0, "decode_steps": 0,
                       "decode_row_steps": 0, "useful_row_steps": 0, "pages": pages, "page_size": p,
                       "peak_pages": 0, "preemptions": 0}
+        self.stalled_steps = 0  # decode steps, with rows left, since a row last stopped (choice 8)
 
     def run(self, groups: list[int], weight_version: int) -> list[Rollout]:
         """Admit, step and refill until every row has stopped (on the sharded policy, every rank's); the
         Rollouts in row order (prompt-major), prompt i's group id groups[i], each stamped weight_version."""
         while (move := self.next_move()) != DONE:
+            if move == STALLED:
+                raise RuntimeError(self.stalled())
             if move == ADMIT:
                 self.admit()
             else:
@@ -181,12 +202,15 @@ class ContinuousBatch:
 
     def next_move(self) -> int:
         """ADMIT while a free slot can take the queue's next row (a row stopping at its first token frees its slot
-        at once: another round), else STEP while a row is live, else DONE; on the sharded policy the largest
-        of every rank's (choice 5: one collective)."""
+        at once: another round), else STEP while a row is live, else DONE; STALLED before any of them when this
+        rank made no progress (choice 8). On the sharded policy the largest of every rank's (choice 5: one
+        collective)."""
         live = any(r != IDLE for r in self.slot_row)
-        if self.queue and IDLE in self.slot_row and not live and not self.fits(self.queue[0]):
+        if self.queue and not live and not self.fits(self.queue[0]):
             self.give_back_prompts()  # nothing live will free a page: the held prompts' go (choice 6)
-        if self.queue and IDLE in self.slot_row and self.fits(self.queue[0]):
+        if self.no_progress():
+            move = STALLED
+        elif self.queue and IDLE in self.slot_row and self.fits(self.queue[0]):
             move = ADMIT
         else:
             move = STEP if live else DONE
@@ -205,7 +229,17 @@ class ContinuousBatch:
         return shared + (len(p) % self.page_size > 0)
 
     def fits(self, r: int) -> bool:
-        return self.pages_needed(r, set()) <= len(self.cache.free)
+        return self.pages_needed(r, set()) <= len(self.cache.free) - self.kept_for_oldest()
+
+    def kept_for_oldest(self) -> int:
+        """Free pages admission leaves alone: those the oldest live row may still take, up to its full length
+        (choice 6), so that a row is not admitted only to be preempted for them; none with no row live."""
+        live = [s for s, r in enumerate(self.slot_row) if r != IDLE]
+        if not live:
+            return 0
+        o = min(live, key=self.slot_age.__getitem__)
+        full = pages_for(len(self.prompts[self.slot_row[o] // self.n]) + self.params.max_new_tokens - 1, self.page_size)
+        return full - len(self.cache.tables[o])
 
     def admit(self):
         """One admission round: fill the free slots from the queue while pages last, attach each row to its
@@ -213,7 +247,7 @@ class ContinuousBatch:
         the prefill."""
         dev = self.engine.device
         free = [s for s, r in enumerate(self.slot_row) if r == IDLE]
-        rows, new, pages, longest = [], set(), len(self.cache.free), 0
+        rows, new, pages, longest = [], set(), len(self.cache.free) - self.kept_for_oldest(), 0
         while self.queue and len(rows) < len(free) and (need := self.pages_needed(self.queue[0], new)) <= pages:
             p = tuple(self.prompts[self.queue[0] // self.n])
             if p not in self.prefilled and p not in new:  # a prompt this round prefills (choice 7)
@@ -269,7 +303,9 @@ class ContinuousBatch:
         """Give each live row the page its next column needs, then one decode step of every slot; sample each
         live row's next token and retire stopped rows."""
         engine, dev, B = self.engine, self.engine.device, self.num_slots
-        for s in sorted(range(B), key=self.slot_age.__getitem__):  # the oldest first: the youngest is preempted
+        if self.queue or any(r != IDLE for r in self.slot_row):  # this rank has rows left (choice 8)
+            self.stalled_steps += 1
+        for s in sorted(range(B), key=self.slot_age.__getitem__):  # the oldest first: it takes from younger rows
             while self.slot_row[s] != IDLE and self.slot_col[s] // self.page_size >= len(self.cache.tables[s]):
                 if not self.cache.grow(s):
                     self.make_room(s)
@@ -301,21 +337,26 @@ class ContinuousBatch:
                     self.finish(s, stop_B[s])
 
     def make_room(self, s: int):
-        """Free a page for slot s (choice 6): preempt the youngest other live row, or, with none, give back the
-        pages of prompts held for queued rows."""
-        others = [o for o, r in enumerate(self.slot_row) if r != IDLE and o != s]
-        if others:
-            o = max(others, key=self.slot_age.__getitem__)
-            r = self.slot_row[o]
-            self.cache.detach(o)
-            self.slot_row[o] = IDLE
-            self.queue.appendleft(r)  # generated again from its first token, when pages allow
-            self.queued[tuple(self.prompts[r // self.n])] += 1
-            self.stats["preemptions"] += 1
+        """Free a page for slot s, never an older row's (choice 6): preempt the youngest live row younger than s's,
+        or, with none, give back the pages of prompts held for queued rows, or, with none of those, preempt s's
+        own row (only a pool below the least does that to the oldest row; the progress guard then stops the call)."""
+        younger = [o for o, r in enumerate(self.slot_row) if r != IDLE and self.slot_age[o] > self.slot_age[s]]
+        if younger:
+            self.preempt(max(younger, key=self.slot_age.__getitem__))
         elif self.prefilled:
             self.give_back_prompts()
-        else:  # the pool holds one row at full length beside its prompt's (checked in __init__)
-            raise RuntimeError(f"no page for slot {s} with nothing to free: {self.cache.num_pages} pages")
+        else:
+            self.preempt(s)
+
+    def preempt(self, s: int):
+        """Send slot s's row back to the head of the queue, its pages returned: generated again from its first token
+        when pages allow."""
+        r = self.slot_row[s]
+        self.cache.detach(s)
+        self.slot_row[s] = IDLE
+        self.queue.appendleft(r)
+        self.queued[tuple(self.prompts[r // self.n])] += 1
+        self.stats["preemptions"] += 1
 
     def give_back_prompts(self):
         """Release the pages of every prompt held for queued rows; they are prefilled again when admitted."""
@@ -329,9 +370,34 @@ class ContinuousBatch:
         r, c = self.slot_row[s], self.slot_step[s]
         T = len(self.prompts[r // self.n])
         self.length[r], self.stopped[r] = c, stop
+        self.stalled_steps = 0
         self.routes[r] = self.routes_BSLK[s, :T + c - 1].clone()  # before the slot's next row overwrites them
         self.cache.detach(s)
         self.slot_row[s] = IDLE
+
+    def no_progress(self) -> str:
+        """Why this rank's rows cannot all finish (choice 8), or "" while they can: a row needs at most C - 1 decode
+        steps as the oldest, and one row fits an empty pool of the least."""
+        C = self.params.max_new_tokens
+        if self.stalled_steps >= C:
+            return f"no row stopped in {self.stalled_steps} decode steps (a row needs at most {C - 1})"
+        if self.queue and all(r == IDLE for r in self.slot_row) and not self.fits(self.queue[0]):
+            return "the next row does not fit an empty pool"
+        return ""
+
+    def stalled(self) -> str:
+        """The progress guard's error (choice 8): why, the engine settings, and this rank's counts."""
+        options, stats, C = self.engine.options, self.stats, self.params.max_new_tokens
+        T = max(len(p) for p in self.prompts)
+        done = sum(1 for c in self.length if c)
+        where = " on this rank" if self.engine.sharded else ""
+        least = least_pages(T, C, self.page_size) * self.page_size
+        return (f"continuous batch made no progress, {self.no_progress() or 'another rank stalled'}: engine.slots="
+                f"{options.slots}, engine.kv_tokens={options.kv_tokens}, engine.page_size={self.page_size} "
+                f"({self.cache.num_pages} pages) for prompts up to {T} tokens and max_new_tokens={C} "
+                f"({stats['decode_steps']} decode steps, {stats['preemptions']} preemptions, {done} of "
+                f"{len(self.length)} rows done{where}); a pool of kv_tokens >= {least} (paged_kv.least_pages) always "
+                f"finishes")
 
     def vocab(self, logits_BV: torch.Tensor) -> torch.Tensor:
         """The logits with the vocabulary's padding rows (ids the tokenizer cannot decode) at -inf."""

@@ -2,6 +2,8 @@
 cache's reads, pages shared by a prompt's rows and returned when rows stop, memory that follows live tokens, and
 preemption when the pool runs short that leaves the rollouts as they were."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,25 @@ from sampler import SamplingParams, row_keys
 
 STOPS, PAD = [1, 2, 3], 0
 MIXED = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20], [5, 6, 7]]  # ragged, one prompt twice
+
+
+def bounded(batch):
+    """batch, its decode steps capped at what a call that progresses can take (engines.batching's choice 6: a row
+    stops at least every C - 1 steps): a livelock fails the test instead of spinning."""
+    bound, step = len(batch.length) * (batch.params.max_new_tokens - 1), batch.step
+
+    def checked_step():
+        assert batch.stats["decode_steps"] < bound, f"no end within {bound} decode steps: {batch.stats}"
+        step()
+    batch.step = checked_step
+    return batch
+
+
+def same_rollouts(want, got):
+    for x, y in zip(want, got, strict=True):
+        assert x.completion_ids == y.completion_ids and x.finish_reason == y.finish_reason
+        assert torch.equal(x.routes, y.routes)
+        torch.testing.assert_close(y.logprobs, x.logprobs, rtol=0, atol=1e-5)
 
 
 def engines(cfg, **paging):
@@ -175,3 +196,61 @@ def test_random_pools_pages_and_slots_give_the_static_tokens_and_return_every_pa
     cache = batch.cache
     assert cache.in_use == 0 and not any(cache.refs) and sorted(cache.free) == list(range(1, cache.num_pages + 1))
     assert cache.peak <= cache.num_pages and not batch.prefilled
+
+
+def test_the_least_pool_of_issue_33_finishes_within_the_bound_with_the_static_tokens(tiny_cfg):
+    """engine.slots=8, kv_tokens=304 (the least for prompts of 128 tokens, max_new_tokens=48, pages of 16), 4 prompts
+    x 4: rows of different prompts cannot share the pool, and a younger row that took an older one's pages had
+    two rows preempt each other forever. The oldest row never gives up a page now, so the call ends."""
+    cfg = dataclasses.replace(tiny_cfg, max_seq_len=128 + 48)
+    g = torch.Generator().manual_seed(33)
+    prompts = [torch.randint(4, 64, (128,), generator=g).tolist() for _ in range(4)]
+    params = SamplingParams(max_new_tokens=48)
+    assert least_pages(128, 48, 16) * 16 == 304
+    static, paged = engines(cfg, slots=8, page_size=16, kv_tokens=304)
+    keys = row_keys(0, [i for i in range(4) for _ in range(4)], [j for _ in range(4) for j in range(4)], "cpu")
+    batch = bounded(ContinuousBatch(paged.parts(), prompts, 4, params, keys))
+    got = batch.run(list(range(4)), paged.weight_version)
+    same_rollouts(static.generate(prompts, params, n=4, seed=0), got)
+    assert batch.stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_pools_down_to_the_least_finish_within_the_bound_with_the_static_tokens(tiny_cfg, seed):
+    """Prompts long beside the pool (rows of different prompts fight for it), up to 16 slots, pages of 1 to 16 and
+    pools of exactly the least (three draws in four) or a page more: every call ends within X * (C - 1) decode
+    steps and samples the static engine's tokens and routes."""
+    cfg = dataclasses.replace(tiny_cfg, max_seq_len=32 + 32)
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    prompts = [torch.randint(4, 64, (draw(1, 32),), generator=g).tolist() for _ in range(draw(1, 4))]
+    prompts += prompts[:draw(0, 1)]
+    n, slots, page, C = draw(1, 4), draw(2, 16), draw(1, 16), draw(1, 32)
+    kv = (least_pages(max(map(len, prompts)), C, page) + (draw(0, 3) == 3)) * page
+    static, paged = engines(cfg, slots=slots, page_size=page, kv_tokens=kv)
+    groups = [i for i in range(len(prompts)) for _ in range(n)]
+    keys = row_keys(seed, groups, [j for _ in prompts for j in range(n)], "cpu")
+    params = SamplingParams(max_new_tokens=C)
+    batch = bounded(ContinuousBatch(paged.parts(), prompts, n, params, keys))
+    got = batch.run(list(range(len(prompts))), paged.weight_version)
+    same_rollouts(static.generate(prompts, params, n=n, seed=seed), got)
+    assert batch.cache.in_use == 0 and not any(batch.cache.refs)
+
+
+@pytest.mark.parametrize("kv_tokens", [8, 4], ids=["a-row-cannot-grow", "a-row-cannot-be-admitted"])
+def test_a_pool_below_the_least_stops_with_the_settings_and_counts_never_spins(tiny_cfg, monkeypatch, kv_tokens):
+    """A pool made too small by hand (the check that refuses it bypassed): two pages of 4 columns, which a row
+    outgrows at its fifth token, or one, which cannot admit a prompt of 3 tokens (its page and the row's copy of
+    it). The progress guard raises within max_new_tokens decode steps of the last row to stop, naming the
+    settings and the counts."""
+    monkeypatch.setattr("engines.batching.too_few_pages", lambda *_: "")
+    _, paged = engines(tiny_cfg, slots=2, page_size=4, kv_tokens=kv_tokens)
+    params = SamplingParams(max_new_tokens=30)
+    keys = row_keys(0, [0, 0, 1, 1], [0, 1, 0, 1], "cpu")
+    batch = ContinuousBatch(paged.parts(), [[5, 6, 7], [8, 9, 10, 11, 12, 13]], 2, params, keys)
+    why = "no row stopped in 30 decode steps" if kv_tokens == 8 else "the next row does not fit an empty pool"
+    settings = r"engine.slots=2, engine.kv_tokens=%d, engine.page_size=4 \(%d pages\)" % (kv_tokens, kv_tokens // 4)
+    counts = r"\(\d+ decode steps, \d+ preemptions, \d of 4 rows done\)"
+    with pytest.raises(RuntimeError, match=f"no progress, {why}.*: {settings} .* {counts}; a pool of kv_tokens >= 44"):
+        batch.run([0, 1], paged.weight_version)
+    assert batch.stats["decode_steps"] <= 4 * 30

@@ -2,6 +2,7 @@
 process's replica engine samples, token for token, with the same logprobs and routes; batching
 continuously (slots), the static sharded engine's rollouts, the ranks in lockstep."""
 import os
+from datetime import timedelta
 from functools import partial
 
 import pytest
@@ -10,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import distributed
+import engines.batching
 from config import EngineConfig, load_config
 from model import MoE
 from plan import engine_bytes
@@ -141,3 +143,41 @@ def continuous_worker(rank, world, port, kv_tokens):
                          ids=["pages-for-every-slot", "least-pages-preempting"])
 def test_continuous_sharded_engine_samples_the_static_sharded_rollouts_in_lockstep(kv_tokens):  # about 10 s each
     mp.start_processes(continuous_worker, args=(2, free_port(), kv_tokens), nprocs=2, join=True, start_method="spawn")
+
+
+def stalled_worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # a rank that raised alone would leave the other waiting in its next collective: fail in a minute, not hang
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        cfg = load_config(None, MODEL + ["ep=2"])
+        torch.manual_seed(cfg.seed)
+        policy = distributed.build_model(cfg, distributed.build_meshes(world, 2))
+        engines.batching.too_few_pages = lambda *_: ""  # rank 1's pool is made too small by hand
+        options = EngineConfig(slots=SLOTS, page_size=4, kv_tokens=8 if rank else 0)
+        engine = NativeEngine(cfg.model, eos_id=STOPS, pad_id=0, policy=policy, options=options)
+        with engine.phase():
+            try:
+                engine.generate([PROMPTS[i] for i in SHARES[rank]], PARAMS, n=N, seed=SEED, group_ids=SHARES[rank])
+                raised = ""
+            except RuntimeError as e:
+                raised = str(e)
+            # both ranks left the call at the same step, in lockstep still: this collective meets
+            everyone = distributed.all_gather_list([(raised, engine.batch_stats.get("decode_steps"))])
+        if rank == 0:
+            torch.save(everyone, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_makes_no_progress_stops_every_rank_together(tmp_path):  # about 10 s
+    """Rank 1's pool holds two pages of 4 columns, fewer than a row of 10 tokens needs; rank 0's holds every slot.
+    Rank 1's progress guard says STALLED in the move's all-reduce, and both ranks raise at the same step."""
+    mp.start_processes(stalled_worker, args=(2, free_port(), str(tmp_path / "out.pt")), nprocs=2, join=True,
+                       start_method="spawn")
+    (why0, steps0), (why1, steps1) = torch.load(tmp_path / "out.pt")
+    assert why0.startswith("continuous batch made no progress, another rank stalled: engine.slots=2, "
+                           "engine.kv_tokens=0")
+    assert why1.startswith("continuous batch made no progress, no row stopped in 10 decode steps (a row needs at most "
+                           "9): engine.slots=2, engine.kv_tokens=8, engine.page_size=4 (2 pages)")
+    assert steps0 == steps1
