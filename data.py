@@ -31,7 +31,11 @@ Notable choices:
 1. A math row whose gold math-verify cannot read as an expression, or a GSM8K gold that is
    not a plain number ("#### five": math-verify would read it as the product f*i*v*e, which
    "vife" equals), is skipped and counted (`task.skipped`, the rows' line numbers; a warning
-   gives the count), not an error: one odd row among thousands should not stop a run. A
+   gives the count), not an error: one odd row among thousands should not stop a run. A file
+   none of whose rows is usable is an error counting them, with the first gold shown and any
+   invisible character in it named (a zero-width space pasted from a web page); an error for
+   prompts missing later (none within max_prompt_tokens, too few to evaluate) repeats the
+   count (`Task.dropped`), so it never blames the prompt limit for rows dropped here. A
    gold that is a plain number is readable and not parsed, so a GSM8K file loads without
    math-verify's cost per row.
 2. An empty file, an empty gold answer, bad JSON, a missing field or one of the wrong
@@ -468,7 +472,8 @@ class Prompts:
     """The training prompts in one fixed random order, drawn in sequence and cycled (SFT and RL), each
     tokenized once, up front (`ids`, by question: the task's wording, in the chat template if the
     tokenizer has one). Prompts longer than max_tokens leave the order (`skipped` counts them); none
-    left raises ValueError."""
+    left raises ValueError counting each cause (these, and the rows loading dropped: task.dropped) and giving the
+    limit the shortest prompt needs."""
     task: Task  # reasoning-gym's TaskMix, or a dataset file's (load_task)
     order: list[int]  # a permutation of the task's items
     tok: Tokenizer
