@@ -105,6 +105,7 @@ class Task:
     -> str (the prompt's text for a chat model) and demonstration(item) -> str (an SFT target).
     """
     items: list[Item]
+    has_gold: bool = True  # whether score grades against a gold answer; without one (PromptTask) no accuracy exists
 
     def __len__(self):
         return len(self.items)
@@ -230,7 +231,9 @@ class HumanEvalTask(Task):
 
 class PromptTask(Task):
     """Prompt-only rows (choice 7): no gold, so no verifier. Its score is 0.0 for every completion: a run on it
-    rewards by its reward model alone (reward.rm_only), and its eval accuracy is 0 by construction."""
+    rewards by its reward model alone (reward.rm_only), and as held-out prompts it has no accuracy to measure
+    (evaluation.run_eval measures none)."""
+    has_gold = False
 
     def __init__(self, items: list[Item]):
         self.items = items
