@@ -9,8 +9,10 @@ hub layout):
 - resume_checkpoint picks the folder `resume=` names (`auto`: the newest complete one that
   loads, skipping with a warning any newer one that does not) and returns its trainer state;
   rng_state / set_rng_state carry the generators across;
-- the run folder: check_run_folder (before any work: out_dir writable, apart from the init
-  checkpoint, free of a live run, holding no other run's checkpoints) and take_lock.
+- the run folder: check_run_folder (before any work: out_dir writable, with room for all the
+  run writes, the final model included (run_bytes), apart from the init checkpoint, free of a
+  live run, holding no other run's checkpoints) and take_lock; rescue_folders, where a final
+  model out_dir can no longer take goes instead (train.save_model).
 A resumed run ends bit-exactly where an uninterrupted one would (train.py restores the RNGs
 last, so nothing draws between the restore and the next step).
 
@@ -85,6 +87,11 @@ SAVE_ALLOWANCE_S = 300.0  # over any size: DCP's planning, the fsyncs, the renam
 LOCK_FILE = "run.lock"  # in out_dir while a run writes there: its pid, host and start (take_lock)
 LOCK_WRITE_GRACE_S = 60.0  # a lock file still unreadable this long after it was made: its run died creating it
 CKPT_BYTES_PER_PARAM = 12  # a checkpoint holds fp32 weights and AdamW's two fp32 moments (whatever the compute dtype)
+MODEL_BYTES_PER_PARAM = 4  # the final model (hf.save_hf) in the parameters' own dtype: fp32 (distributed.build_model)
+RUN_FILES_BYTES = 64 << 20
+"""Room kept for the run's small files: the tokenizer's (a hub tokenizer.json is up to ~35 MB), run_config.json,
+plot.png, and metrics.jsonl beside METRICS_BYTES_PER_STEP."""
+METRICS_BYTES_PER_STEP = 4096  # a metrics.jsonl record (an RL step's, an eval's) is about 1-2 KB
 RESUMABLE = (
     # where and how a run starts, not what it is
     "out_dir", "resume", "resume_changed", "dry_run",
@@ -470,9 +477,44 @@ def changed_settings(saved: dict, cfg: TrainConfig) -> list[str]:
             if old.get(key, default[key]) != value]
 
 
-def check_run_folder(cfg: TrainConfig, checkpoint_bytes: int = 0, lock: bool = True):
+def run_bytes(cfg: TrainConfig, num_params: int) -> dict[str, int]:
+    """The bytes the run adds to out_dir's filesystem at its fullest, by what they are (an error names each): the
+    final model, the checkpoints on disk at once (a save writes the new one before it deletes the oldest: up to
+    ckpt_keep + 1, fewer when the run saves fewer; those already in out_dir count against them, a save's room
+    kept), and the small files. num_params: the model's (plan.param_counts' total)."""
+    steps = cfg.sft_steps + cfg.rl_steps
+    saves = steps // cfg.ckpt_every if cfg.ckpt_every else 0
+    ckpts = max(min(saves, 1), min(saves, cfg.ckpt_keep + 1) - len(complete_checkpoints(cfg.out_dir)))
+    parts = {f"the final model ({MODEL_BYTES_PER_PARAM} bytes a parameter, {num_params:,} of them)":
+             MODEL_BYTES_PER_PARAM * num_params}
+    if ckpts:
+        parts[f"{ckpts} checkpoint{'s' * (ckpts > 1)} at once (ckpt_every={cfg.ckpt_every}, ckpt_keep="
+              f"{cfg.ckpt_keep}: {CKPT_BYTES_PER_PARAM} bytes a parameter)"] = ckpts * CKPT_BYTES_PER_PARAM * num_params
+    parts["tokenizer, metrics and config files"] = RUN_FILES_BYTES + METRICS_BYTES_PER_STEP * steps
+    return parts
+
+
+def rescue_folders(out_dir: str) -> list[str]:
+    """Where a final model that out_dir could not take is written instead, in order: <out_dir>.rescue-<pid> beside
+    it, then the same name under $TMPDIR (tempfile.gettempdir()), another filesystem where out_dir's is full."""
+    out = os.path.abspath(out_dir)
+    name = f"{os.path.basename(out)}.rescue-{os.getpid()}"
+    return list(dict.fromkeys([os.path.join(os.path.dirname(out), name), os.path.join(tempfile.gettempdir(), name)]))
+
+
+def no_room(folder: str, needed: int) -> str | None:
+    """Why `folder` cannot take `needed` bytes (its filesystem's free bytes, or why they cannot be read), else None."""
+    try:
+        free = free_bytes(folder)
+    except OSError as e:
+        return f"{folder}: its free space cannot be read ({e.strerror or e})"
+    return f"{folder}: {free:,} bytes free, the model needs about {needed:,}" if free < needed else None
+
+
+def check_run_folder(cfg: TrainConfig, needed: dict[str, int] | None = None, lock: bool = True):
     """out_dir can hold this run, checked before any work without writing there: it is (or can be made) a folder
-    this process can write in, with checkpoint_bytes free; it is not, inside or around the init_hf / init_from
+    this process can write in, with room for what the run writes (`needed`: run_bytes' parts; None: not
+    checked, as a dry run plans for another machine); it is not, inside or around the init_hf / init_from
     checkpoint (their realpaths); with `lock` (rank 0: the others would see its own), no live run holds it
     (take_lock's file); unless the run resumes one of out_dir's checkpoints (which resume_checkpoint checks) or
     resume_changed names another folder's, every checkpoint in it is this run's (run_settings), so resume=auto
@@ -502,10 +544,10 @@ def check_run_folder(cfg: TrainConfig, checkpoint_bytes: int = 0, lock: bool = T
     except OSError as e:
         raise ValueError(f"out_dir={out!r}: cannot write in {existing}: {os.strerror(e.errno) if e.errno else e}"
                          ) from None
-    if checkpoint_bytes and (free := free_bytes(existing)) < checkpoint_bytes:
-        raise ValueError(f"out_dir={out!r}: {free:,} bytes free on its filesystem; one checkpoint needs about "
-                         f"{checkpoint_bytes:,} (ckpt_every={cfg.ckpt_every}: {CKPT_BYTES_PER_PARAM} bytes a "
-                         f"parameter); free space, or write the run elsewhere")
+    if needed and (free := free_bytes(existing)) < sum(needed.values()):
+        parts = "; ".join(f"{what}: {n:,}" for what, n in needed.items())
+        raise ValueError(f"out_dir={out!r}: {free:,} bytes free on its filesystem; the run writes about "
+                         f"{sum(needed.values()):,} ({parts}); free space, or write the run elsewhere")
     busy = _lock_state(os.path.join(out, LOCK_FILE))[2] if lock else None
     if busy:
         raise ValueError(f"out_dir={out!r} is in use: {busy}")

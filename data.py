@@ -31,7 +31,11 @@ Notable choices:
 1. A math row whose gold math-verify cannot read as an expression, or a GSM8K gold that is
    not a plain number ("#### five": math-verify would read it as the product f*i*v*e, which
    "vife" equals), is skipped and counted (`task.skipped`, the rows' line numbers; a warning
-   gives the count), not an error: one odd row among thousands should not stop a run. A
+   gives the count), not an error: one odd row among thousands should not stop a run. A file
+   none of whose rows is usable is an error counting them, with the first gold shown and any
+   invisible character in it named (a zero-width space pasted from a web page); an error for
+   prompts missing later (none within max_prompt_tokens, too few to evaluate) repeats the
+   count (`Task.dropped`), so it never blames the prompt limit for rows dropped here. A
    gold that is a plain number is readable and not parsed, so a GSM8K file loads without
    math-verify's cost per row.
 2. An empty file, an empty gold answer, bad JSON, a missing field or one of the wrong
@@ -57,6 +61,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import unicodedata
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -77,6 +82,9 @@ CODE_INSTRUCTION = "Complete the following Python function. Reply with the whole
 CHECK_RE = re.compile(r"^def check\s*\(", re.MULTILINE)  # HumanEval's test defines check(candidate)
 # fields that carry or imply a gold answer: a row with any of them is not prompt-only (choice 7)
 GOLD_FIELDS = ("answer", "solution", "test", "entry_point", "canonical_solution")
+# Unicode categories of characters an error message would show as nothing, or as plain space: format (zero-width
+# space, direction marks), control, separators, private use, unassigned
+INVISIBLE = ("Cf", "Cc", "Zs", "Zl", "Zp", "Co", "Cn")
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -97,6 +105,7 @@ class Task:
     -> str (the prompt's text for a chat model) and demonstration(item) -> str (an SFT target).
     """
     items: list[Item]
+    has_gold: bool = True  # whether score grades against a gold answer; without one (PromptTask) no accuracy exists
 
     def __len__(self):
         return len(self.items)
@@ -111,6 +120,11 @@ class Task:
     def user_message(self, item: Item) -> str:
         """The prompt's text for a chat model; by default the question as it is."""
         return item.question
+
+    def dropped(self) -> str:
+        """The rows its file held that loading left out, and why, for an error that says why prompts are missing
+        ("" when none was: every row is an item)."""
+        return ""
 
 
 class TaskMix(Task):
@@ -167,10 +181,19 @@ class CodeTask:
 class MathTask(Task):
     """GSM8K or MATH rows, graded by reward.math_reward on the completion's one final answer (reward.final_answer).
     `skipped`: line numbers of rows whose gold math-verify cannot read, or a GSM8K gold that is no number
-    (see the module docstring)."""
+    (see the module docstring), `why` they were, the first one's gold (`example`), `rows`: the rows read, and `path`:
+    their file."""
 
-    def __init__(self, items: list[Item], *, skipped: list[int] | None = None):
-        self.items, self.skipped = items, skipped or []
+    def __init__(self, items: list[Item], *, skipped: list[int] | None = None, why: str = "", example: str = "",
+                 rows: int | None = None, path: str = ""):
+        self.items, self.skipped, self.why, self.example, self.path = items, skipped or [], why, example, path
+        self.rows = len(self.items) + len(self.skipped) if rows is None else rows
+
+    def dropped(self) -> str:
+        if not self.skipped:
+            return ""
+        return (f"{self.rows} rows read, {'all ' * (len(self.skipped) == self.rows)}{len(self.skipped)} dropped as "
+                f"their gold {self.why} ({_lines(self.skipped, self.path)}; the first: {shown(self.example)})")
 
     def score(self, completion: str, item: Item) -> float:
         """1.0 if the completion's one final answer equals the gold; raises scoring.ScoreTimeout past its limit."""
@@ -208,7 +231,9 @@ class HumanEvalTask(Task):
 
 class PromptTask(Task):
     """Prompt-only rows (choice 7): no gold, so no verifier. Its score is 0.0 for every completion: a run on it
-    rewards by its reward model alone (reward.rm_only), and its eval accuracy is 0 by construction."""
+    rewards by its reward model alone (reward.rm_only), and as held-out prompts it has no accuracy to measure
+    (evaluation.run_eval measures none)."""
+    has_gold = False
 
     def __init__(self, items: list[Item]):
         self.items = items
@@ -264,7 +289,7 @@ def load_task(path: str, *, size: int | None = None,
     # a GSM8K gold is a number: any other text math-verify reads as symbols, and an anagram of a word multiplies
     # out to the same product
     usable = PLAIN_NUMBER_RE.fullmatch if kind == "GSM8K" else math_gold_readable
-    items, skipped = [], []
+    items, skipped, example = [], [], ""
     for line, (question, gold) in parsed:
         if size is not None and len(items) == size:
             break
@@ -272,12 +297,30 @@ def load_task(path: str, *, size: int | None = None,
             items.append(Item(question, gold, 0, len(items)))
         else:
             skipped.append(line)
+            example = example or gold
+    why = "is not a number" if kind == "GSM8K" else "math-verify cannot read"
+    task = MathTask(items, skipped=skipped, why=why, example=example, rows=len(parsed), path=path)
+    if not items:  # said here, not later as "no prompt fits" or "too few eval rows": the cause, counted
+        fix = ("write each gold after '####' as a plain number (digits, a sign, decimals)" if kind == "GSM8K" else
+               "write each gold as LaTeX math-verify reads, such as \\frac{1}{2}")
+        raise ValueError(f"{path}: no usable row: {task.dropped()}; {fix}")
     if skipped:
-        why = "is not a number" if kind == "GSM8K" else "math-verify cannot read"
-        unit = "rows" if path.endswith(".parquet") else "lines"
-        warnings.warn(f"{path}: skipped {len(skipped)} rows whose gold {why} ({unit} "
-                      f"{', '.join(map(str, skipped[:5]))}{', ...' if len(skipped) > 5 else ''})", stacklevel=2)
-    return MathTask(items, skipped=skipped)
+        warnings.warn(f"{path}: skipped {len(skipped)} rows whose gold {why} ({_lines(skipped, path)})", stacklevel=2)
+    return task
+
+
+def _lines(numbers: list[int], path: str = "") -> str:
+    # "lines 1, 2, ..." (parquet: "rows"), the first five
+    unit = "rows" if path.endswith(".parquet") else "lines"
+    return f"{unit} {', '.join(map(str, numbers[:5]))}{', ...' if len(numbers) > 5 else ''}"
+
+
+def shown(text: str) -> str:
+    """text as an error shows it: its repr, naming each invisible character in it (a zero-width space, a
+    direction mark, a control character), which a reader of the message would otherwise not see."""
+    odd = sorted({c for c in text if unicodedata.category(c) in INVISIBLE and c != " "})
+    names = ", ".join(f"U+{ord(c):04X} {unicodedata.name(c, '(unnamed)')}" for c in odd)
+    return repr(text) + (f", which holds {names}" if odd else "")
 
 
 class _RowError(Exception):
@@ -432,7 +475,8 @@ class Prompts:
     """The training prompts in one fixed random order, drawn in sequence and cycled (SFT and RL), each
     tokenized once, up front (`ids`, by question: the task's wording, in the chat template if the
     tokenizer has one). Prompts longer than max_tokens leave the order (`skipped` counts them); none
-    left raises ValueError."""
+    left raises ValueError counting each cause (these, and the rows loading dropped: task.dropped) and giving the
+    limit the shortest prompt needs."""
     task: Task  # reasoning-gym's TaskMix, or a dataset file's (load_task)
     order: list[int]  # a permutation of the task's items
     tok: Tokenizer
@@ -448,10 +492,16 @@ class Prompts:
         for it in self.items:
             if it.question not in self.ids:  # a question the task repeats is tokenized once
                 self.ids[it.question] = prompt_ids(self.tok, self.task, it, self.system)
-        keep = [i for i in self.order if len(self.ids[self.items[i].question]) <= self.max_tokens]
+        lengths = [len(self.ids[self.items[i].question]) for i in self.order]
+        keep = [i for i, n in zip(self.order, lengths) if n <= self.max_tokens]
         self.skipped, self.order = len(self.order) - len(keep), keep
-        if not keep:
-            raise ValueError(f"all {self.skipped} training prompts are longer than max_prompt_tokens={self.max_tokens}")
+        if not keep:  # each cause counted: the rows loading dropped (task.dropped) and the prompts too long here
+            shortest = min(lengths)
+            drops = self.task.dropped()
+            raise ValueError(f"all {self.skipped} training prompts are longer than max_prompt_tokens={self.max_tokens} "
+                             f"(the shortest has {shortest} tokens){'; before that, ' + drops if drops else ''}: a "
+                             f"prompt of {shortest} tokens fits with max_prompt_tokens >= {shortest} (0: all that fits) "
+                             f"and model.max_seq_len - sampling.max_new_tokens >= {shortest}; or shorten the prompts")
 
     def draw(self, n: int) -> list[Item]:
         """The next n prompts; past the end the order starts over (a new epoch, in the same order)."""
@@ -526,8 +576,9 @@ def held_out_items(cfg: TrainConfig, task: Task, held_out: Task, tok: Tokenizer)
     unseen = held_out.exclude({it.question for it in task.items})
     source = f"eval_data={cfg.eval_data!r}" if cfg.eval_data else "reasoning-gym's held-out seed"
     if len(unseen) < cfg.eval_size:
-        raise ValueError(f"eval_size={cfg.eval_size}: {source} has {len(held_out)} usable rows, {len(unseen)} of them "
-                         f"unseen in training; need at least eval_size")
+        drops = f" ({held_out.dropped()})" if held_out.dropped() else ""
+        raise ValueError(f"eval_size={cfg.eval_size}: {source} has {len(held_out)} usable rows{drops}, {len(unseen)} of "
+                         f"them unseen in training; need at least eval_size")
     limit, items = cfg.prompt_limit(), []
     for it in unseen:
         try:

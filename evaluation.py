@@ -90,10 +90,13 @@ def evaluate(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, *,
 
 
 def run_eval(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, log: MetricsLog, step: int,
-             t_start: float) -> tuple[torch.Tensor, torch.Tensor]:
+             t_start: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Sampled (mean of eval_samples at the rollout temperature) and greedy accuracy per held-out prompt, logged
     (`log`, the run's time since t_start) with `eval/unscored`: the completions of both that could not be scored
-    (timeout or error), counted wrong."""
+    (timeout or error), counted wrong. None, with nothing generated or logged, for held-out prompts without gold
+    answers (data.PromptTask): their verifier pays 0 whatever the answer, an accuracy that measures nothing."""
+    if not held.task.has_gold:
+        return None
     sampled, reasons = evaluate(engine, tok, held, cfg, samples=cfg.eval_samples, temperature=cfg.sampling.temperature)
     greedy, greedy_reasons = evaluate(engine, tok, held, cfg, samples=1, temperature=0.0)
     reasons.update(greedy_reasons)
@@ -125,8 +128,14 @@ def summarize(cfg: TrainConfig, held: HeldOut, records: list[dict], t_start: flo
         skipped = sum(r.get("skipped_update", 0) for r in rl)
         print(f"{summary['optimizer_steps']} optimizer steps in {len(rl)} RL steps"
               + (f" ({skipped} with every group zero-variance and dropped: no update)" if skipped else ""))
-    if held.after_rl is not None:  # None: no eval ran (eval_before_rl off and no RL step)
+    if held.after_rl is not None:  # None: no eval ran (eval_before_rl off and no RL step), or none can (no gold)
         summary.update(accuracy_table(cfg, held))
+    elif not held.task.has_gold and rank == 0:  # say why there is no table, and what was measured instead
+        scores = [r["rm/score_mean"] for r in rl if "rm/score_mean" in r]
+        print(f"held-out accuracy: not measured: the held-out prompts (eval_data={cfg.eval_data}) are prompt-only "
+              f"rows, with no gold answer to grade"
+              + (f"; the reward model's mean score of the RL rollouts went {scores[0]:.3f} -> {scores[-1]:.3f} "
+                 f"(rm/score_mean in metrics.jsonl)" if scores else ""))
     if rank == 0:
         print(f"wrote {cfg.out_dir}/: the model in the HF hub layout (config.json, safetensors, tokenizer files), "
               f"run_config.json, metrics.jsonl, plot.png"

@@ -39,6 +39,7 @@ import re
 from typing import Sequence
 
 import torch
+from safetensors import SafetensorError
 
 from hf_config import EMBED, INDEX, LM_HEAD, config_to_hf, read_config, shape_differences, weight_files
 from model import ModelConfig, Transformer
@@ -291,9 +292,9 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
     and it writes each shard as soon as it fills and frees it: its peak is one shard and one
     parameter, never the whole model. Raises ValueError (config_to_hf's) on a model its
     hf_model_type cannot express.
+    A write that fails (OSError, SafetensorError: a full disk, no permission) is raised once this rank has taken
+    part in every remaining gather, with no provisional `.partial` shard left, so a caller can retry elsewhere.
     """
-    from safetensors.torch import save_file
-
     config = config_to_hf(model.cfg)  # first: a model the family cannot express fails before any gather
     # a generator: full_tensor gathers one parameter at a time, in policy_tensors' order on every rank
     gathered = ((n, full_tensor(t)) for n, t in policy_tensors(model))
@@ -307,14 +308,36 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
         # and its expert bias included) is written in bf16
         tensors = ((n, t if t.dtype == FP8 or n.endswith("_scale_inv") else t.to(torch.bfloat16))
                    for n, t in quantize_fp8(tensors, hf=True, bf16=bf16_modules))
+    config["torch_dtype"] = "bfloat16" if fp8 else str(next(model.parameters()).dtype).removeprefix("torch.")
+    if fp8:
+        # the keys transformers and SGLang read for blockwise FP8 with activations quantised at run time
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": list(WEIGHT_BLOCK), "ignored_layers": list(bf16_modules)}
+    files = []  # the provisional shards written so far
+    try:
+        _write_hf(path, tensors, config, files, max_shard_bytes)
+    except (OSError, SafetensorError):  # a full disk, a folder made read-only: the machine's answer, not a bug
+        for _ in gathered:  # the other ranks wait in the gathers of the parameters not yet written: take part
+            pass
+        for f in files:  # no provisional shard left behind (their room is what a retry elsewhere may need)
+            try:
+                os.remove(os.path.join(path, f))
+            except OSError:
+                pass  # renamed already, or never made
+        raise
+
+
+def _write_hf(path: str, tensors, config: dict, files: list[str], max_shard_bytes: int):
+    # save_hf's writes (rank 0's): the shards, then config.json; `files` collects each provisional shard as written
+    from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
-    files, weight_map, total = [], {}, 0
+    weight_map, total = {}, 0
     for shard in weight_buckets(((n, t.contiguous()) for n, t in tensors), max_shard_bytes):
         # the hub numbers shards "-of-" their count, known only at the end: a provisional name until then.
         # format "pt": the metadata transformers' own save_pretrained writes
         file = f"model-{len(files) + 1:05d}.safetensors.partial"
+        files.append(file)  # before the write: one cut short is removed too
         save_file(dict(shard), os.path.join(path, file), metadata={"format": "pt"})
-        files.append(file)
         weight_map.update({n: file for n, _ in shard})
         total += sum(t.numel() * t.element_size() for _, t in shard)  # the index's total_size: bytes of all tensors
         del shard  # freed before weight_buckets gathers the next shard's parameters
@@ -335,10 +358,5 @@ def save_hf(model: Transformer, path: str, *, write: bool = True, max_shard_byte
                       f, indent=1)
     elif os.path.exists(index):
         os.remove(index)
-    config["torch_dtype"] = "bfloat16" if fp8 else str(next(model.parameters()).dtype).removeprefix("torch.")
-    if fp8:
-        # the keys transformers and SGLang read for blockwise FP8 with activations quantised at run time
-        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                         "weight_block_size": list(WEIGHT_BLOCK), "ignored_layers": list(bf16_modules)}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)

@@ -32,6 +32,10 @@ Verifiers (binary: 1.0 correct, 0.0 not):
 3. code (`code_reward`): a HumanEval-format problem (data.CodeTask: prompt, test defining
    `check(candidate)`, entry point); the completion runs in `sandbox.run`, its tests apart
    from it (`sandbox.Check`), so only plain data, never a rigged object, reaches them.
+4. Every parse of a completion here runs in time linear in its length: no pattern backtracks over
+   overlapping choices (PROSE_RE's runs of letters are possessive), and the tags and nested boxes
+   are read by one pass of str.find (`answer_spans`, `unbox`), so no crafted answer costs the
+   scoring time limit (tests/test_break_verifier_time.py times each on crafted inputs).
 
 Penalties and shaping:
 1. Penalties, in [-1, 0]: DAPO's soft overlong punishment (eq. 13) and a repetition
@@ -72,9 +76,7 @@ import sandbox
 from rules import FLAG, NON_NEGATIVE, POSITIVE, check_fields, integer, number, text as text_rule
 from scoring import ScoreTimeout, grade_elsewhere, time_limited
 
-# non-greedy and across lines; callers take the last match, so a model that drafts an answer and then corrects
-# itself is graded on its final one
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"  # the tags around an answer (answer_spans)
 CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)  # a fence tagged python, py or untagged
 CORRECT_SCORE = 1.0  # reasoning-gym's score for an exact answer; anything less is partial credit
 PLAIN_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")  # a plain number: math-verify surely reads it
@@ -82,10 +84,27 @@ MATH_TIMEOUT_S = 5.0  # a math_equal call's limit when its caller sets none (sco
 JUDGE_OUTCOMES = {"better": 1.0, "tie": 0.5, "worse": 0.0}  # P(completion beats the reference)
 
 
+def answer_spans(text: str) -> list[str]:
+    """The text inside each <answer>...</answer> of text, in order, across lines: each opening tag with the first
+    closing tag after it, as re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL) reads them. Callers take the
+    last, so a model that drafts an answer and then corrects itself is graded on its final one.
+
+    Linear in len(text) (str.find, each character passed once), where that regex rescans the rest of the text
+    from every opening tag with no closing one after it: quadratic in a completion of repeated "<answer>"."""
+    spans, i = [], 0
+    while (start := text.find(ANSWER_OPEN, i)) >= 0:
+        end = text.find(ANSWER_CLOSE, start + len(ANSWER_OPEN))
+        if end < 0:  # no closing tag after this opening one, so none after any later one either
+            break
+        spans.append(text[start + len(ANSWER_OPEN):end])
+        i = end + len(ANSWER_CLOSE)
+    return spans
+
+
 def reasoning_gym_reward(completion: str, dataset, entry: dict) -> float:
     """Binary reward of a reasoning-gym item: 1.0 iff the dataset's own scorer gives the last <answer> span
     full marks (its partial credit would pay a verbose answer that merely contains the gold one)."""
-    found = ANSWER_RE.findall(completion)
+    found = answer_spans(completion)
     if not found:
         return 0.0
     # the dataset's own scorer, given the whole entry: it may read the entry's metadata and accept more
@@ -115,7 +134,7 @@ def extract_answer(text: str) -> str | None:
     Only the last one counts: an <answer> span that holds several \\boxed{} is read as its last.
     """
     # the tag the prompt asks for first, then MATH's \boxed{} convention, then GSM8K's "#### n" line
-    if found := ANSWER_RE.findall(text):
+    if found := answer_spans(text):
         span = found[-1]
         # "<answer>\boxed{3} or \boxed{4}</answer>" lists candidates; as anywhere else, the last box is the answer
         return (last_boxed(span) if "\\boxed{" in span else span).strip()
@@ -130,8 +149,11 @@ def extract_answer(text: str) -> str | None:
 # own, not part of a name or of another number ("x-5" holds 5, not -5; "2ab" holds none)
 NUMBER_RE = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\w)")
 # What may surround that number: words (units, "the answer is"), currency and percent signs, punctuation;
-# no operator, bracket, backslash or lone letter (a variable: "2x", "4\pi" are not 2 and 4)
-PROSE_RE = re.compile(r"(?:[A-Za-z]{2,}|[aAI]|[\s$%€£.,:;!?'\"-])*")
+# no operator, bracket, backslash or lone letter (a variable: "2x", "4\pi" are not 2 and 4). Possessive (`{2,}+`,
+# `*+`): a run of letters is taken whole, once. Backtracking `{2,}|[aAI]` would try every way to split a run of
+# "a"s into words and single letters before failing at a bracket: exponential ("a" * 28 + "(" took the whole
+# scoring timeout); taken whole, a run splits one way, and a fullmatch is one pass
+PROSE_RE = re.compile(r"(?:[A-Za-z]{2,}+|[aAI]|[\s$%€£.,:;!?'\"-])*+")
 
 
 def math_gold_readable(gold: str) -> bool:
@@ -230,13 +252,29 @@ def _box_spans(text: str) -> list[tuple[int, int | None]]:
 
 
 def unbox(text: str) -> str:
-    """text with each balanced \\boxed{X} replaced by X; a box left open stays as it is."""
-    out, i = [], 0
-    for start, end in _box_spans(text):
+    """text with each balanced \\boxed{X} replaced by X, a box in a box too; a box left open stays as it is, and so
+    does the rest of the text after it (inside it).
+
+    One pass, linear in len(text): each brace paired once (a box inside a balanced box is balanced, so only a box
+    at the top can be left open), where unwrapping box by box rescans each nested box's contents, quadratic in
+    the depth, and recursion ends at Python's limit (~1000 boxes deep)."""
+    closing, depth = {}, []  # index of each "{" -> index of its "}"; the "{"s still open
+    for m in BRACE_RE.finditer(text):
+        if m.group() == "{":
+            depth.append(m.start())
+        elif depth:  # a "}" with none open closes nothing, as _closing_brace counts
+            closing[depth.pop()] = m.start()
+    cuts, i = [], 0  # (index, length) of each "\\boxed{" and its "}" to leave out
+    while (start := text.find(BOX, i)) >= 0:
+        end = closing.get(start + len(BOX) - 1)
         if end is None:
             break
-        out += [text[i:start], unbox(text[start + len(BOX):end])]
-        i = end + 1
+        cuts += [(start, len(BOX)), (end, 1)]
+        i = start + len(BOX)  # the boxes inside it are next
+    out, i = [], 0
+    for at, n in sorted(cuts):
+        out.append(text[i:at])
+        i = at + n
     return "".join(out) + text[i:]
 
 
@@ -304,7 +342,7 @@ def final_answer(completion: str, gold: str) -> str | None:
     or the line after the last '####' is the answer, as extract_answer reads it. An
     answer that holds several values (several_values, against `gold`) is None too.
     """
-    spans = ANSWER_RE.findall(completion)
+    spans = answer_spans(completion)
     boxes = outer_boxes(spans[-1] if spans else completion)
     if boxes is None:  # cut off inside its last box
         return None
@@ -346,7 +384,7 @@ def code_solution(completion: str, task: CodeProblem) -> str:
     a docstring only, is then redefined); otherwise it is the body that continues the prompt.
     """
     blocks = CODE_BLOCK_RE.findall(completion)
-    code = blocks[-1] if blocks else (ANSWER_RE.findall(completion) or [completion])[-1]
+    code = blocks[-1] if blocks else (answer_spans(completion) or [completion])[-1]
     # HumanEval's completions are function bodies that continue the prompt, which ends inside the function;
     # chat models tend to write the whole function again instead. Both layouts must run.
     defines = re.search(rf"^def {re.escape(task.entry_point)}\s*\(", code, re.MULTILINE)

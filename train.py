@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from collections import Counter
@@ -42,8 +43,9 @@ import torch
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from checkpoint import (CKPT_BYTES_PER_PARAM, check_run_folder, latest_checkpoint, lock_run_folder, read_checkpoint,
-                        resume_checkpoint, rng_state, set_rng_state, write_checkpoint)
+from checkpoint import (MODEL_BYTES_PER_PARAM, RUN_FILES_BYTES, check_run_folder, latest_checkpoint, lock_run_folder,
+                        no_room, read_checkpoint, rescue_folders, resume_checkpoint, rng_state, run_bytes,
+                        set_rng_state, write_checkpoint)
 from config import ConfigError, TrainConfig, parse_args
 from data import Item, Prompts, RunData, load_run_data
 from distributed import Meshes, all_gather_list, build_model, rank_world, reference_copy, setup_distributed
@@ -470,13 +472,13 @@ class Start:
 
 def prepare(cfg: TrainConfig) -> Start:
     """Every file the run reads, read once and checked before any work (a dry run's too): out_dir (writable,
-    room for a checkpoint, apart from the init checkpoint, no live run in it, no other run's checkpoints:
-    checkpoint.check_run_folder), the logger (its package, a wandb login), the metrics.jsonl a resume continues,
-    the checkpoint's weights (headers), data and tokenizer (data.load_run_data), the offline pass rates, and
+    room for all the run writes there, the final model included: checkpoint.run_bytes; apart from the init
+    checkpoint, no live run in it, no other run's checkpoints: checkpoint.check_run_folder), the logger (its
+    package, a wandb login), the metrics.jsonl a resume continues, the checkpoint's weights (headers), data and tokenizer (data.load_run_data), the offline pass rates, and
     reward.model's config.json (reward_model.scorer_model_config: the plan sizes it). Leaves nothing written.
     Raises ValueError naming the field (and the file)."""
     # a dry run plans for another machine: this one's free space says nothing of that one's
-    needed = 0 if cfg.dry_run or not cfg.ckpt_every else CKPT_BYTES_PER_PARAM * param_counts(cfg.model)["total"]
+    needed = None if cfg.dry_run else run_bytes(cfg, param_counts(cfg.model)["total"])
     check_run_folder(cfg, needed, lock=os.environ.get("RANK", "0") == "0")  # rank 0 takes the lock (main)
     check_logger(cfg.logger)
     metrics = os.path.join(cfg.out_dir, "metrics.jsonl")
@@ -523,16 +525,49 @@ def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
 def save_model(run: Run):
     """The final policy in the HF hub layout in out_dir: config.json and safetensors (hf.save_hf, a
     parameter at a time, written by rank 0 shard by shard) with the tokenizer files beside them, so
-    transformers, SGLang and this project's init_hf/init_from load it."""
-    write = rank_world()[0] == 0
+    transformers, SGLang and this project's init_hf/init_from load it. Collective.
+
+    The model exists only in memory until it is written, so a write that fails (the disk filled during the run, the
+    folder made read-only) is retried in a rescue folder (checkpoint.rescue_folders: beside out_dir, else under
+    $TMPDIR), each first checked for room. Raises WriteError either way: naming where the model went, or, when no
+    folder took it, each failure and the newest checkpoint, the last good state left."""
+    cfg = run.cfg
+    failure = _save_model_in(run, cfg.out_dir)
+    if failure is None:
+        return
+    rank0 = rank_world()[0] == 0
+    needed = MODEL_BYTES_PER_PARAM * param_counts(cfg.model)["total"] + RUN_FILES_BYTES
+    tried = []
+    for folder in all_gather_list(rescue_folders(cfg.out_dir) if rank0 else []):  # rank 0's, which writes
+        why = all_gather_list([no_room(folder, needed) if rank0 else None])[0]
+        if why is None:
+            made = not os.path.exists(folder)
+            if (why := _save_model_in(run, folder)) is None:
+                raise WriteError(f"{failure}; the trained model is saved in {folder} instead (config.json, "
+                                 f"safetensors and tokenizer files, as out_dir would hold them): move them into "
+                                 f"{cfg.out_dir} once there is room, or load them from there (init_from={folder!r})")
+            if made and rank0:  # nothing partial left
+                shutil.rmtree(folder, ignore_errors=True)
+        tried.append(why)
+    newest = latest_checkpoint(cfg.out_dir)
+    raise WriteError(f"{failure}; no rescue folder took it either ({'; '.join(tried)}): the trained model is lost; "
+                     + (f"the newest checkpoint ({newest}) holds the last good state (resume=auto continues from "
+                        f"it once there is room)" if newest else f"no checkpoint was written (ckpt_every="
+                        f"{cfg.ckpt_every})"))
+
+
+def _save_model_in(run: Run, folder: str) -> str | None:
+    # save_model's one attempt, collective: None, or rank 0's failure (every rank gets it, to retry together)
+    write, failure = rank_world()[0] == 0, None
     try:
-        save_hf(run.model, run.cfg.out_dir, write=write)
+        save_hf(run.model, folder, write=write)
         if write:
-            run.tok.save(run.cfg.out_dir)
+            run.tok.save(folder)
     except OSError as e:  # a full disk, a folder made read-only during the run
-        raise write_error(run.cfg.out_dir, e) from None
+        failure = str(write_error(folder, e))
     except SafetensorError as e:  # safetensors' own error for a failed write, naming the OS's
-        raise WriteError(f"cannot write the model in {run.cfg.out_dir}: {e}") from None
+        failure = f"cannot write the model in {folder}: {e}"
+    return all_gather_list([failure])[0]
 
 
 def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:

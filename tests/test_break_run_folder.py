@@ -23,6 +23,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import warnings
 from types import SimpleNamespace
 from typing import Callable
@@ -37,7 +38,7 @@ from config import ConfigError, TrainConfig, load_config, parse_args
 from checkpoint import take_lock
 from metrics import MetricsLog, WriteError
 from model import Transformer
-from runs import MICRO
+from runs import MICRO, make_run, micro_config
 
 SHORT = ["sft_steps=2", "rl_steps=1", "ckpt_every=1", "eval_size=8", "eval_samples=1"]  # checkpoints 2 (SFT), 3 (RL)
 NEWEST = "ckpt/step_00000003"  # after the one RL step, its eval logged: a resume from it keeps every record
@@ -178,6 +179,21 @@ def read_only(ws, mp):  # a read-only filesystem's answer, which a chmod cannot 
 def little_room(ws, mp):
     mp.setattr(checkpoint, "free_bytes", lambda path: 1000, raising=False)
     return []
+
+
+def fake_disk(mp, root, free: int):
+    """The filesystem under `root` has `free` bytes left (os.statvfs says so); elsewhere the real one's."""
+    statvfs = os.statvfs
+
+    def fake(path):
+        inside = os.path.abspath(path) == str(root) or os.path.abspath(path).startswith(f"{root}{os.sep}")
+        return SimpleNamespace(f_bavail=free, f_frsize=1) if inside else statvfs(path)
+    mp.setattr(os, "statvfs", fake)
+
+
+def room_for_all_but_the_final_model(ws, mp):  # no checkpoints: only the final model is big
+    fake_disk(mp, ws.tmp, 64 << 20)  # the small files' allowance (checkpoint.RUN_FILES_BYTES), no more
+    return [f"out_dir={ws.tmp}/new", "ckpt_every=0"]
 
 
 def torn_metrics(ws, mp):
@@ -328,8 +344,12 @@ BREAK = [
             id="out_dir-under-a-file"),
     refused(lambda ws, mp: ["out_dir=/proc/everyprompt-run"], "cannot write in /proc", id="out_dir-in-proc"),
     refused(read_only, "cannot write in", "/ro: Read-only file system", id="out_dir-read-only"),
-    refused(little_room, "1,000 bytes free on its filesystem; one checkpoint needs about",
+    refused(little_room, "1,000 bytes free on its filesystem; the run writes about 67,947,520 (the final model",
+            "; 1 checkpoint at once (ckpt_every=1, ckpt_keep=2: 12 bytes a parameter): 619,776;",
             id="no-room-for-a-checkpoint"),
+    refused(room_for_all_but_the_final_model, "/new': 67,108,864 bytes free on its filesystem; the run writes about "
+            "67,327,744 (the final model (4 bytes a parameter, 51,648 of them): 206,592; tokenizer, metrics and config "
+            "files: 67,121,152); free space, or write the run elsewhere", id="ckpt_every=0-no-room-for-the-final-model"),
     raises(disk_full_inside_a_save, "/save/ckpt/step_00000001.tmp: No space left on device (ENOSPC): it needs about",
            id="disk-full-inside-a-checkpoint-save"),
     raises(disk_full_as_torch_save_says, "step_00000001.tmp: No space left on device (ENOSPC): it needs about",
@@ -425,9 +445,78 @@ def test_the_final_model_save_that_cannot_write_is_one_write_error(error, monkey
     def fail(*args, **kwargs):
         raise error
     monkeypatch.setattr(train, "save_hf", fail)
-    run = SimpleNamespace(model=None, tok=None, cfg=SimpleNamespace(out_dir=str(tmp_path)))
-    with pytest.raises(WriteError, match=f"cannot write (the model in )?{tmp_path}"):
+    cfg = micro_config(tmp_path)
+    run = SimpleNamespace(model=None, tok=None, cfg=cfg)
+    with pytest.raises(WriteError, match=f"cannot write (the model in )?{cfg.out_dir}") as e:
         train.save_model(run)
+    assert "\n" not in str(e.value)
+
+
+def full_disk_writes(mp, root):
+    """safetensors' writes under `root` fail as a full disk fails them: part of the file lands, then ENOSPC."""
+    import safetensors.torch
+    save_file = safetensors.torch.save_file
+
+    def write(tensors, filename, metadata=None):
+        if os.path.abspath(filename).startswith(f"{root}{os.sep}"):
+            with open(filename, "wb") as f:
+                f.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return save_file(tensors, filename, metadata=metadata)
+    mp.setattr(safetensors.torch, "save_file", write)
+
+
+@pytest.mark.parametrize("sibling_room", [True, False], ids=["beside-out_dir", "beside-full-so-under-TMPDIR"])
+def test_a_final_model_out_dir_cannot_take_is_saved_in_a_rescue_folder(sibling_room, monkeypatch, tmp_path):
+    """ckpt_every=0 and the disk filled during the run: the final save fails, and the model, which exists only in
+    memory, is written to <out_dir>.rescue-<pid> (or, with no room there, the same name under $TMPDIR) whole; the
+    WriteError line says where it went."""
+    from hf import load_hf
+    from tokenizer import load_hf_tokenizer
+    disk, scratch = tmp_path / "disk", tmp_path / "scratch"
+    disk.mkdir(), scratch.mkdir()
+    cfg = micro_config(disk, ["ckpt_every=0"])
+    run = make_run(cfg)
+    # out_dir full as the write below finds it; with no room beside it either, its whole filesystem full
+    fake_disk(monkeypatch, cfg.out_dir if sibling_room else disk, 1000)
+    full_disk_writes(monkeypatch, cfg.out_dir)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    with pytest.raises(WriteError) as e:
+        train.save_model(run)
+    rescue = os.path.join(disk if sibling_room else scratch, f"run.rescue-{os.getpid()}")
+    assert str(e.value) == (f"cannot write {cfg.out_dir}: No space left on device (ENOSPC): 1,000 bytes are free; the "
+                            f"trained model is saved in {rescue} instead (config.json, safetensors and tokenizer "
+                            f"files, as out_dir would hold them): move them into {cfg.out_dir} once there is room, "
+                            f"or load them from there (init_from={rescue!r})")
+    saved = load_hf(rescue).state_dict()
+    assert all(torch.equal(saved[n], t) for n, t in run.model.state_dict().items())
+    assert load_hf_tokenizer(rescue).encode("question 7") == run.tok.encode("question 7")
+    assert not [f for f in os.listdir(cfg.out_dir) if f.endswith(".partial")]  # no torn shard left in out_dir
+    if not sibling_room:
+        assert not os.path.exists(os.path.join(disk, f"run.rescue-{os.getpid()}"))
+
+
+@pytest.mark.parametrize("with_checkpoint", [False, True], ids=["no-checkpoint", "a-checkpoint"])
+def test_a_final_model_no_folder_takes_says_what_failed_and_what_is_left(with_checkpoint, monkeypatch, tmp_path):
+    """Every write fails: the line names each failure, says the model is lost, and names the newest checkpoint."""
+    cfg = micro_config(tmp_path, ["ckpt_every=0"])
+    run = make_run(cfg)
+    if with_checkpoint:
+        os.makedirs(os.path.join(cfg.out_dir, "ckpt", "step_00000004"))
+        open(os.path.join(cfg.out_dir, "ckpt", "step_00000004", checkpoint.COMPLETE_MARKER), "w").close()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
+    full_disk_writes(monkeypatch, tmp_path)
+    with pytest.raises(WriteError) as e:
+        train.save_model(run)
+    beside, scratch = (os.path.join(tmp_path, where, f"run.rescue-{os.getpid()}") for where in ("", "scratch"))
+    assert str(e.value).startswith(f"cannot write {cfg.out_dir}: No space left on device (ENOSPC): ")
+    assert f"; no rescue folder took it either (cannot write {beside}: No space left on device (ENOSPC): " in str(e.value)
+    assert f"; cannot write {scratch}: No space left on device (ENOSPC): " in str(e.value)
+    assert str(e.value).endswith(
+        f"the trained model is lost; the newest checkpoint ({cfg.out_dir}/ckpt/step_00000004) holds the last good "
+        f"state (resume=auto continues from it once there is room)" if with_checkpoint else
+        "the trained model is lost; no checkpoint was written (ckpt_every=0)")
+    assert not os.path.exists(beside) and not os.path.exists(scratch)  # nothing partial left
 
 
 def test_a_lock_that_cannot_be_removed_is_a_warning_not_an_error(tmp_path, monkeypatch):

@@ -110,6 +110,31 @@ def test_eval_counts_an_unscorable_completion_wrong_and_goes_on(case, tmp_path):
     assert log.records[-1]["eval/unscored"] == 2  # once sampled, once greedy
 
 
+def test_prompt_only_held_out_prompts_print_why_no_accuracy_instead_of_a_table_of_zeros(tmp_path, capsys):
+    """Issue 33: a run on prompt-only rows (reward.rm_only with a reward model; data.PromptTask, whose verifier pays
+    0 whatever the answer) ends with one line saying accuracy is not measured and why, and the reward model's score
+    it did measure, not a 0.000 -> 0.000 table as if RL did nothing; its evals generate and log nothing."""
+    import train
+    from runs import MICRO
+    rows = [{"prompt": f"Tell me about the number {i}."} for i in range(40)]
+    for name, part in (("train.jsonl", rows[:30]), ("eval.jsonl", rows[30:])):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    (tmp_path / "micro.py").write_text(MICRO)
+    cfg = load_config(str(tmp_path / "micro.py"), [
+        f"out_dir={tmp_path / 'run'}", f"train_data={tmp_path / 'train.jsonl'}", f"eval_data={tmp_path / 'eval.jsonl'}",
+        "reward.rm_only=True", "reward.model=stub", "sft_steps=0", "rl_steps=2", "eval_every=1", "eval_size=4",
+        "ckpt_every=0"])
+    summary = train.main(cfg)
+    out = capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    scores = [r["rm/score_mean"] for r in records if r["stage"] == "rl"]
+    assert f"held-out accuracy: not measured: the held-out prompts (eval_data={tmp_path / 'eval.jsonl'}) are " \
+           f"prompt-only rows, with no gold answer to grade; the reward model's mean score of the RL rollouts went " \
+           f"{scores[0]:.3f} -> {scores[-1]:.3f} (rm/score_mean in metrics.jsonl)\n" in out
+    assert "held-out accuracy (n=" not in out and "eval accuracy" not in out and "0.000 +- 0.000" not in out
+    assert not [r for r in records if r["stage"] == "eval"] and "sampled" not in summary
+
+
 # ----------------------------------------------------------------------------- 5. the sandbox's file system
 
 LOOKUP = '''

@@ -174,3 +174,51 @@ def test_the_real_datasets_load_whole(name, size):
     task = load_task(os.path.join(DATA, name))
     assert len(task) == size and task.skipped == []
     assert all(task.score(task.demonstration(it), it) == 1.0 for it in task.items[:20])
+
+
+ZWSP = "\u200b"  # a zero-width space, as text pasted from a web page carries it
+
+
+def test_a_file_whose_every_gold_is_unreadable_is_refused_counting_the_rows_and_naming_the_character(tmp_path):
+    """GSM8K golds ending in a zero-width space: every row is dropped, and the error says so when the file is read,
+    counted and with the character named, not later as "no prompt fits max_prompt_tokens"."""
+    path = write_jsonl(tmp_path, [GSM8K | {"answer": f"#### {n}{ZWSP}"} for n in (18, 7, 3)])
+    with pytest.raises(ValueError) as e:
+        load_task(path)
+    assert str(e.value) == (f"{path}: no usable row: 3 rows read, all 3 dropped as their gold is not a number (lines "
+                            f"1, 2, 3; the first: '18\\u200b', which holds U+200B ZERO WIDTH SPACE); write each gold "
+                            f"after '####' as a plain number (digits, a sign, decimals)")
+
+
+def run_data_error(tmp_path, train_rows, *settings) -> str:
+    """The error of data.load_run_data (what train.prepare reads before any work) on these training rows."""
+    from data import load_run_data
+    held_out = write_jsonl(tmp_path, [GSM8K | {"question": "2+2?"}], "eval.jsonl")  # a short prompt, which fits
+    train = write_jsonl(tmp_path, train_rows, "train.jsonl")
+    cfg = load_config(None, [f"train_data={train}", f"eval_data={held_out}", f"out_dir={tmp_path / 'run'}",
+                             "sft_steps=0", "eval_size=1", *settings])
+    with pytest.raises(ValueError) as e:
+        load_run_data(cfg)
+    return str(e.value).replace(str(tmp_path), "<tmp>")
+
+
+def test_a_run_whose_training_rows_all_drop_says_how_many_for_which_reason(tmp_path):
+    """Every training gold unreadable: the run's error counts the rows and names the cause."""
+    rows = [GSM8K | {"answer": f"#### {n}{ZWSP}"} for n in (18, 7, 3)]
+    assert run_data_error(tmp_path, rows) == (
+        "train_data='<tmp>/train.jsonl': <tmp>/train.jsonl: no usable row: 3 rows read, all 3 dropped as their gold is "
+        "not a number (lines 1, 2, 3; the first: '18\\u200b', which holds U+200B ZERO WIDTH SPACE); write each gold "
+        "after '####' as a plain number (digits, a sign, decimals)")
+
+
+def test_no_prompt_left_counts_each_cause_and_says_what_to_change(tmp_path):
+    """One gold unreadable, the other prompts too long: the error counts both, and gives the limit that fits."""
+    rows = [GSM8K | {"answer": f"#### 18{ZWSP}"}, GSM8K | {"question": "long " * 40}, GSM8K | {"question": "long " * 60}]
+    error = run_data_error(tmp_path, rows, "max_prompt_tokens=80")
+    shortest = int(re.search(r"the shortest has (\d+) tokens", error).group(1))
+    assert error == (
+        f"max_prompt_tokens=80: all 2 training prompts are longer than max_prompt_tokens=80 (the shortest has {shortest} "
+        f"tokens); before that, 3 rows read, 1 dropped as their gold is not a number (lines 1; the first: "
+        f"'18\\u200b', which holds U+200B ZERO WIDTH SPACE): a prompt of {shortest} tokens fits with max_prompt_tokens "
+        f">= {shortest} (0: all that fits) and model.max_seq_len - sampling.max_new_tokens >= {shortest}; or shorten "
+        f"the prompts")
