@@ -449,6 +449,11 @@ RELATIONS: list[tuple[Callable[[TrainConfig], Any], Callable[[TrainConfig], str]
     (lambda c: c.filter.enlarged_group_size == 0 or c.filter.enlarged_group_size >= c.group_size,
      lambda c: f"filter.enlarged_group_size={c.filter.enlarged_group_size}: 0 (= group_size) or >= "
                f"group_size={c.group_size}"),
+    # a recipe (configs/qwen3_30b_a3b_rm.py) leaves reward.model to the command line: its dry run plans without one
+    (lambda c: not c.reward.rm_only or c.reward.model or c.dry_run,
+     lambda c: f"reward.rm_only=True with reward.model='': the reward is the scorer's alone, and there is none, so "
+               f"every reward would be 0; set reward.model to a reward model's folder, 'judge:<folder>' or a stand-in "
+               f"('stub', 'stub-judge'), or reward.rm_only=False"),
     (lambda c: c.reward.overlong_buffer <= c.sampling.max_new_tokens,
      lambda c: f"reward.overlong_buffer={c.reward.overlong_buffer}: at most sampling.max_new_tokens="
                f"{c.sampling.max_new_tokens}"),

@@ -66,6 +66,7 @@ import logging
 import os
 import re
 import threading
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
@@ -442,7 +443,9 @@ def repetition_penalty(token_ids: Sequence[int]) -> float:
 
 @runtime_checkable
 class RewardModel(Protocol):
-    """A scalar reward model: one unbounded score per (prompt, completion); higher is better.
+    """A scalar reward model: one unbounded score per (prompt, completion); higher is better. NaN is no score, for a
+    pair the model cannot read (reward_model.HFRewardModel: a conversation past its context): it shapes nothing
+    (rm_score) and is counted (rm/unscored); a model whose own forward is not finite raises instead.
 
     sharded: whether `score` is a collective (reward.rm_shard: the model FSDP-sharded over every rank, each rank
     calling it once per step with its own rows, none too; shaping.py's choice 4), else each rank's is its own."""
@@ -506,6 +509,7 @@ def judge_score(p_better: torch.Tensor, *, dead_band: float) -> torch.Tensor:
 
 def rm_score(scores_PG: torch.Tensor, *, scale: float, dead_band: float = 0.0) -> torch.Tensor:
     """Scalar reward-model scores -> shaping in [-1, 1]: tanh((x - group mean) / scale), dead band as judge_score.
+    A NaN (no score: RewardModel) is left out of its group's mean and shapes exactly 0, as a judge's tie does.
 
     Raises ValueError unless scale > 0 and 0 <= dead_band < 1.
     """
@@ -513,7 +517,8 @@ def rm_score(scores_PG: torch.Tensor, *, scale: float, dead_band: float = 0.0) -
         raise ValueError(f"need scale > 0 and 0 <= dead_band < 1; got {scale}, {dead_band}")
     # centred per group: a reward model's offset says nothing about which of G responses is better; tanh
     # bounds an unbounded score to [-1, 1], the range adjust_rewards' guarantee assumes
-    u = torch.tanh((scores_PG.double() - scores_PG.double().mean(-1, keepdim=True)) / scale)
+    x = scores_PG.double()
+    u = torch.tanh((x - x.nanmean(-1, keepdim=True)) / scale).nan_to_num(0.0)  # a group all NaN: all 0
     return u.sign() * (u.abs() - dead_band).clamp(min=0) / (1 - dead_band)
 
 
@@ -566,7 +571,9 @@ class RewardConfig:
     rm_batch_size: int = 8
     """(prompt, completion) pairs per forward of a checkpoint folder's reward model."""
     rm_weight: float = 0.5
-    """Weight of the reward model's (or judge's) score in the shaping score."""
+    """Weight of the reward model's (or judge's) score in the shaping score. 0 with rm_only is refused (the reward
+    would be the penalties alone, or identically 0); 0 otherwise scores and logs it (rm/score_mean) without shaping
+    by it, said at start."""
     judge_dead_band: float = 0.1
     """Judge verdicts within this of 1/2 count as ties and add exactly nothing (judge_score)."""
     judge_max_new_tokens: int = 512
@@ -579,7 +586,8 @@ class RewardConfig:
     rm_only: bool = False
     """The reward is the shaping score alone (reward model or judge, and penalties), the verifier's correctness
     unread: RL on prompts without trusted gold answers. Every response is then in one correctness class, so
-    adjust_rewards' ordering guarantee holds vacuously. Needs reward.model (checked when the run builds its scorer).
+    adjust_rewards' ordering guarantee holds vacuously. Needs reward.model (config.RELATIONS, but for a dry run) and
+    rm_weight > 0.
     With a scalar reward model (not a judge) the run may read prompt-only data (`reads_gold`, data.PromptTask)."""
     shaping_margin: float = 0.4
     """Shaping scale m < 1/2 in r = correct + m min(p, 1 - p) s."""
@@ -607,6 +615,13 @@ class RewardConfig:
 
     def __post_init__(self):
         check_fields(self)
+        if self.rm_only and self.rm_weight == 0:  # clamp(0 * score + penalties): nothing of the scorer, often 0
+            raise ValueError(f"rm_weight=0.0 with rm_only=True: the reward is rm_weight times the scorer's score (plus "
+                             f"the penalties), so it would never read the reward model; set rm_weight > 0 (the recipe "
+                             f"configs/qwen3_30b_a3b_rm.py uses 1.0) or rm_only=False")
+        if self.rm_weight == 0 and self.model and not self.rm_only:
+            warnings.warn(f"reward.rm_weight=0.0: reward.model={self.model!r} is loaded and its outputs logged "
+                          f"(rm/score_mean or judge/p_better_mean) but shape no reward")
         if self.rm_shard and self.model and (self.model in REWARD_MODELS or self.judges):  # '': a recipe's, to be set
             raise ValueError(f"rm_shard=True shards a reward model's checkpoint folder; model={self.model!r} is "
                              f"{'a judge' if self.judges else 'a stand-in'}: set model to a sequence classifier's "

@@ -65,12 +65,21 @@ Notable choices:
    which FSDP2's hooks bracket, returns the hidden states. Each rank scores its own rows in one call
    per step, and every rank runs as many forwards (the largest count, padding with one-token ones):
    each block's all-gather is a collective. After a call every unit is resharded.
+10. A scorer must see what it scores. At load: its tokenizer's ids must have embedding rows (`check_vocab`; a
+   larger id would index past the embedding after generation), and its context (config.json's
+   max_position_embeddings) must hold the run's longest prompt and completion (`check_scorer_context`, from
+   train.prepare, dry runs too). At run time a conversation still past the context (the scorer's own tokens, its
+   template or a judge's instructions and reference, are not in that rule) is not scored: NaN from a reward model
+   (no score, reward.rm_score's zero shaping, counted as rm/unscored), a tie from a judge (judge/too_long). A
+   reward model's forward that is not finite raises naming reward.model (its weights are finite as read, so the
+   forward overflowed).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import tempfile
@@ -198,13 +207,44 @@ def score_positions(ids: list[int], pad_id: int | None) -> int:
     return max((i for i, t in enumerate(ids) if t != pad_id), default=0)
 
 
+def check_vocab(name: str, tok: Tokenizer, rows: int):
+    """Refuse a scorer whose tokenizer has ids past its embedding's rows (choice 10): name is what to call it in the
+    error ('reward model <folder>', 'judge <folder>'); rows: config.json's vocab_size, which hf.load_hf holds the
+    embedding to. Raises ValueError naming both numbers and the fix."""
+    if tok.enc.n_vocab > rows:
+        raise ValueError(f"{name}: its tokenizer has {tok.enc.n_vocab} ids (largest {tok.enc.n_vocab - 1}, added "
+                         f"tokens included) but its embedding only {rows} rows (config.json vocab_size): a "
+                         f"conversation holding a larger id cannot be scored; use the tokenizer saved with this "
+                         f"checkpoint, or resize the embedding to at least {tok.enc.n_vocab} rows (transformers' "
+                         f"model.resize_token_embeddings({tok.enc.n_vocab})) and save it again")
+
+
+def check_scorer_context(cfg: RewardConfig, scorer: ModelConfig, *, prompt_tokens: int, completion_tokens: int):
+    """Refuse a reward model or judge (cfg.model, whose ModelConfig is scorer: scorer_model_config) whose context,
+    scorer.max_seq_len (config.json's max_position_embeddings), cannot hold the run's longest prompt and completion:
+    prompt_tokens (the run's prompt limit) + completion_tokens (sampling.max_new_tokens), counted in the policy's
+    tokens, and for a judge its reply room (cfg.judge_max_new_tokens). The rule leaves out the scorer's own tokens
+    (its template; a judge's instructions and reference), which vary: a conversation they push past the context is
+    counted at run time (choice 10). Raises ValueError naming the numbers and the fix."""
+    reply = cfg.judge_max_new_tokens if cfg.judges else 0
+    need = prompt_tokens + completion_tokens + reply
+    if need > scorer.max_seq_len:
+        judge = f" + reward.judge_max_new_tokens={reply}" if reply else ""
+        raise ValueError(f"reward.model={cfg.model!r}: its context is {scorer.max_seq_len} tokens (config.json "
+                         f"max_position_embeddings), shorter than the run's longest prompt and completion: "
+                         f"max_prompt_tokens {prompt_tokens} + sampling.max_new_tokens {completion_tokens}{judge} = "
+                         f"{need}, so longer conversations could not be scored; lower max_prompt_tokens or "
+                         f"sampling.max_new_tokens (their sum at most {scorer.max_seq_len - reply}), or use a scorer "
+                         f"with a longer context")
+
+
 class HFRewardModel:
     """A scalar reward model from a sequence-classification checkpoint folder (module docstring).
 
     device: where it runs; dtype: its parameters' and activations' (default fp32 on CPU, bf16 on
     CUDA); batch_size: (prompt, completion) pairs per forward. Raises ValueError on a folder that is
-    no supported one-label classifier (read_classifier_config), has no chat template, or what
-    hf.load_hf and tokenizer.load_hf_tokenizer refuse.
+    no supported one-label classifier (read_classifier_config), has no chat template, has tokenizer ids past its
+    embedding (check_vocab), or what hf.load_hf and tokenizer.load_hf_tokenizer refuse.
     """
 
     def __init__(self, path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -215,6 +255,7 @@ class HFRewardModel:
         self.tokenizer = load_hf_tokenizer(path)
         if self.tokenizer.chat_template is None:
             raise ValueError(f"reward model {path}: its tokenizer has no chat template to render a conversation in")
+        check_vocab(f"reward model {path}", self.tokenizer, config.get("vocab_size", 0))  # before reading weights
         with tempfile.TemporaryDirectory() as view:
             _backbone_view(path, config, view)
             model = load_hf(view)  # fp32 on the CPU, every tensor proven (hf.load_hf)
@@ -228,14 +269,18 @@ class HFRewardModel:
             self.model = model.to(self.device, self.dtype).eval().requires_grad_(False)
         self.head = _score_head(path, model.cfg.dim).to(self.device, self.dtype)
         self.pad_id = config.get("pad_token_id")  # the model's, which transformers pools by, not the tokenizer's
-        self.batch_size = batch_size
+        self.batch_size, self.path, self.max_seq_len = batch_size, path, model.cfg.max_seq_len
 
     @torch.no_grad()
     def score(self, prompts: list[str], completions: list[str]) -> list[float]:
-        """One score per (prompt, completion), unbounded, higher is better (reward.RewardModel)."""
+        """One score per (prompt, completion), unbounded, higher is better (reward.RewardModel); NaN, unscored, for a
+        conversation past the model's context (choice 10). Raises FloatingPointError naming the folder, how many
+        scores were not finite and the first one's prompt, if the forward's are not."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts and {len(completions)} completions; need one each")
-        seqs = [conversation_ids(self.tokenizer, p, c) for p, c in zip(prompts, completions)]
+        ids = [conversation_ids(self.tokenizer, p, c) for p, c in zip(prompts, completions)]
+        fits = [i for i, s in enumerate(ids) if len(s) <= self.max_seq_len]  # longer: positions it never learned
+        seqs = [ids[i] for i in fits]
         batches = [seqs[lo:lo + self.batch_size] for lo in range(0, len(seqs), self.batch_size)]
         pad = self.tokenizer.pad_id  # any id: right padding is never attended to by earlier tokens
         # sharded (choice 9): every rank runs as many forwards, padding ones of one token, each gathering the blocks
@@ -252,7 +297,16 @@ class HFRewardModel:
             self._hidden(torch.full((1, 1), pad, device=self.device))
         if self.sharded:
             self.model.reshard()  # the root's embedding too: 1/world of the weights between steps
-        return out
+        scores = [math.nan] * len(ids)  # NaN: no score (choice 10)
+        for i, x in zip(fits, out):
+            scores[i] = x
+        bad = [i for i in fits if not math.isfinite(scores[i])]
+        if bad:  # unread, the run would stop later as non-finite advantages, naming no reward model
+            raise FloatingPointError(f"reward.model={self.path!r}: {len(bad)} of {len(fits)} scores not finite "
+                                     f"({scores[bad[0]]} for pair {bad[0]} of the call, prompt "
+                                     f"{prompts[bad[0]][:60]!r}); its weights are finite as read, so its "
+                                     f"{self.dtype} forward overflowed")
+        return scores
 
     def _hidden(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states [B, T, D] in the model's dtype; sharded, through FSDP's root forward (the
@@ -282,6 +336,7 @@ def reward_model_for(cfg: RewardConfig, *, device: str | torch.device = "cpu",
         tok = load_hf_tokenizer(path)
         if tok.chat_template is None:
             raise ValueError(f"judge {path}: its tokenizer has no chat template to render the judge's prompt in")
+        check_vocab(f"judge {path}", tok, read_config(path).vocab_size)
         model = load_hf(path)
         return GenerativeJudge(tok, judge_generator(model, tok), max_seq_len=model.cfg.max_seq_len,
                                max_new_tokens=cfg.judge_max_new_tokens)

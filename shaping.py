@@ -21,12 +21,18 @@ Notable choices:
 4. A sharded reward model (reward.rm_shard, reward_model.py's choice 9) scores collectively: each rank's own
    rows in one call per step, inline (never on the queue's thread, whose forwards would meet the main
    thread's collectives), every rank calling it, with no rows of its own too.
+5. A scorer that cannot see what it scores is loud: a step in which more than UNUSABLE_SHARE of its outputs are
+   unusable (a reward model's unscored pairs, rm/unscored; a judge's prompts too long for it or replies with no
+   verdict, judge/too_long and judge/unparsed) warns, and UNUSABLE_STEPS such steps in a row stop the run
+   (`UnusableStreak`): its shaping would be zero, and with reward.rm_only the reward identically 0. The counts are
+   every rank's, so every rank stops alike.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -45,6 +51,8 @@ if TYPE_CHECKING:
     from tokenizer import Tokenizer
 
 JUDGE_SEED = 0  # a generative judge decodes greedily; a fixed seed keeps its calls off torch's RNG (the policy's)
+UNUSABLE_SHARE = 0.5  # past this share of a step's scorer outputs unusable, the step's shaping is mostly zero: warn
+UNUSABLE_STEPS = 3  # so many such steps in a row stop the run: one is a bad batch, three a scorer that cannot see
 
 
 def scores_collectively(scorer: Scorer | None) -> bool:
@@ -61,8 +69,9 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
     scorer reads); scorer: the run's reward model or judge (None: penalties only); queue: its ScorerQueue with
     reward workers (what it scored while generating), else None. Each group's final rewards, shaped inside its
     correctness class (reward.shaped_rewards), and their metrics:
-    the scorer's raw outputs (rm/score_mean and rm/score_std, or a judge's judge/p_better_mean and its counts:
-    judge/unparsed, judge/too_long), the rewards' mean and std, the (correct, wrong) pairs checked and
+    the scorer's raw outputs (rm/score_mean and rm/score_std over the scored pairs, rm/scored and rm/unscored (NaN:
+    no score, reward.RewardModel), or a judge's judge/p_better_mean and its counts: judge/judged, judge/unparsed,
+    judge/too_long), the rewards' mean and std, the (correct, wrong) pairs checked and
     t_reward_model (the seconds here: with reward workers, the wait for what the scorer had left) and, with
     reward workers, t_reward_model_busy (the scorer's own seconds, generation's overlap included). Every group
     is checked to keep each correct response's reward above each wrong one's (reward.adjust_rewards'
@@ -118,12 +127,51 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
         x = torch.cat(scores)
         if judge:
             m["judge/p_better_mean"] = x.mean().item()
-        else:
-            m.update({"rm/score_mean": x.mean().item(), "rm/score_std": x.std(correction=0).item()})
+        else:  # NaN: no score (the pair is past the reward model's context), shaped as nothing
+            scored = x[~x.isnan()]
+            m.update({"rm/scored": scored.numel(), "rm/unscored": x.numel() - scored.numel()})
+            if scored.numel():
+                m.update({"rm/score_mean": scored.mean().item(), "rm/score_std": scored.std(correction=0).item()})
     if judge:  # a judge's counts (a GenerativeJudge's; none for the stub): this step's over every rank, then reset
         m.update({f"judge/{k}": sum(c[k] for c in counts) for k in scorer.counts})
         scorer.counts.subtract(dict(scorer.counts))
     return rewards, m
+
+
+class BlindScorerError(RuntimeError):
+    """Most of the scorer's outputs were unusable UNUSABLE_STEPS steps in a row (choice 5): it cannot see what it
+    scores. Every rank finds it alike (train.py's __main__ reports it in one line)."""
+
+
+class UnusableStreak:
+    """Steps in a row in which more than UNUSABLE_SHARE of the scorer's outputs were unusable (choice 5), read from
+    each step's shape_rewards metrics. model: reward.model, which the warning and the error name."""
+
+    def __init__(self, model: str):
+        self.model, self.steps = model, 0
+
+    def observe(self, step: int, m: dict):
+        """Warn on a step of mostly unusable outputs; raise BlindScorerError on the UNUSABLE_STEPS-th in a row."""
+        if m.get("judge/judged"):
+            total, bad = m["judge/judged"], m["judge/too_long"] + m["judge/unparsed"]
+            what = (f"{m['judge/too_long']} prompts too long for the judge, {m['judge/unparsed']} replies with no "
+                    f"verdict")
+        elif "rm/unscored" in m:
+            total, bad = m["rm/scored"] + m["rm/unscored"], m["rm/unscored"]
+            what = f"{bad} conversations past the reward model's context"
+        else:  # no scorer, or a stand-in that counts nothing
+            return
+        if not total or bad <= UNUSABLE_SHARE * total:
+            self.steps = 0
+            return
+        self.steps += 1
+        said = (f"reward.model={self.model!r}: {bad} of {total} outputs unusable at rl step {step} ({what}), "
+                f"{self.steps} such steps in a row; their shaping is zero")
+        if self.steps >= UNUSABLE_STEPS:
+            raise BlindScorerError(f"{said}: it cannot see what it scores; give it a longer context (or the run "
+                                   f"shorter max_prompt_tokens and sampling.max_new_tokens, or a judge a larger "
+                                   f"reward.judge_max_new_tokens), or another reward.model")
+        warnings.warn(f"{said}; the run stops at {UNUSABLE_STEPS}")
 
 
 class ScorerQueue:

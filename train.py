@@ -56,12 +56,13 @@ from filter import (STAGE1_COUNTS, STAGE2_COUNTS, PromptHistory, Scored, is_info
 from hf import check_weights, save_hf
 from metrics import MetricsLog, WriteError, check_logger, read_records, write_atomic, write_error
 from plan import param_counts
-from reward_model import reward_model_for, scorer_model_config
+from reward_model import check_scorer_context, reward_model_for, scorer_model_config
 from rollout import Engine, build_engine, engine_builder, producer_engine, stop_engine_servers
 from sampler import Rollout
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
-from shaping import ScorerQueue, judge_generator, scores_collectively, shape_rewards, submit_groups
+from shaping import (BlindScorerError, ScorerQueue, UnusableStreak, judge_generator, scores_collectively, shape_rewards,
+                     submit_groups)
 from trainer import NonFiniteError, TrainBatch, lr_at, sft_step, train_on_rollouts
 from weights import full_tensor, policy_tensors
 
@@ -96,7 +97,13 @@ class Run:
     pool: RewardPool | None = None  # reward workers that score while generation goes on
     scorer: Scorer | None = None  # reward model or judge (reward_model.reward_model_for), None without one
     scorer_queue: ScorerQueue | None = None  # with reward workers: the scorer at work while generation goes on
+    unusable: UnusableStreak | None = None  # steps in a row of mostly unusable scorer outputs (shaping's choice 5);
+    # None: one for cfg.reward.model (__post_init__), so the async producer's replaced view shares the run's
     t_start: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self):
+        if self.unusable is None:  # a Run built apart from start_run (tests, bench/)
+            self.unusable = UnusableStreak(self.cfg.reward.model)
 
 
 # ----------------------------------------------------------------------------- the RL step
@@ -130,6 +137,7 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     rewards, shaping = (shape_rewards(groups, correct, step, cfg=cfg.reward, tok=run.tok, scorer=run.scorer,
                                       queue=run.scorer_queue, max_new_tokens=cfg.sampling.max_new_tokens)
                         if cfg.reward.shapes else (correct, {}))
+    run.unusable.observe(step, shaping)  # a scorer that cannot see what it scores warns, then stops the run
     lengths = [torch.tensor([s.num_tokens for s in g]) for _, g in groups]
     keep_P, zero_var_P, filtered = stage3(rewards, lengths, correct, cfg.filter)  # all equal: no signal
     # A = (r - mean) / std within each group (GRPO, arXiv 2402.03300); groups differ in size when stage 2
@@ -474,8 +482,10 @@ def prepare(cfg: TrainConfig) -> Start:
     """Every file the run reads, read once and checked before any work (a dry run's too): out_dir (writable,
     room for all the run writes there, the final model included: checkpoint.run_bytes; apart from the init
     checkpoint, no live run in it, no other run's checkpoints: checkpoint.check_run_folder), the logger (its
-    package, a wandb login), the metrics.jsonl a resume continues, the checkpoint's weights (headers), data and tokenizer (data.load_run_data), the offline pass rates, and
-    reward.model's config.json (reward_model.scorer_model_config: the plan sizes it). Leaves nothing written.
+    package, a wandb login), the metrics.jsonl a resume continues, the checkpoint's weights (headers), data and
+    tokenizer (data.load_run_data), the offline pass rates, and reward.model's config.json
+    (reward_model.scorer_model_config: the plan sizes it; its context must hold the run's longest prompt and
+    completion, reward_model.check_scorer_context). Leaves nothing written.
     Raises ValueError naming the field (and the file)."""
     # a dry run plans for another machine: this one's free space says nothing of that one's
     needed = None if cfg.dry_run else run_bytes(cfg, param_counts(cfg.model)["total"])
@@ -494,6 +504,9 @@ def prepare(cfg: TrainConfig) -> Start:
         share = colocated_sglang(cfg, world, torch.cuda.get_device_properties(local).total_memory)
         cfg.engine = dataclasses.replace(cfg.engine, sglang_mem_fraction=share["fraction"])
     start = Start(data=load_run_data(cfg), history=PromptHistory(), scorer_model=scorer_model_config(cfg.reward))
+    if start.scorer_model is not None:
+        check_scorer_context(cfg.reward, start.scorer_model, prompt_tokens=cfg.prompt_limit(),
+                             completion_tokens=cfg.sampling.max_new_tokens)
     if cfg.filter.pass_rate_file:
         try:
             start.offline_rates = start.history.load_offline(cfg.filter.pass_rate_file)
@@ -632,8 +645,9 @@ def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
     return summarize(cfg, r.held_out, r.log.records, r.t_start)
 
 
-def stopped(e: NonFiniteError, cfg: TrainConfig) -> str:
-    """The one line a run stopped by a NaN or inf ends with: no weight was stepped with it, no checkpoint written."""
+def stopped(e: NonFiniteError | BlindScorerError, cfg: TrainConfig) -> str:
+    """The one line a run stopped by a NaN or inf (no weight was stepped with it, no checkpoint written) or by a
+    scorer that cannot see what it scores ends with."""
     newest = latest_checkpoint(cfg.out_dir)
     return f"stopped: {e}; " + (f"the newest checkpoint ({newest}) is the last good state" if newest
                                 else "no checkpoint was written before it")
@@ -711,8 +725,8 @@ if __name__ == "__main__":
     several, rank0 = int(os.environ.get("WORLD_SIZE", "1")) > 1, os.environ.get("RANK", "0") == "0"
     try:
         main(config)
-    except (ConfigError, NonFiniteError) as e:  # every rank finds these alike: one line, from rank 0
-        # a NaN or inf: the numbers went bad, not the code (where, and which state is good)
+    except (ConfigError, NonFiniteError, BlindScorerError) as e:  # every rank finds these alike: one line, from rank 0
+        # a NaN or inf, a blind scorer: the numbers went bad, not the code (where, and which state is good)
         line = f"config error: {e}" if isinstance(e, ConfigError) else stopped(e, config)
         abort(line if rank0 else None) if several else sys.exit(line)
     except WriteError as e:  # a full disk, a read-only folder: the machine's answer, one line from the rank that met it

@@ -222,6 +222,10 @@ BAD = [
     over("engine.name=vllm", names=("engine.name='vllm':",), id="engine-unknown"),
     over("engine.slots=-1", names=("engine.slots=-1:",), id="engine.slots<0"),
     over("reward.model=gpt4", names=("reward.model='gpt4':",), id="reward.model-unknown"),
+    # a reward that could never read the scorer (issue 33): identically 0, or the penalties alone
+    over("reward.rm_only=true", "reward.model=stub", "reward.rm_weight=0",
+         names=("reward.rm_weight=0.0 with reward.rm_only=True:", "rm_weight > 0"), id="rm_only-with-rm_weight=0"),
+    over("reward.rm_only=true", names=("reward.rm_only=True with reward.model='':",), id="rm_only-without-a-scorer"),
     over("ckpt_keep=0", names=("ckpt_keep=0:",), id="ckpt_keep=0"),
     over("ckpt_every=-1", names=("ckpt_every=-1:",), id="ckpt_every<0"),
     over("dist_timeout_s=0", names=("dist_timeout_s=0.0:",), id="dist_timeout_s=0"),

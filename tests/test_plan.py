@@ -104,8 +104,11 @@ def test_every_config_passes_the_checks_a_real_run_makes_before_training(path, t
     # a recipe's checkpoint (1.3 TB for 100b.py) would not fit this machine's disk, which the checks rightly refuse
     monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1 << 60)
     cpu = [] if torch.cuda.is_available() else ["device=cpu"]  # a CUDA config's checks, on this machine's device
+    rm = []  # what the reward-model recipe's header says the command line sets: reward.model (a run refuses none)
+    if os.path.basename(path) == "qwen3_30b_a3b_rm.py":
+        rm = [f"reward.model={_scorer_folder(tmp_path / 'rm', 'Qwen3MoeForSequenceClassification', context=40960)}"]
     with pytest.raises(ChecksPassed):
-        train.main(train.parse_args([path, f"out_dir={tmp_path}", *cpu]))
+        train.main(train.parse_args([path, f"out_dir={tmp_path / 'run'}", *cpu, *rm]))
 
 
 def test_small_config_fits_one_80gb_gpu():
@@ -243,13 +246,13 @@ def test_a_continuous_engines_kv_cache_and_generate_peak_are_sized_by_its_slots(
     assert "the engine generating 4 rows per GPU at once (engine.slots" in capsys.readouterr().out
 
 
-def _scorer_folder(path, architecture: str) -> str:
+def _scorer_folder(path, architecture: str, context: int = 4096) -> str:
     """A folder holding only the config.json of a small Qwen3-MoE (2 layers, width 64): a one-label sequence
     classifier (a reward model) or a causal LM (a judge). The plan reads no weights."""
     config = {"model_type": "qwen3_moe", "architectures": [architecture], "vocab_size": 1000, "hidden_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
               "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 128,
-              "max_position_embeddings": 4096}
+              "max_position_embeddings": context}
     if architecture.endswith("ForSequenceClassification"):
         config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     os.makedirs(path, exist_ok=True)
