@@ -9,6 +9,7 @@ import time
 import pytest
 
 import tool_calls
+from config import TrainConfig, load_config
 from tokenizer import build_tokenizer, demo_tokenizer
 from tool_calls import (CallCounts, ToolConfig, ToolResult, build_tools, call_format, parse_glm, parse_hermes,
                         run_calls, truncate_middle)
@@ -223,6 +224,23 @@ def test_the_python_tool_cannot_read_a_file_outside_its_folder(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the section and the registry
+
+def test_the_tools_section_is_off_by_default_and_refuses_unknown_or_repeated_tools():
+    assert TrainConfig().tools == ToolConfig() and ToolConfig().enabled == ()
+    assert ToolConfig(enabled=["calculator"]).enabled == ("calculator",)  # a config file's list
+    assert ToolConfig.RULES["enabled"].read("tools.enabled", "calculator, python") == BOTH
+    for bad in (("calc",), ("python", "python"), "calculator", (1,)):
+        with pytest.raises(ValueError, match="enabled="):
+            ToolConfig(enabled=bad)
+    with pytest.raises(ValueError, match="call_timeout_s=0"):
+        ToolConfig(call_timeout_s=0)
+
+
+def test_enabling_a_tool_in_a_run_is_refused_until_the_rollout_calls_tools():
+    assert load_config(None, ["tools.max_turns=2"]).tools.max_turns == 2
+    with pytest.raises(ValueError, match=r"tools.enabled=\('calculator',\): the multi-turn rollout"):
+        load_config(None, ["tools.enabled=calculator"])
+
 
 def test_each_tool_has_an_openai_function_schema_under_its_name():
     for name, tool in build_tools(ToolConfig(enabled=BOTH)).items():
