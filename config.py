@@ -4,7 +4,8 @@ TrainConfig holds the run-wide settings and the loop's own (steps, learning rate
 checkpoints: train.py alone reads them) and one section per concern a lower file owns, each a
 dataclass declared beside the code that reads it: `model` (model.ModelConfig), `sampling`
 (sampler.SamplingParams), `loss` (espo.LossConfig), `filter` (filter.FilterConfig), `reward`
-(reward.RewardConfig) and `engine` (EngineConfig, here: rollout.ENGINES holds the engines).
+(reward.RewardConfig), `engine` (EngineConfig, here: rollout.ENGINES holds the engines) and `tools`
+(tool_calls.ToolConfig).
 A value comes from the defaults, then a config file (configs/*.py: deltas only, a section as a
 dict: `loss = dict(type="grpo")`), then `key=value` or `section.field=value` on the command line.
 `load_config` checks it once: every field against the rule declared beside it (each class's
@@ -52,6 +53,7 @@ from paged_kv import PAGE_SIZE, PREFILL_TOKENS, too_few_pages
 from reward import RewardConfig
 from rules import FLAG, NON_NEGATIVE, PATH, POSITIVE, Rule, check_fields, integer, kind, number, one_of, section, text
 from sampler import SamplingParams
+from tool_calls import ToolConfig
 
 
 class ConfigError(ValueError):
@@ -334,6 +336,8 @@ class TrainConfig:
     """Reward shaping inside the correctness class, and the reward workers (reward.py, scoring.py)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The rollout engine (rollout.py, sglang_engine.py)."""
+    tools: ToolConfig = field(default_factory=ToolConfig)
+    """The tools a rollout may call and the limits on its calls (tool_calls.py; none by default)."""
 
     # Ranges that depend on another field (max_prompt_tokens <= max_seq_len - ...) are RELATIONS.
     RULES = {  # each field's type and range (rules.py); not a field: no annotation
@@ -364,7 +368,8 @@ class TrainConfig:
         "eval_every": integer(1, why="RL steps between evals"),
         **{name: section(cls) for name, cls in (("model", ModelConfig), ("sampling", SamplingParams),
                                                 ("loss", LossConfig), ("filter", FilterConfig),
-                                                ("reward", RewardConfig), ("engine", EngineConfig))},
+                                                ("reward", RewardConfig), ("engine", EngineConfig),
+                                                ("tools", ToolConfig))},
     }
 
     def __post_init__(self):
@@ -492,6 +497,9 @@ RELATIONS: list[tuple[Callable[[TrainConfig], Any], Callable[[TrainConfig], str]
     (lambda c: not c.engine.slots or c.engine.page_size <= c.model.max_seq_len,
      lambda c: f"engine.page_size={c.engine.page_size}: a page holds at most model.max_seq_len={c.model.max_seq_len} "
                f"columns (every row would hold a whole page of them); use 1..{c.model.max_seq_len} (16 by default)"),
+    (lambda c: not c.tools.enabled,
+     lambda c: f"tools.enabled={c.tools.enabled!r}: the multi-turn rollout that calls tools is not built yet "
+               f"(issue 34 parts 2-4: tool_calls.py holds the tools and the call parsers only); leave it empty"),
     (lambda c: c.engine.name != "sglang" or c.max_staleness == 0,
      lambda c: f"max_staleness={c.max_staleness}: engine.name='sglang' runs synchronous steps for now (a colocated "
                f"engine sleeps while the trainer trains); use max_staleness=0"),
