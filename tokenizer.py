@@ -38,6 +38,18 @@ Notable choices:
    after the vocabulary and the added tokens before it, so one that reuses a BPE token's id would be a
    second id for that BPE token's bytes); and (`hf_encoding`) one spelled in GPT-2's byte alphabet
    ("Ġx", or "é" NFC'd from a normalized "e\\u0301"), which tokenizers decodes as the bytes it spells.
+7. Tool turns are appended to a row's token stream, never re-rendered from text (verl's "continuous
+   token" delta, TRL's tool suffix): `_tool_turn` renders one canonical conversation (a user turn; an
+   assistant turn with reasoning and one call per result; the tool messages and a generation prompt) up
+   to the assistant turn and whole, and the tool turn is the difference. Checked to be append-only (each
+   render extends the one before, else ValueError naming the template). The model samples the stop token
+   that ends its turn, so the turn starts right after it: after Qwen's <|im_end|> (the template's "\\n"
+   after it is the tool turn's), or after GLM-4.5's <|observation|>, the stop token its template writes
+   before the results (`tool_stop_id`). The results are private-use marks in that render, replaced by the
+   real text, whose render must agree; inside a result a special token's string is data, as in `encode`.
+8. The tool-calling demo (`demo_tokenizer(enc, tools=True)`) renames the first reserved specials to
+   ChatML's and Qwen3's tool tokens, so every id (and the plain demo's every output) stays; its template is
+   Qwen3's layout without thinking, so the demo runs the code a Qwen3 checkpoint runs.
 """
 
 from __future__ import annotations
@@ -66,6 +78,55 @@ NUM_BYTES = 256  # ids 0..255 are the bytes themselves: any text encodes, with n
 # digits and every number is spelled digit by digit, the same way in every position. The
 # Encoding keeps this pattern, so training and encoding split text alike.
 PAT_STR = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+# The tool-calling demo's turn and tool tokens (demo_tokenizer(enc, tools=True)), Qwen3's strings. The last
+# four are written by the model and by tool turns as text, so (as in Qwen3's tokenizer.json) they are not special.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+DEMO_TOOL_TOKENS = (IM_START, IM_END, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# ChatML with Qwen3's tool layout (hermes calls: JSON in <tool_call>; a run of tool results as one user turn
+# of <tool_response> blocks) minus its thinking and its tool instructions, which would cost the tiny
+# model's context more than its vocabulary can say: a system turn lists the schemas in <tools>.
+DEMO_CHAT_TEMPLATE = r"""{%- if messages[0].role == 'system' or tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content }}
+    {%- endif %}
+    {%- if tools %}
+        {{- ('\n\n' if messages[0].role == 'system' else '') + '<tools>' }}
+        {%- for tool in tools %}
+            {{- '\n' + tool | tojson }}
+        {%- endfor %}
+        {{- '\n</tools>' }}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\n' + (message.content or '') }}
+        {%- for call in message.tool_calls or [] %}
+            {%- set call = call.function or call %}
+            {{- ('\n' if message.content or not loop.first else '') + '<tool_call>\n{"name": "' + call.name }}
+            {{- '", "arguments": ' + (call.arguments if call.arguments is string else call.arguments | tojson) }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
+# The canonical conversation's tool name and argument (choice 7): text no template or stop token contains.
+TOOL_PLACEHOLDER = "everyprompt_tool"
 
 
 def train_bpe(texts: list[str], num_merges: int) -> dict[bytes, int]:
@@ -445,26 +506,117 @@ class Tokenizer:
         tokenizers library's decode does; SGLangEngine counts them (engine/ids_past_tokenizer)."""
         return self.enc.decode([i for i in ids if 0 <= i < self.enc.n_vocab])
 
-    def prompt_ids(self, question: str, system: str = "") -> list[int]:
+    def prompt_ids(self, question: str, system: str = "", tools: list[dict] | None = None) -> list[int]:
         """A question's prompt ids. With a chat template: the template rendered with messages
-        [system (if given), user: question] and a generation prompt, tokenized as transformers'
-        apply_chat_template(..., add_generation_prompt=True, tokenize=True) does (an added token's string
-        anywhere in the rendered text, the question included, is that token). Without: `[bos_id] +
-        encode(question + "\\n")`, the demo's layout. Raises ValueError for a system
-        prompt without a template, and jinja2's TemplateError for what the template refuses."""
+        [system (if given), user: question], `tools` (JSON schemas in OpenAI's function format, put where
+        the template puts them; None: no tools) and a generation prompt, tokenized as transformers'
+        apply_chat_template(..., tools=tools, add_generation_prompt=True, tokenize=True) does (an added
+        token's string anywhere in the rendered text, the question included, is that token). Without:
+        `[bos_id] + encode(question + "\\n")`, the demo's layout. Raises ValueError for a system prompt or
+        tools without a template, and jinja2's TemplateError for what the template refuses."""
         if self.chat_template is None:
-            if system:
-                raise ValueError("a system prompt needs a chat template to go in; this tokenizer has none")
+            if system or tools:
+                raise ValueError(f"a {'system prompt' if system else 'tool list'} needs a chat template to go in; "
+                                 f"this tokenizer has none (demo_tokenizer(enc, tools=True) has one)")
             return ([] if self.bos_id is None else [self.bos_id]) + self.encode(question + "\n")
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": question})
+        return self._encode_added(self._render(messages, tools, add_generation_prompt=True), specials_are_text=False)
+
+    def _render(self, messages: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
+        """The chat template's text for messages, with the names transformers passes (bos/eos/pad_token)."""
         names = {"bos_token": self.bos_id, "eos_token": self.stop_ids[0], "pad_token": self.pad_id}
         names = {k: _token_name(self.enc, i) for k, i in names.items() if i is not None}
         if self.eos_token is not None:
             names["eos_token"] = self.eos_token
-        text = _compiled_template(self.chat_template).render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=True, **names)
-        return self._encode_added(text, specials_are_text=False)
+        return _compiled_template(self.chat_template).render(
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **names)
+
+    @functools.cached_property
+    def tool_stop_id(self) -> int:
+        """The stop id that ends an assistant turn calling tools, after which `tool_turn_ids` appends: the
+        one the template writes after the calls (Qwen3's <|im_end|>), or the one it opens the tool results
+        with (GLM-4.5's <|observation|>). Raises ValueError as `tool_turn_ids` does."""
+        return self._tool_turn(1)[0]
+
+    def tool_turn_ids(self, results: list[str]) -> list[int]:
+        """The ids that follow an assistant turn which called len(results) tools and ended with
+        `tool_stop_id`: the tool results as the chat template renders them, then the generation prompt of
+        the next assistant turn (choice 7). Appended to the row's token stream, never re-rendered from text,
+        they give the ids apply_chat_template(..., add_generation_prompt=True, tokenize=True) gives for the
+        whole conversation (assistant message with tool_calls, one tool message per result) when the
+        assistant's text is canonical. A special token's string inside a result is data, as in `encode`: no
+        tool output can end or open a turn. Raises ValueError for no results, a tokenizer without a
+        template, or a template that is not append-only for tool turns (naming it and where it differs)."""
+        stop_id, start, pieces = self._tool_turn(len(results))
+        text, data = pieces[0], []
+        for result, piece in zip(results, pieces[1:]):
+            data.append((len(text), len(text) + len(result)))  # where special-token strings are data
+            text += result + piece
+        if self._tool_conversation(results)[2][start:] != text:
+            raise ValueError(f"{self._template_label()} renders a tool result otherwise than verbatim (or "
+                             f"depends on its text): tool turns need the results' text as given")
+        return self._encode_added(text, specials_are_text=False, data_spans=tuple(data))
+
+    def _tool_conversation(self, contents: list[str]) -> tuple[str, str, str]:
+        """The canonical conversation's renders (choice 7): the generation prompt after the user turn, the
+        conversation up to the assistant turn that calls one tool per content, and all of it with the tool
+        messages and the next generation prompt."""
+        calls = [{"type": "function", "function": {"name": TOOL_PLACEHOLDER, "arguments": {"x": TOOL_PLACEHOLDER}}}
+                 for _ in contents]
+        user = {"role": "user", "content": "q"}
+        # with reasoning, as sampled: Qwen3 drops an empty think block from an assistant turn that is not last
+        assistant = {"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": calls}
+        tools = [{"type": "function", "function": {"name": TOOL_PLACEHOLDER, "description": "d",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        return (self._render([user], tools, add_generation_prompt=True),
+                self._render([user, assistant], tools, add_generation_prompt=False),
+                self._render([user, assistant] + [{"role": "tool", "content": c} for c in contents], tools,
+                             add_generation_prompt=True))
+
+    def _tool_turn(self, num_results: int) -> tuple[int, int, list[str]]:
+        """The stop id ending an assistant turn that calls tools, where the tool turn starts in the whole
+        conversation's text, and the tool turn's text around num_results results: num_results + 1 pieces
+        (choice 7)."""
+        if num_results < 1:
+            raise ValueError(f"a tool turn needs at least one result, got {num_results}")
+        if self.chat_template is None:
+            raise ValueError("tool turns need a chat template; this tokenizer has none "
+                             "(demo_tokenizer(enc, tools=True) has one)")
+        # private-use characters: no template or tokenizer reads them as anything
+        marks = [f"\ue000{i}\ue000" for i in range(num_results)]
+        prompt, before, after = self._tool_conversation(marks)
+        name = self._template_label()
+        for short, long, what in ((prompt, before, "the assistant turn does not extend the generation prompt"),
+                                  (before, after, "the tool messages do not extend the assistant turn")):
+            if not long.startswith(short):
+                at = next(i for i, (a, b) in enumerate(zip(short, long + "\0")) if a != b)
+                shown = [functools.reduce(lambda t, i: t.replace(marks[i], f"<result {i}>"), range(num_results), x)
+                         for x in (short[at:at + 40], long[at:at + 40])]
+                raise ValueError(f"{name} is not append-only for tool turns: {what} (at character {at}: "
+                                 f"{shown[0]!r} becomes {shown[1]!r})")
+        calls_end = before.rfind(TOOL_PLACEHOLDER) + len(TOOL_PLACEHOLDER)
+        if calls_end <= len(prompt):
+            raise ValueError(f"{name} does not render an assistant message's tool_calls")
+        stops = {_token_name(self.enc, i): i for i in self.stop_ids}
+        # The model samples the stop token; what the template writes after it (Qwen's "\n") is the turn's.
+        ends = sorted((before.find(s, calls_end), s) for s in stops if before.find(s, calls_end) >= 0)
+        if ends:
+            at, stop = ends[0]
+        else:  # the template writes the stop token with the results (GLM-4.5's <|observation|>)
+            at, stop = len(before), next((s for s in stops if after.startswith(s, len(before))), None)
+            if stop is None:
+                raise ValueError(f"{name} writes none of the stop tokens {sorted(stops)} after an assistant's tool "
+                                 f"calls or before the tool results: no sampled token can end the turn")
+        start = at + len(stop)
+        pieces = re.split("|".join(map(re.escape, marks)), after[start:])
+        if len(pieces) != num_results + 1:
+            raise ValueError(f"{name} renders {len(pieces) - 1} of {num_results} tool results in the tool turn")
+        return stops[stop], start, pieces
+
+    def _template_label(self) -> str:
+        first = self.chat_template.lstrip().splitlines()[0] if self.chat_template.strip() else ""
+        return f"chat template {first[:40]!r}... ({len(self.chat_template)} characters)"
 
     @functools.cached_property
     def _added_passes(self) -> tuple[tuple[re.Pattern, dict[str, tuple[int, bool]]] | None, ...]:
@@ -484,33 +636,42 @@ class Tokenizer:
 
     @staticmethod
     def _split_added(text: str, added: tuple[re.Pattern, dict[str, tuple[int, bool]]] | None,
-                     specials_are_text: bool) -> list[str | int]:
-        """text cut at the added tokens that `added` (an `_added_passes` pass) finds: text pieces and ids.
-        With specials_are_text a special's match stays text, and still hides the tokens overlapping it,
-        as tokenizers' encode_special_tokens skips a match only after finding it."""
+                     is_data) -> list[tuple[str | int, int]]:
+        """text cut at the added tokens that `added` (an `_added_passes` pass) finds: text pieces and ids,
+        each with its offset in text. A special's match for which is_data(start, end) is true stays text,
+        and still hides the tokens overlapping it, as tokenizers' encode_special_tokens skips a match only
+        after finding it."""
         if added is None:
-            return [text]
+            return [(text, 0)]
         pattern, found = added
         parts, start = [], 0
         for m in pattern.finditer(text):
             token_id, special = found[m.group()]
-            if not (special and specials_are_text):
-                parts += [text[start:m.start()], token_id]
+            if not (special and is_data(m.start(), m.end())):
+                parts += [(text[start:m.start()], start), (token_id, m.start())]
                 start = m.end()
-        return parts + [text[start:]]
+        return parts + [(text[start:], start)]
 
-    def _encode_added(self, text: str, *, specials_are_text: bool) -> list[int]:
+    def _encode_added(self, text: str, *, specials_are_text: bool,
+                      data_spans: tuple[tuple[int, int], ...] = ()) -> list[int]:
+        """text's ids, every added token's string read as that token, except a special's where
+        specials_are_text, or where its match overlaps one of data_spans ((start, end) offsets in text)."""
         # As tokenizers' AddedVocabulary::extract_and_normalize: the normalized=false tokens are split out
         # of the raw text, each piece between is normalized on its own (NFC never joins a special's ">" to a
         # mark), the normalized=true tokens are split out of those, and BPE encodes what is left.
+        def is_data(start: int, end: int) -> bool:
+            return specials_are_text or any(a < end and start < b for a, b in data_spans)
+
         raw, normalized = self._added_passes
         ids = []
-        for part in self._split_added(text, raw, specials_are_text):
+        for part, at in self._split_added(text, raw, is_data):
             if isinstance(part, int):
                 ids.append(part)
                 continue
+            # NFC moves offsets: a normalized special in a piece that holds any data is data (the safe side)
+            piece_is_data = is_data(at, at + len(part))
             part = NFC.normalize_str(part) if self.normalize else part
-            for piece in self._split_added(part, normalized, specials_are_text):
+            for piece, _ in self._split_added(part, normalized, lambda start, end: piece_is_data):
                 ids += [piece] if isinstance(piece, int) else self.enc.encode_ordinary(piece)
         return ids
 
@@ -625,10 +786,25 @@ def load_hf_tokenizer(path: str) -> Tokenizer:
                      eos_token=names.get("eos_token"), non_special_tokens=non_special, normalized_tokens=normalized)
 
 
-def demo_tokenizer(enc: tiktoken.Encoding) -> Tokenizer:
+def demo_tokenizer(enc: tiktoken.Encoding, *, tools: bool = False) -> Tokenizer:
     """The demo's BPE (train_tokenizer / build_tokenizer) as a Tokenizer: <|bos|> starts a prompt,
-    <|eos|> ends a completion, <|pad|> pads; no template, so prompt_ids are `[bos] question "\\n"`."""
+    <|eos|> ends a completion, <|pad|> pads; no template, so prompt_ids are `[bos] question "\\n"`.
+
+    tools: the layout of a tool-calling run instead (choice 8): the first reserved specials become
+    `DEMO_TOOL_TOKENS` (every id stays), DEMO_CHAT_TEMPLATE renders prompts and tool turns as Qwen3's
+    does, and <|im_end|> ends a turn. Raises ValueError when enc has too few reserved specials."""
     bos, eos, pad = (enc.encode_single_token(s) for s in SPECIALS)
-    return Tokenizer(enc=enc, stop_ids=(eos,), pad_id=pad, bos_id=bos)
-
-
+    if not tools:
+        return Tokenizer(enc=enc, stop_ids=(eos,), pad_id=pad, bos_id=bos)
+    reserved = sorted((i, s) for s, i in _specials(enc).items() if s not in SPECIALS)
+    if len(reserved) < len(DEMO_TOOL_TOKENS):
+        raise ValueError(f"{enc.name} has {len(reserved)} reserved specials; the tool tokens need "
+                         f"{len(DEMO_TOOL_TOKENS)}: raise model.vocab_size by {len(DEMO_TOOL_TOKENS) - len(reserved)}")
+    specials = {s: i for s, i in _specials(enc).items() if s in SPECIALS}
+    specials |= {s: i for s, (i, _) in zip(DEMO_TOOL_TOKENS, reserved)}
+    specials |= {s: i for i, s in reserved[len(DEMO_TOOL_TOKENS):]}
+    tool_enc = tiktoken.Encoding(name=f"{enc.name}_tools", pat_str=enc._pat_str, mergeable_ranks=_ranks(enc),
+                                 special_tokens=specials, explicit_n_vocab=enc.n_vocab)
+    return Tokenizer(enc=tool_enc, stop_ids=(specials[IM_END], eos), pad_id=pad, bos_id=bos,
+                     chat_template=DEMO_CHAT_TEMPLATE, eos_token=IM_END,
+                     non_special_tokens=frozenset(DEMO_TOOL_TOKENS[2:]))
