@@ -3,10 +3,10 @@ Face checkpoint or trained in place for the laptop demo.
 
 `Tokenizer` is what a run uses: encode/decode, `prompt_ids` (the question in the chat template, or the
 demo's plain layout), stop and pad ids, and `save`, which writes the Hugging Face tokenizer files.
-`load_hf_tokenizer` reads a checkpoint's (byte-level BPE: Qwen2/3, GLM-4.5) and renders its chat
-template as transformers' apply_chat_template does; `train_tokenizer` learns the demo's BPE from the
-run's own training text (nothing is downloaded) and `demo_tokenizer` wraps it. The BPE is Sennrich et
-al. (arXiv 1508.07909); with zero merges the demo's is a plain byte-level tokenizer.
+`load_hf_tokenizer` reads a checkpoint's (byte-level BPE: Qwen2/3, GLM-4.5), whose chat template
+chat_template.py renders as transformers' apply_chat_template does; `train_tokenizer` learns the demo's
+BPE from the run's own training text (nothing is downloaded) and `demo_tokenizer` wraps it. The BPE is
+Sennrich et al. (arXiv 1508.07909); with zero merges the demo's is a plain byte-level tokenizer.
 
 Notable choices:
 1. Demo id layout: ids 0..255 are the raw bytes; then up to `num_merges` learned merges; then the
@@ -38,18 +38,13 @@ Notable choices:
    after the vocabulary and the added tokens before it, so one that reuses a BPE token's id would be a
    second id for that BPE token's bytes); and (`hf_encoding`) one spelled in GPT-2's byte alphabet
    ("Ġx", or "é" NFC'd from a normalized "e\\u0301"), which tokenizers decodes as the bytes it spells.
-7. Tool turns are appended to a row's token stream, never re-rendered from text (verl's "continuous
-   token" delta, TRL's tool suffix): `_tool_turn` renders one canonical conversation (a user turn; an
-   assistant turn with reasoning and one call per result; the tool messages and a generation prompt) up
-   to the assistant turn and whole, and the tool turn is the difference. Checked to be append-only (each
-   render extends the one before, else ValueError naming the template). The model samples the stop token
-   that ends its turn, so the turn starts right after it: after Qwen's <|im_end|> (the template's "\\n"
-   after it is the tool turn's), or after GLM-4.5's <|observation|>, the stop token its template writes
-   before the results (`tool_stop_id`). The results are private-use marks in that render, replaced by the
-   real text, whose render must agree; inside a result a special token's string is data, as in `encode`.
+7. Tool turns are the chat template's append-only delta, rendered as text by chat_template.py (its choice 1)
+   and appended to a row's token stream: `tool_stop_id` is the stop token that ends an assistant turn calling
+   tools, `tool_turn_ids` the ids after it; inside a tool result a special token's string is data, as in `encode`.
 8. The tool-calling demo (`demo_tokenizer(enc, tools=True)`) renames the first reserved specials to
    ChatML's and Qwen3's tool tokens, so every id (and the plain demo's every output) stays; its template is
-   Qwen3's layout without thinking, so the demo runs the code a Qwen3 checkpoint runs.
+   chat_template.DEMO_CHAT_TEMPLATE, Qwen3's layout without thinking, so the demo runs the code a Qwen3
+   checkpoint runs.
 """
 
 from __future__ import annotations
@@ -60,13 +55,12 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass
-from datetime import datetime
 
-import jinja2
-import jinja2.sandbox
 import regex
 import tiktoken
 import tokenizers
+
+from chat_template import DEMO_CHAT_TEMPLATE, render_chat, template_label, tool_turn, tool_turn_text
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 # The specials' ids follow the byte and merge ranks in this order, so BOS, EOS and PAD move only
@@ -83,50 +77,6 @@ PAT_STR = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!
 # four are written by the model and by tool turns as text, so (as in Qwen3's tokenizer.json) they are not special.
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 DEMO_TOOL_TOKENS = (IM_START, IM_END, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-# ChatML with Qwen3's tool layout (hermes calls: JSON in <tool_call>; a run of tool results as one user turn
-# of <tool_response> blocks) minus its thinking and its tool instructions, which would cost the tiny
-# model's context more than its vocabulary can say: a system turn lists the schemas in <tools>.
-DEMO_CHAT_TEMPLATE = r"""{%- if messages[0].role == 'system' or tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content }}
-    {%- endif %}
-    {%- if tools %}
-        {{- ('\n\n' if messages[0].role == 'system' else '') + '<tools>' }}
-        {%- for tool in tools %}
-            {{- '\n' + tool | tojson }}
-        {%- endfor %}
-        {{- '\n</tools>' }}
-    {%- endif %}
-    {{- '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-    {%- elif message.role == 'assistant' %}
-        {{- '<|im_start|>assistant\n' + (message.content or '') }}
-        {%- for call in message.tool_calls or [] %}
-            {%- set call = call.function or call %}
-            {{- ('\n' if message.content or not loop.first else '') + '<tool_call>\n{"name": "' + call.name }}
-            {{- '", "arguments": ' + (call.arguments if call.arguments is string else call.arguments | tojson) }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}"""
-# The canonical conversation's tool name and argument (choice 7): text no template or stop token contains.
-TOOL_PLACEHOLDER = "everyprompt_tool"
 
 
 def train_bpe(texts: list[str], num_merges: int) -> dict[bytes, int]:
@@ -431,25 +381,6 @@ def hf_encoding(tokenizer_json: dict | str | os.PathLike) -> tiktoken.Encoding:
 
 # --- the run's tokenizer ------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=8)
-def _compiled_template(source: str) -> jinja2.Template:
-    """source compiled as transformers 5.x's apply_chat_template compiles a chat template: a sandbox
-    with trim_blocks, lstrip_blocks and loop controls, raise_exception, strftime_now, and a tojson that
-    is plain json.dumps (jinja's own escapes HTML characters). transformers also hardens dict/namespace
-    and adds a {% generation %} tag for assistant masks: neither changes a prompt's text, and a template
-    using the tag fails here to compile."""
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env.from_string(source)
-
 
 def _token_name(enc: tiktoken.Encoding, token_id: int) -> str:
     """A token's string as tokenizer_config.json names it: a special's text, else its byte-level form."""
@@ -521,102 +452,47 @@ class Tokenizer:
             return ([] if self.bos_id is None else [self.bos_id]) + self.encode(question + "\n")
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": question})
-        return self._encode_added(self._render(messages, tools, add_generation_prompt=True), specials_are_text=False)
+        return self._encode_added(self.render(messages, tools, add_generation_prompt=True), specials_are_text=False)
 
-    def _render(self, messages: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
-        """The chat template's text for messages, with the names transformers passes (bos/eos/pad_token)."""
+    def render(self, messages: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
+        """The chat template's text for messages (chat_template.render_chat), with the names transformers passes
+        (bos/eos/pad_token): a `chat_template.Render`."""
         names = {"bos_token": self.bos_id, "eos_token": self.stop_ids[0], "pad_token": self.pad_id}
         names = {k: _token_name(self.enc, i) for k, i in names.items() if i is not None}
         if self.eos_token is not None:
             names["eos_token"] = self.eos_token
-        return _compiled_template(self.chat_template).render(
-            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **names)
+        return render_chat(self.chat_template, messages, tools, add_generation_prompt=add_generation_prompt,
+                           names=names)
 
     @functools.cached_property
     def tool_stop_id(self) -> int:
         """The stop id that ends an assistant turn calling tools, after which `tool_turn_ids` appends: the
         one the template writes after the calls (Qwen3's <|im_end|>), or the one it opens the tool results
         with (GLM-4.5's <|observation|>). Raises ValueError as `tool_turn_ids` does."""
-        return self._tool_turn(1)[0]
+        stops = self._tool_stops()
+        stop, _, _ = tool_turn(self.render, 1, stops=tuple(stops), label=template_label(self.chat_template))
+        return stops[stop]
 
     def tool_turn_ids(self, results: list[str]) -> list[int]:
         """The ids that follow an assistant turn which called len(results) tools and ended with
         `tool_stop_id`: the tool results as the chat template renders them, then the generation prompt of
-        the next assistant turn (choice 7). Appended to the row's token stream, never re-rendered from text,
-        they give the ids apply_chat_template(..., add_generation_prompt=True, tokenize=True) gives for the
-        whole conversation (assistant message with tool_calls, one tool message per result) when the
-        assistant's text is canonical. A special token's string inside a result is data, as in `encode`: no
-        tool output can end or open a turn. Raises ValueError for no results, a tokenizer without a
-        template, or a template that is not append-only for tool turns (naming it and where it differs)."""
-        stop_id, start, pieces = self._tool_turn(len(results))
-        text, data = pieces[0], []
-        for result, piece in zip(results, pieces[1:]):
-            data.append((len(text), len(text) + len(result)))  # where special-token strings are data
-            text += result + piece
-        if self._tool_conversation(results)[2][start:] != text:
-            raise ValueError(f"{self._template_label()} renders a tool result otherwise than verbatim (or "
-                             f"depends on its text): tool turns need the results' text as given")
-        return self._encode_added(text, specials_are_text=False, data_spans=tuple(data))
+        the next assistant turn (chat_template.py's choice 1). Appended to the row's token stream, never
+        re-rendered from text, they give the ids apply_chat_template(..., add_generation_prompt=True,
+        tokenize=True) gives for the whole conversation (assistant message with tool_calls, one tool message
+        per result) when the assistant's text is canonical. A special token's string inside a result is data,
+        as in `encode`: no tool output can end or open a turn. Raises ValueError for a tokenizer without a
+        template, and as chat_template.tool_turn_text does (no results; a template that is not append-only
+        for tool turns, naming it and where it differs)."""
+        stops = self._tool_stops()
+        text, data = tool_turn_text(self.render, results, stops=tuple(stops), label=template_label(self.chat_template))
+        return self._encode_added(text, specials_are_text=False, data_spans=data)
 
-    def _tool_conversation(self, contents: list[str]) -> tuple[str, str, str]:
-        """The canonical conversation's renders (choice 7): the generation prompt after the user turn, the
-        conversation up to the assistant turn that calls one tool per content, and all of it with the tool
-        messages and the next generation prompt."""
-        calls = [{"type": "function", "function": {"name": TOOL_PLACEHOLDER, "arguments": {"x": TOOL_PLACEHOLDER}}}
-                 for _ in contents]
-        user = {"role": "user", "content": "q"}
-        # with reasoning, as sampled: Qwen3 drops an empty think block from an assistant turn that is not last
-        assistant = {"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": calls}
-        tools = [{"type": "function", "function": {"name": TOOL_PLACEHOLDER, "description": "d",
-                                                   "parameters": {"type": "object", "properties": {}}}}]
-        return (self._render([user], tools, add_generation_prompt=True),
-                self._render([user, assistant], tools, add_generation_prompt=False),
-                self._render([user, assistant] + [{"role": "tool", "content": c} for c in contents], tools,
-                             add_generation_prompt=True))
-
-    def _tool_turn(self, num_results: int) -> tuple[int, int, list[str]]:
-        """The stop id ending an assistant turn that calls tools, where the tool turn starts in the whole
-        conversation's text, and the tool turn's text around num_results results: num_results + 1 pieces
-        (choice 7)."""
-        if num_results < 1:
-            raise ValueError(f"a tool turn needs at least one result, got {num_results}")
+    def _tool_stops(self) -> dict[str, int]:
+        """The stop tokens' strings -> their ids, in stop_ids' order; ValueError without a chat template."""
         if self.chat_template is None:
             raise ValueError("tool turns need a chat template; this tokenizer has none "
                              "(demo_tokenizer(enc, tools=True) has one)")
-        # private-use characters: no template or tokenizer reads them as anything
-        marks = [f"\ue000{i}\ue000" for i in range(num_results)]
-        prompt, before, after = self._tool_conversation(marks)
-        name = self._template_label()
-        for short, long, what in ((prompt, before, "the assistant turn does not extend the generation prompt"),
-                                  (before, after, "the tool messages do not extend the assistant turn")):
-            if not long.startswith(short):
-                at = next(i for i, (a, b) in enumerate(zip(short, long + "\0")) if a != b)
-                shown = [functools.reduce(lambda t, i: t.replace(marks[i], f"<result {i}>"), range(num_results), x)
-                         for x in (short[at:at + 40], long[at:at + 40])]
-                raise ValueError(f"{name} is not append-only for tool turns: {what} (at character {at}: "
-                                 f"{shown[0]!r} becomes {shown[1]!r})")
-        calls_end = before.rfind(TOOL_PLACEHOLDER) + len(TOOL_PLACEHOLDER)
-        if calls_end <= len(prompt):
-            raise ValueError(f"{name} does not render an assistant message's tool_calls")
-        stops = {_token_name(self.enc, i): i for i in self.stop_ids}
-        # The model samples the stop token; what the template writes after it (Qwen's "\n") is the turn's.
-        ends = sorted((before.find(s, calls_end), s) for s in stops if before.find(s, calls_end) >= 0)
-        if ends:
-            at, stop = ends[0]
-        else:  # the template writes the stop token with the results (GLM-4.5's <|observation|>)
-            at, stop = len(before), next((s for s in stops if after.startswith(s, len(before))), None)
-            if stop is None:
-                raise ValueError(f"{name} writes none of the stop tokens {sorted(stops)} after an assistant's tool "
-                                 f"calls or before the tool results: no sampled token can end the turn")
-        start = at + len(stop)
-        pieces = re.split("|".join(map(re.escape, marks)), after[start:])
-        if len(pieces) != num_results + 1:
-            raise ValueError(f"{name} renders {len(pieces) - 1} of {num_results} tool results in the tool turn")
-        return stops[stop], start, pieces
-
-    def _template_label(self) -> str:
-        first = self.chat_template.lstrip().splitlines()[0] if self.chat_template.strip() else ""
-        return f"chat template {first[:40]!r}... ({len(self.chat_template)} characters)"
+        return {_token_name(self.enc, i): i for i in self.stop_ids}
 
     @functools.cached_property
     def _added_passes(self) -> tuple[tuple[re.Pattern, dict[str, tuple[int, bool]]] | None, ...]:

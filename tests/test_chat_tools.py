@@ -1,6 +1,6 @@
-"""tokenizer.py's tool-calling chat layout (issue 34.2): prompts with tool schemas, and tool turns appended to
-the token stream as the template's rendered delta, checked against transformers' apply_chat_template on
-Qwen3-MoE and GLM-4.5 tokenizers with their real chat templates.
+"""tokenizer.py's and chat_template.py's tool-calling chat layout (issue 34.2): prompts with tool schemas, and
+tool turns appended to the token stream as the template's rendered delta, checked against transformers'
+apply_chat_template on Qwen3-MoE and GLM-4.5 tokenizers with their real chat templates.
 
 Fixtures (tests/chat_templates/): qwen3.jinja is Qwen/Qwen3-0.6B's tokenizer_config.json chat_template (the
 Qwen3 MoE checkpoints ship the same), as llama.cpp stores it in models/templates/Qwen-Qwen3-0.6B.jinja;
@@ -17,8 +17,9 @@ import os
 import pytest
 
 import hf_checkpoint
-from tokenizer import (BOS, DEMO_CHAT_TEMPLATE, EOS, IM_END, PAD, Tokenizer, bpe_merges, build_tokenizer,
-                       demo_tokenizer, load_hf_tokenizer, train_tokenizer)
+from chat_template import DEMO_CHAT_TEMPLATE
+from tokenizer import (BOS, EOS, IM_END, PAD, Tokenizer, bpe_merges, build_tokenizer, demo_tokenizer, load_hf_tokenizer,
+                       train_tokenizer)
 
 transformers = pytest.importorskip("transformers")
 
