@@ -92,7 +92,7 @@ from distributed import all_reduce_float, own_meshes, parallelize, rank_world
 from hf import load_hf
 from hf_config import config_from_hf, read_config, weight_files
 from reward import JUDGE_OUTCOMES, JUDGE_PREFIX, REWARD_MODELS, RewardConfig, Scorer, stand_in_scorer
-from tokenizer import NFC, Tokenizer, _compiled_template, _specials, _token_name, load_hf_tokenizer
+from tokenizer import NFC, Tokenizer, _specials, load_hf_tokenizer
 
 if TYPE_CHECKING:
     from model import ModelConfig, Transformer
@@ -187,15 +187,10 @@ def conversation_ids(tok: Tokenizer, prompt: str, completion: str) -> list[int]:
     """Ids of [user: prompt, assistant: completion] in tok's chat template, no generation prompt, tokenized as
     transformers' apply_chat_template(tokenize=True) tokenizes (tokenizer.Tokenizer.prompt_ids' reading), both
     texts neutralized first (neutralize_specials: no special token comes from them)."""
-    # tokenizer.py's private helpers: Tokenizer.prompt_ids renders only a user turn with a generation prompt
-    names = {"bos_token": tok.bos_id, "eos_token": tok.stop_ids[0], "pad_token": tok.pad_id}
-    names = {k: _token_name(tok.enc, i) for k, i in names.items() if i is not None}
-    if tok.eos_token is not None:
-        names["eos_token"] = tok.eos_token
     messages = [{"role": "user", "content": neutralize_specials(tok, prompt)},
                 {"role": "assistant", "content": neutralize_specials(tok, completion)}]
-    text = _compiled_template(tok.chat_template).render(messages=messages, tools=None, documents=None,
-                                                        add_generation_prompt=False, **names)
+    # not tok.prompt_ids, which renders only a user turn with a generation prompt
+    text = tok.render(messages, None, add_generation_prompt=False)
     return tok._encode_added(text, specials_are_text=False)
 
 

@@ -3,10 +3,10 @@ Face checkpoint or trained in place for the laptop demo.
 
 `Tokenizer` is what a run uses: encode/decode, `prompt_ids` (the question in the chat template, or the
 demo's plain layout), stop and pad ids, and `save`, which writes the Hugging Face tokenizer files.
-`load_hf_tokenizer` reads a checkpoint's (byte-level BPE: Qwen2/3, GLM-4.5) and renders its chat
-template as transformers' apply_chat_template does; `train_tokenizer` learns the demo's BPE from the
-run's own training text (nothing is downloaded) and `demo_tokenizer` wraps it. The BPE is Sennrich et
-al. (arXiv 1508.07909); with zero merges the demo's is a plain byte-level tokenizer.
+`load_hf_tokenizer` reads a checkpoint's (byte-level BPE: Qwen2/3, GLM-4.5), whose chat template
+chat_template.py renders as transformers' apply_chat_template does; `train_tokenizer` learns the demo's
+BPE from the run's own training text (nothing is downloaded) and `demo_tokenizer` wraps it. The BPE is
+Sennrich et al. (arXiv 1508.07909); with zero merges the demo's is a plain byte-level tokenizer.
 
 Notable choices:
 1. Demo id layout: ids 0..255 are the raw bytes; then up to `num_merges` learned merges; then the
@@ -38,6 +38,13 @@ Notable choices:
    after the vocabulary and the added tokens before it, so one that reuses a BPE token's id would be a
    second id for that BPE token's bytes); and (`hf_encoding`) one spelled in GPT-2's byte alphabet
    ("Ġx", or "é" NFC'd from a normalized "e\\u0301"), which tokenizers decodes as the bytes it spells.
+7. Tool turns are the chat template's append-only delta, rendered as text by chat_template.py (its choice 1)
+   and appended to a row's token stream: `tool_stop_id` is the stop token that ends an assistant turn calling
+   tools, `tool_turn_ids` the ids after it; inside a tool result a special token's string is data, as in `encode`.
+8. The tool-calling demo (`demo_tokenizer(enc, tools=True)`) renames the first reserved specials to
+   ChatML's and Qwen3's tool tokens, so every id (and the plain demo's every output) stays; its template is
+   chat_template.DEMO_CHAT_TEMPLATE, Qwen3's layout without thinking, so the demo runs the code a Qwen3
+   checkpoint runs.
 """
 
 from __future__ import annotations
@@ -48,13 +55,12 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass
-from datetime import datetime
 
-import jinja2
-import jinja2.sandbox
 import regex
 import tiktoken
 import tokenizers
+
+from chat_template import DEMO_CHAT_TEMPLATE, render_chat, template_label, tool_turn, tool_turn_text
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 # The specials' ids follow the byte and merge ranks in this order, so BOS, EOS and PAD move only
@@ -66,6 +72,11 @@ NUM_BYTES = 256  # ids 0..255 are the bytes themselves: any text encodes, with n
 # digits and every number is spelled digit by digit, the same way in every position. The
 # Encoding keeps this pattern, so training and encoding split text alike.
 PAT_STR = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+# The tool-calling demo's turn and tool tokens (demo_tokenizer(enc, tools=True)), Qwen3's strings. The last
+# four are written by the model and by tool turns as text, so (as in Qwen3's tokenizer.json) they are not special.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+DEMO_TOOL_TOKENS = (IM_START, IM_END, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 
 def train_bpe(texts: list[str], num_merges: int) -> dict[bytes, int]:
@@ -370,25 +381,6 @@ def hf_encoding(tokenizer_json: dict | str | os.PathLike) -> tiktoken.Encoding:
 
 # --- the run's tokenizer ------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=8)
-def _compiled_template(source: str) -> jinja2.Template:
-    """source compiled as transformers 5.x's apply_chat_template compiles a chat template: a sandbox
-    with trim_blocks, lstrip_blocks and loop controls, raise_exception, strftime_now, and a tojson that
-    is plain json.dumps (jinja's own escapes HTML characters). transformers also hardens dict/namespace
-    and adds a {% generation %} tag for assistant masks: neither changes a prompt's text, and a template
-    using the tag fails here to compile."""
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env.from_string(source)
-
 
 def _token_name(enc: tiktoken.Encoding, token_id: int) -> str:
     """A token's string as tokenizer_config.json names it: a special's text, else its byte-level form."""
@@ -445,26 +437,62 @@ class Tokenizer:
         tokenizers library's decode does; SGLangEngine counts them (engine/ids_past_tokenizer)."""
         return self.enc.decode([i for i in ids if 0 <= i < self.enc.n_vocab])
 
-    def prompt_ids(self, question: str, system: str = "") -> list[int]:
+    def prompt_ids(self, question: str, system: str = "", tools: list[dict] | None = None) -> list[int]:
         """A question's prompt ids. With a chat template: the template rendered with messages
-        [system (if given), user: question] and a generation prompt, tokenized as transformers'
-        apply_chat_template(..., add_generation_prompt=True, tokenize=True) does (an added token's string
-        anywhere in the rendered text, the question included, is that token). Without: `[bos_id] +
-        encode(question + "\\n")`, the demo's layout. Raises ValueError for a system
-        prompt without a template, and jinja2's TemplateError for what the template refuses."""
+        [system (if given), user: question], `tools` (JSON schemas in OpenAI's function format, put where
+        the template puts them; None: no tools) and a generation prompt, tokenized as transformers'
+        apply_chat_template(..., tools=tools, add_generation_prompt=True, tokenize=True) does (an added
+        token's string anywhere in the rendered text, the question included, is that token). Without:
+        `[bos_id] + encode(question + "\\n")`, the demo's layout. Raises ValueError for a system prompt or
+        tools without a template, and jinja2's TemplateError for what the template refuses."""
         if self.chat_template is None:
-            if system:
-                raise ValueError("a system prompt needs a chat template to go in; this tokenizer has none")
+            if system or tools:
+                raise ValueError(f"a {'system prompt' if system else 'tool list'} needs a chat template to go in; "
+                                 f"this tokenizer has none (demo_tokenizer(enc, tools=True) has one)")
             return ([] if self.bos_id is None else [self.bos_id]) + self.encode(question + "\n")
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": question})
+        return self._encode_added(self.render(messages, tools, add_generation_prompt=True), specials_are_text=False)
+
+    def render(self, messages: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
+        """The chat template's text for messages (chat_template.render_chat), with the names transformers passes
+        (bos/eos/pad_token): a `chat_template.Render`."""
         names = {"bos_token": self.bos_id, "eos_token": self.stop_ids[0], "pad_token": self.pad_id}
         names = {k: _token_name(self.enc, i) for k, i in names.items() if i is not None}
         if self.eos_token is not None:
             names["eos_token"] = self.eos_token
-        text = _compiled_template(self.chat_template).render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=True, **names)
-        return self._encode_added(text, specials_are_text=False)
+        return render_chat(self.chat_template, messages, tools, add_generation_prompt=add_generation_prompt,
+                           names=names)
+
+    @functools.cached_property
+    def tool_stop_id(self) -> int:
+        """The stop id that ends an assistant turn calling tools, after which `tool_turn_ids` appends: the
+        one the template writes after the calls (Qwen3's <|im_end|>), or the one it opens the tool results
+        with (GLM-4.5's <|observation|>). Raises ValueError as `tool_turn_ids` does."""
+        stops = self._tool_stops()
+        stop, _, _ = tool_turn(self.render, 1, stops=tuple(stops), label=template_label(self.chat_template))
+        return stops[stop]
+
+    def tool_turn_ids(self, results: list[str]) -> list[int]:
+        """The ids that follow an assistant turn which called len(results) tools and ended with
+        `tool_stop_id`: the tool results as the chat template renders them, then the generation prompt of
+        the next assistant turn (chat_template.py's choice 1). Appended to the row's token stream, never
+        re-rendered from text, they give the ids apply_chat_template(..., add_generation_prompt=True,
+        tokenize=True) gives for the whole conversation (assistant message with tool_calls, one tool message
+        per result) when the assistant's text is canonical. A special token's string inside a result is data,
+        as in `encode`: no tool output can end or open a turn. Raises ValueError for a tokenizer without a
+        template, and as chat_template.tool_turn_text does (no results; a template that is not append-only
+        for tool turns, naming it and where it differs)."""
+        stops = self._tool_stops()
+        text, data = tool_turn_text(self.render, results, stops=tuple(stops), label=template_label(self.chat_template))
+        return self._encode_added(text, specials_are_text=False, data_spans=data)
+
+    def _tool_stops(self) -> dict[str, int]:
+        """The stop tokens' strings -> their ids, in stop_ids' order; ValueError without a chat template."""
+        if self.chat_template is None:
+            raise ValueError("tool turns need a chat template; this tokenizer has none "
+                             "(demo_tokenizer(enc, tools=True) has one)")
+        return {_token_name(self.enc, i): i for i in self.stop_ids}
 
     @functools.cached_property
     def _added_passes(self) -> tuple[tuple[re.Pattern, dict[str, tuple[int, bool]]] | None, ...]:
@@ -484,33 +512,42 @@ class Tokenizer:
 
     @staticmethod
     def _split_added(text: str, added: tuple[re.Pattern, dict[str, tuple[int, bool]]] | None,
-                     specials_are_text: bool) -> list[str | int]:
-        """text cut at the added tokens that `added` (an `_added_passes` pass) finds: text pieces and ids.
-        With specials_are_text a special's match stays text, and still hides the tokens overlapping it,
-        as tokenizers' encode_special_tokens skips a match only after finding it."""
+                     is_data) -> list[tuple[str | int, int]]:
+        """text cut at the added tokens that `added` (an `_added_passes` pass) finds: text pieces and ids,
+        each with its offset in text. A special's match for which is_data(start, end) is true stays text,
+        and still hides the tokens overlapping it, as tokenizers' encode_special_tokens skips a match only
+        after finding it."""
         if added is None:
-            return [text]
+            return [(text, 0)]
         pattern, found = added
         parts, start = [], 0
         for m in pattern.finditer(text):
             token_id, special = found[m.group()]
-            if not (special and specials_are_text):
-                parts += [text[start:m.start()], token_id]
+            if not (special and is_data(m.start(), m.end())):
+                parts += [(text[start:m.start()], start), (token_id, m.start())]
                 start = m.end()
-        return parts + [text[start:]]
+        return parts + [(text[start:], start)]
 
-    def _encode_added(self, text: str, *, specials_are_text: bool) -> list[int]:
+    def _encode_added(self, text: str, *, specials_are_text: bool,
+                      data_spans: tuple[tuple[int, int], ...] = ()) -> list[int]:
+        """text's ids, every added token's string read as that token, except a special's where
+        specials_are_text, or where its match overlaps one of data_spans ((start, end) offsets in text)."""
         # As tokenizers' AddedVocabulary::extract_and_normalize: the normalized=false tokens are split out
         # of the raw text, each piece between is normalized on its own (NFC never joins a special's ">" to a
         # mark), the normalized=true tokens are split out of those, and BPE encodes what is left.
+        def is_data(start: int, end: int) -> bool:
+            return specials_are_text or any(a < end and start < b for a, b in data_spans)
+
         raw, normalized = self._added_passes
         ids = []
-        for part in self._split_added(text, raw, specials_are_text):
+        for part, at in self._split_added(text, raw, is_data):
             if isinstance(part, int):
                 ids.append(part)
                 continue
+            # NFC moves offsets: a normalized special in a piece that holds any data is data (the safe side)
+            piece_is_data = is_data(at, at + len(part))
             part = NFC.normalize_str(part) if self.normalize else part
-            for piece in self._split_added(part, normalized, specials_are_text):
+            for piece, _ in self._split_added(part, normalized, lambda start, end: piece_is_data):
                 ids += [piece] if isinstance(piece, int) else self.enc.encode_ordinary(piece)
         return ids
 
@@ -625,10 +662,25 @@ def load_hf_tokenizer(path: str) -> Tokenizer:
                      eos_token=names.get("eos_token"), non_special_tokens=non_special, normalized_tokens=normalized)
 
 
-def demo_tokenizer(enc: tiktoken.Encoding) -> Tokenizer:
+def demo_tokenizer(enc: tiktoken.Encoding, *, tools: bool = False) -> Tokenizer:
     """The demo's BPE (train_tokenizer / build_tokenizer) as a Tokenizer: <|bos|> starts a prompt,
-    <|eos|> ends a completion, <|pad|> pads; no template, so prompt_ids are `[bos] question "\\n"`."""
+    <|eos|> ends a completion, <|pad|> pads; no template, so prompt_ids are `[bos] question "\\n"`.
+
+    tools: the layout of a tool-calling run instead (choice 8): the first reserved specials become
+    `DEMO_TOOL_TOKENS` (every id stays), DEMO_CHAT_TEMPLATE renders prompts and tool turns as Qwen3's
+    does, and <|im_end|> ends a turn. Raises ValueError when enc has too few reserved specials."""
     bos, eos, pad = (enc.encode_single_token(s) for s in SPECIALS)
-    return Tokenizer(enc=enc, stop_ids=(eos,), pad_id=pad, bos_id=bos)
-
-
+    if not tools:
+        return Tokenizer(enc=enc, stop_ids=(eos,), pad_id=pad, bos_id=bos)
+    reserved = sorted((i, s) for s, i in _specials(enc).items() if s not in SPECIALS)
+    if len(reserved) < len(DEMO_TOOL_TOKENS):
+        raise ValueError(f"{enc.name} has {len(reserved)} reserved specials; the tool tokens need "
+                         f"{len(DEMO_TOOL_TOKENS)}: raise model.vocab_size by {len(DEMO_TOOL_TOKENS) - len(reserved)}")
+    specials = {s: i for s, i in _specials(enc).items() if s in SPECIALS}
+    specials |= {s: i for s, (i, _) in zip(DEMO_TOOL_TOKENS, reserved)}
+    specials |= {s: i for i, s in reserved[len(DEMO_TOOL_TOKENS):]}
+    tool_enc = tiktoken.Encoding(name=f"{enc.name}_tools", pat_str=enc._pat_str, mergeable_ranks=_ranks(enc),
+                                 special_tokens=specials, explicit_n_vocab=enc.n_vocab)
+    return Tokenizer(enc=tool_enc, stop_ids=(specials[IM_END], eos), pad_id=pad, bos_id=bos,
+                     chat_template=DEMO_CHAT_TEMPLATE, eos_token=IM_END,
+                     non_special_tokens=frozenset(DEMO_TOOL_TOKENS[2:]))

@@ -59,20 +59,15 @@ def qwen_ranks() -> dict[bytes, int]:
         return {base64.b64decode(t): int(r) for t, r in (line.split() for line in f if line.strip())}
 
 
-def write_qwen_tokenizer(path: str, merges: list[tuple[bytes, bytes]] | None = None, *, num_ranks: int | None = None,
-                         specials: list[str] = QWEN_SPECIALS) -> str:
-    """A Qwen-style checkpoint's tokenizer files in path, tokenizer.json built by the `tokenizers` library
-    (not by this project): NFC, Qwen's split, byte-level BPE, Qwen's added tokens; tokenizer_config.json
-    with the ChatML template; generation_config.json stopping at <|im_end|> and <|endoftext|>. merges:
-    default one per token in id order, as Qwen's tokenizer.json has them. num_ranks: keep only Qwen's
-    first ranks (a small vocabulary); the specials (which must hold ChatML's three) follow the ranks."""
+def write_tokenizer_json(path: str, ranks: dict[bytes, int], merges: list[tuple[bytes, bytes]], specials: list[str],
+                         non_special: frozenset[str] = frozenset()):
+    """A Qwen-style tokenizer.json in folder path, built by the `tokenizers` library (not by this project): NFC,
+    Qwen's split, byte-level BPE of ranks and merges, then specials as added tokens after the ranks (those in
+    non_special with special=false, as Qwen3's <tool_call> and <think>)."""
     import tokenizers
     from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
-    from tokenizer import BYTE_CHARS, bpe_merges
-    ranks = {t: r for t, r in qwen_ranks().items() if num_ranks is None or r < num_ranks}
-    merges = bpe_merges(ranks) if merges is None else merges
-    endoftext, im_end = (len(ranks) + specials.index(s) for s in ("<|endoftext|>", "<|im_end|>"))
+    from tokenizer import BYTE_CHARS
 
     def hf_str(token: bytes) -> str:  # the byte-level alphabet tokenizer.json spells tokens in
         return "".join(BYTE_CHARS[b] for b in token)
@@ -82,9 +77,23 @@ def write_qwen_tokenizer(path: str, merges: list[tuple[bytes, bytes]] | None = N
     tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated"),
                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tk.add_special_tokens([AddedToken(s, special=s not in non_special, normalized=False) for s in specials])
     os.makedirs(path, exist_ok=True)
     tk.save(os.path.join(path, "tokenizer.json"))
+
+
+def write_qwen_tokenizer(path: str, merges: list[tuple[bytes, bytes]] | None = None, *, num_ranks: int | None = None,
+                         specials: list[str] = QWEN_SPECIALS) -> str:
+    """A Qwen-style checkpoint's tokenizer files in path, tokenizer.json built by the `tokenizers` library
+    (not by this project): NFC, Qwen's split, byte-level BPE, Qwen's added tokens; tokenizer_config.json
+    with the ChatML template; generation_config.json stopping at <|im_end|> and <|endoftext|>. merges:
+    default one per token in id order, as Qwen's tokenizer.json has them. num_ranks: keep only Qwen's
+    first ranks (a small vocabulary); the specials (which must hold ChatML's three) follow the ranks."""
+    from tokenizer import bpe_merges
+    ranks = {t: r for t, r in qwen_ranks().items() if num_ranks is None or r < num_ranks}
+    merges = bpe_merges(ranks) if merges is None else merges
+    endoftext, im_end = (len(ranks) + specials.index(s) for s in ("<|endoftext|>", "<|im_end|>"))
+    write_tokenizer_json(path, ranks, merges, specials)
     config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
               "pad_token": "<|endoftext|>", "chat_template": CHATML}
     generation = {"eos_token_id": [im_end, endoftext], "pad_token_id": endoftext}
