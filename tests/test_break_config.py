@@ -70,7 +70,7 @@ def test_config_file_that_breaks_out_is_refused_by_name(tmp_path, text, names):
 @pytest.mark.parametrize("text,line", [
     ("import sys\nsys.exit(0)\n", "line 2: SystemExit(0)"),
     ("import os\nos._exit(0)\n", "line 2: os._exit(0)"),  # would end the process past any handler
-    ("raise KeyboardInterrupt\n", "line 1: KeyboardInterrupt"),
+    pytest.param("raise KeyboardInterrupt\n", "line 1: KeyboardInterrupt", marks=pytest.mark.slow),  # as sys.exit
 ], ids=["sys.exit", "os._exit", "KeyboardInterrupt"])
 def test_train_py_prints_one_config_error_line_for_an_exit_in_the_file(tmp_path, text, line):
     path = tmp_path / "c.py"

@@ -167,6 +167,7 @@ def test_bf16_model_runs_and_replays_its_own_routes(tiny_cfg):
     torch.testing.assert_close(again, logits, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # torch.compile's first compile, about 8 s on 2 idle cores
 def test_compiled_blocks_equal_eager_in_fp32_with_grads(tiny_cfg):
     """torch.compile'd blocks (as parallelize(compile=True) makes them) run the fp32 grouped GEMMs
     eagerly inside the graph and match the eager model, forward and backward."""

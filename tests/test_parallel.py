@@ -69,7 +69,8 @@ def reference(tmp_path_factory):
     return ckpt, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world, ep, ac", [(2, 1, False), (2, 2, False), (2, 2, True), (4, 2, False)],
+@pytest.mark.parametrize("world, ep, ac", [(2, 1, False), (2, 2, False), (2, 2, True),
+                                           pytest.param(4, 2, False, marks=pytest.mark.slow)],  # 4 processes: slow
                          ids=["fsdp2", "fsdp2_ep2", "fsdp2_ep2_ac", "fsdp4_ep2_efsdp2"])
 def test_several_process_step_equals_one_process_step(reference, tmp_path, world, ep, ac):
     """FSDP over all ranks, the experts split over ep of them; with 4 ranks and ep = 2 each expert is also

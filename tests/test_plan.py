@@ -24,14 +24,15 @@ def _bench_memory():
     return module
 
 
-@pytest.mark.parametrize("path", [p if p.endswith("tiny.py") else pytest.param(p, marks=pytest.mark.slow)
+@pytest.mark.parametrize("path", [p if os.path.basename(p) == "tiny.py" else pytest.param(p, marks=pytest.mark.slow)
                                   for p in CONFIGS], ids=[os.path.basename(p) for p in CONFIGS])
-def test_every_config_passes_the_dry_run_plan(path, capsys):  # beyond tiny's, 20-60 s each on 2 cores
+def test_every_config_passes_the_dry_run_plan(path, capsys):  # beyond tiny's (the path), 15-60 s each on 2 cores
     result = train.main(train.parse_args([path, "dry_run=True"]))
     assert len(result["plan"]) >= 1 and all(row["total"] > 0 for row in result["plan"])
     assert "parameters:" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # four measured runs, about 20 s on 2 idle cores
 def test_the_plan_is_within_2_percent_of_measured_trainers_and_5_of_engines_in_both_dtypes():
     """plan.py against the peaks of real runs of the same code on this CPU (bench/memory.py): live
     tensor memory (the trainer's to the byte: the plan reads torch's own tracker; the engine's within
@@ -51,6 +52,7 @@ def test_the_plan_is_within_2_percent_of_measured_trainers_and_5_of_engines_in_b
             assert 0.85 <= planned / measured["rss"] <= 1.15, (part, args, planned, measured)
 
 
+@pytest.mark.slow  # about 10 s on 2 idle cores
 def test_the_plan_extends_two_and_three_moe_blocks_to_the_full_depth_exactly():
     cfg = train.parse_args([CONFIGS[-1], "model.n_layers=7", "model.first_k_dense_replace=1",
                             "model.dense_inter_dim=256", "dtype=bfloat16", "microbatch_tokens=1024"])

@@ -139,7 +139,8 @@ def continuous_worker(rank, world, port, kv_tokens):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kv_tokens", [0, 4 * least_pages(max(map(len, PROMPTS)), PARAMS.max_new_tokens, 4)],
+@pytest.mark.parametrize("kv_tokens", [pytest.param(0, marks=pytest.mark.slow),  # the preempting pool covers more
+                                       4 * least_pages(max(map(len, PROMPTS)), PARAMS.max_new_tokens, 4)],
                          ids=["pages-for-every-slot", "least-pages-preempting"])
 def test_continuous_sharded_engine_samples_the_static_sharded_rollouts_in_lockstep(kv_tokens):  # about 10 s each
     mp.start_processes(continuous_worker, args=(2, free_port(), kv_tokens), nprocs=2, join=True, start_method="spawn")
