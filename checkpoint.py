@@ -11,8 +11,8 @@ hub layout):
   rng_state / set_rng_state carry the generators across;
 - the run folder: check_run_folder (before any work: out_dir writable, with room for all the
   run writes, the final model included (run_bytes), apart from the init checkpoint, free of a
-  live run, holding no other run's checkpoints) and take_lock; rescue_folders, where a final
-  model out_dir can no longer take goes instead (train.save_model).
+  live run, holding no other run's checkpoints) and lock_run_folder (run_lock.take_lock); rescue_folders, where a final
+  model out_dir can no longer take goes instead (save_model: the final model, hf.save_hf).
 A resumed run ends bit-exactly where an uninterrupted one would (train.py restores the RNGs
 last, so nothing draws between the restore and the next step).
 
@@ -41,10 +41,7 @@ Notable choices:
    checkpoint's config.json and out_dir/run_config.json record them. Resuming a checkpoint written
    with other settings is an error naming each one (old -> new) unless resume_changed is set; a
    fresh run refuses a folder holding another run's checkpoints, which resume=auto would continue.
-7. One live run per folder: rank 0 creates out_dir/run.lock (O_EXCL) holding its pid, host and the
-   process's start time, and removes it at the end. A lock whose process is gone from this host (or
-   whose pid now names a process started later) is a killed run's: taken over with a warning. A
-   lock from another host cannot be checked from here: the error names it.
+7. One live run per folder: run_lock.py (take_lock), checked by check_run_folder, taken by lock_run_folder.
 8. A full disk, a read-only folder or a missing permission during a save is one WriteError line
    naming the folder and the bytes it needed; the half-written `.tmp` folder is removed.
 """
@@ -59,20 +56,22 @@ import json
 import os
 import random
 import shutil
-import socket
 import tempfile
-import time
 import warnings
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 
 from distributed import all_gather_list, all_reduce_float, barrier, collective_group, rank_world
+from hf import save_hf
 from metrics import WRITE_ERRNOS, WriteError, free_bytes, write_atomic, write_error
+from run_lock import LOCK_FILE, lock_state, take_lock
 from weights import local
 
 if TYPE_CHECKING:
     from config import TrainConfig
+    from tokenizer import Tokenizer
 
 
 CKPT_SUBDIR = "ckpt"  # under out_dir: one folder per checkpoint, step_<position>
@@ -84,8 +83,6 @@ and a conservative one for a shared network filesystem (NFS, Lustre, a cloud fil
 SAVE_TIMEOUT_FACTOR = 3  # over the bytes' time at WRITE_BYTES_PER_S: stragglers, contention with other jobs
 SAVE_ALLOWANCE_S = 300.0  # over any size: DCP's planning, the fsyncs, the rename, deleting the oldest checkpoint
 
-LOCK_FILE = "run.lock"  # in out_dir while a run writes there: its pid, host and start (take_lock)
-LOCK_WRITE_GRACE_S = 60.0  # a lock file still unreadable this long after it was made: its run died creating it
 CKPT_BYTES_PER_PARAM = 12  # a checkpoint holds fp32 weights and AdamW's two fp32 moments (whatever the compute dtype)
 MODEL_BYTES_PER_PARAM = 4  # the final model (hf.save_hf) in the parameters' own dtype: fp32 (distributed.build_model)
 RUN_FILES_BYTES = 64 << 20
@@ -511,6 +508,54 @@ def no_room(folder: str, needed: int) -> str | None:
     return f"{folder}: {free:,} bytes free, the model needs about {needed:,}" if free < needed else None
 
 
+def save_model(model: torch.nn.Module, tok: Tokenizer, cfg: TrainConfig, num_params: int):
+    """The final policy in the HF hub layout in out_dir: config.json and safetensors (hf.save_hf, a
+    parameter at a time, written by rank 0 shard by shard) with the tokenizer files beside them, so
+    transformers, SGLang and this project's init_hf/init_from load it. num_params: the model's (plan.param_counts),
+    which sizes the room a rescue folder needs. Collective.
+
+    The model exists only in memory until it is written, so a write that fails (the disk filled during the run, the
+    folder made read-only) is retried in a rescue folder (rescue_folders: beside out_dir, else under
+    $TMPDIR), each first checked for room. Raises WriteError either way: naming where the model went, or, when no
+    folder took it, each failure and the newest checkpoint, the last good state left."""
+    failure = _save_model_in(model, tok, cfg.out_dir)
+    if failure is None:
+        return
+    rank0 = rank_world()[0] == 0
+    needed = MODEL_BYTES_PER_PARAM * num_params + RUN_FILES_BYTES
+    tried = []
+    for folder in all_gather_list(rescue_folders(cfg.out_dir) if rank0 else []):  # rank 0's, which writes
+        why = all_gather_list([no_room(folder, needed) if rank0 else None])[0]
+        if why is None:
+            made = not os.path.exists(folder)
+            if (why := _save_model_in(model, tok, folder)) is None:
+                raise WriteError(f"{failure}; the trained model is saved in {folder} instead (config.json, "
+                                 f"safetensors and tokenizer files, as out_dir would hold them): move them into "
+                                 f"{cfg.out_dir} once there is room, or load them from there (init_from={folder!r})")
+            if made and rank0:  # nothing partial left
+                shutil.rmtree(folder, ignore_errors=True)
+        tried.append(why)
+    newest = latest_checkpoint(cfg.out_dir)
+    raise WriteError(f"{failure}; no rescue folder took it either ({'; '.join(tried)}): the trained model is lost; "
+                     + (f"the newest checkpoint ({newest}) holds the last good state (resume=auto continues from "
+                        f"it once there is room)" if newest else f"no checkpoint was written (ckpt_every="
+                        f"{cfg.ckpt_every})"))
+
+
+def _save_model_in(model: torch.nn.Module, tok: Tokenizer, folder: str) -> str | None:
+    # save_model's one attempt, collective: None, or rank 0's failure (every rank gets it, to retry together)
+    write, failure = rank_world()[0] == 0, None
+    try:
+        save_hf(model, folder, write=write)
+        if write:
+            tok.save(folder)
+    except OSError as e:  # a full disk, a folder made read-only during the run
+        failure = str(write_error(folder, e))
+    except SafetensorError as e:  # safetensors' own error for a failed write, naming the OS's
+        failure = f"cannot write the model in {folder}: {e}"
+    return all_gather_list([failure])[0]
+
+
 def check_run_folder(cfg: TrainConfig, needed: dict[str, int] | None = None, lock: bool = True):
     """out_dir can hold this run, checked before any work without writing there: it is (or can be made) a folder
     this process can write in, with room for what the run writes (`needed`: run_bytes' parts; None: not
@@ -548,7 +593,7 @@ def check_run_folder(cfg: TrainConfig, needed: dict[str, int] | None = None, loc
         parts = "; ".join(f"{what}: {n:,}" for what, n in needed.items())
         raise ValueError(f"out_dir={out!r}: {free:,} bytes free on its filesystem; the run writes about "
                          f"{sum(needed.values()):,} ({parts}); free space, or write the run elsewhere")
-    busy = _lock_state(os.path.join(out, LOCK_FILE))[2] if lock else None
+    busy = lock_state(os.path.join(out, LOCK_FILE))[2] if lock else None
     if busy:
         raise ValueError(f"out_dir={out!r} is in use: {busy}")
     own = cfg.resume == "auto" or os.path.realpath(cfg.resume).startswith(os.path.join(real, CKPT_SUBDIR, ""))
@@ -569,127 +614,6 @@ def check_run_folder(cfg: TrainConfig, needed: dict[str, int] | None = None, loc
                              f"{'; '.join(changes)}): this run would write beside them, and resume=auto would "
                              f"continue theirs; write this run to another out_dir, move {os.path.dirname(ckpt)} "
                              f"away, or resume that run with its settings")
-
-
-@dataclasses.dataclass
-class RunLock:
-    """out_dir/run.lock as take_lock wrote it; release() removes it if it is still this run's."""
-    path: str
-    text: str
-
-    def release(self):
-        try:
-            with open(self.path) as f:
-                if f.read() != self.text:  # not ours any more: leave it to its holder
-                    return
-            os.remove(self.path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:  # out_dir made unwritable during the run: say so, without hiding the run's own error
-            warnings.warn(f"could not remove {self.path}: {e.strerror}; delete it before the next run", stacklevel=2)
-
-
-def take_lock(out_dir: str, run: str) -> RunLock:
-    """Create out_dir (if needed) and its lock file, exclusively: {pid, host, start, since, run}. A stale lock (its
-    process gone from this host) is taken over with a warning naming it. Rank 0 only. Raises ValueError when a
-    live run (or one on another host) holds it, WriteError when out_dir cannot be written."""
-    path = os.path.join(out_dir, LOCK_FILE)
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid()),
-          "since": time.strftime("%Y-%m-%d %H:%M:%S"), "run": run}
-    text = json.dumps(me)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        for _ in range(3):  # after a stale lock is taken over, or its holder just removed it: once more
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                seen, holder, busy = _lock_state(path)
-                if busy:
-                    raise ValueError(f"out_dir={out_dir!r} is in use: {busy}") from None
-                if seen:
-                    warnings.warn(f"{path}: left by pid {holder.get('pid', '?')} on {holder.get('host', '?')} "
-                                  f"(since {holder.get('since', '?')}), which is no longer running; this run takes "
-                                  f"it over", stacklevel=2)
-                    _remove_stale(path, seen)
-                continue
-            try:
-                os.write(fd, text.encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            return RunLock(path, text)
-    except OSError as e:
-        if e.errno in WRITE_ERRNOS:
-            raise write_error(path, e) from None
-        raise
-    raise ValueError(f"out_dir={out_dir!r} is in use: another run took {path} while this one took over a stale one")
-
-
-def _lock_state(path: str) -> tuple[str, dict, str | None]:
-    # (the lock file's text, its holder, why it keeps a new run out: None when there is none or it is stale)
-    try:
-        with open(path) as f:
-            text = f.read()
-        age = time.time() - os.path.getmtime(path)
-    except FileNotFoundError:
-        return "", {}, None
-    try:
-        holder = json.loads(text)
-        pid, host = int(holder["pid"]), str(holder["host"])
-    except (ValueError, KeyError, TypeError):  # made, not yet written; or its run died between the two
-        busy = f"{path} is being taken by another run" if age < LOCK_WRITE_GRACE_S else None
-        return text, {}, busy
-    named = f"run {holder.get('run', '?')} (pid {pid} on host {host}, since {holder.get('since', '?')}) holds {path}"
-    if host != socket.gethostname():
-        return text, holder, (f"{named}, which this host ({socket.gethostname()}) cannot check; if that run has "
-                              f"ended, delete {path}")
-    if _running(pid, holder.get("start")):
-        return text, holder, (f"{named}; two runs in one folder overwrite each other's checkpoints and metrics: "
-                              f"wait for it to end, stop it, or write this run elsewhere")
-    return text, holder, None
-
-
-def _process_start(pid: int) -> str | None:
-    # When process `pid` started (clock ticks since boot, /proc/<pid>/stat's 22nd field); None without /proc
-    # or such a process. A pid's number is reused; its start time tells the processes apart.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]  # a zombie has ended; only its exit status is left
-
-
-def _running(pid: int, start: str | None) -> bool:
-    # Whether process `pid` of this host, started at `start` (if known), still runs.
-    if os.path.isdir("/proc/self"):
-        now = _process_start(pid)
-        return now is not None and (start is None or now == start)
-    try:  # no /proc (macOS): signal 0 asks only whether the pid exists
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def _remove_stale(path: str, seen: str):
-    # Remove the stale lock whose text is `seen`, but never a fresh one another run made in the meantime: move it
-    # aside (atomic), then put back what was moved if it is not what was seen.
-    grave = f"{path}.stale{os.getpid()}"
-    try:
-        os.rename(path, grave)
-    except FileNotFoundError:  # another run removed it first
-        return
-    with open(grave) as f:
-        moved = f.read()
-    if moved != seen:
-        try:
-            os.link(grave, path)
-        except FileExistsError:
-            pass
-    os.remove(grave)
 
 
 def lock_run_folder(cfg):

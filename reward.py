@@ -61,7 +61,6 @@ Penalties and shaping:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -470,30 +469,6 @@ Scorer = RewardModel | PairwiseJudge
 `isinstance(scorer, PairwiseJudge)` (both protocols are runtime-checkable, each member declared)."""
 
 
-class StubRewardModel:
-    """Deterministic stand-in for tests: a hash of (prompt, completion) mapped to [-1, 1], i.e. pure noise."""
-    sharded = False  # each rank's its own
-
-    def score(self, prompts: list[str], completions: list[str]) -> list[float]:
-        out = []
-        for p, c in zip(prompts, completions):
-            # blake2b, not hash(): Python salts str hashes per process, and the stub must agree across runs and ranks
-            h = int.from_bytes(hashlib.blake2b(f"{p}\0{c}".encode(), digest_size=8).digest(), "little")
-            out.append(2.0 * h / 2**64 - 1.0)  # 64-bit integer -> [-1, 1)
-        return out
-
-
-class StubJudge:
-    """Deterministic stand-in for tests: the shorter text is better, equal lengths tie. It counts nothing."""
-
-    def __init__(self):
-        self.counts = Counter()
-
-    def compare(self, prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
-        return [JUDGE_OUTCOMES["better" if len(c) < len(r) else "tie" if len(c) == len(r) else "worse"]
-                for c, r in zip(completions, references)]
-
-
 def judge_score(p_better: torch.Tensor, *, dead_band: float) -> torch.Tensor:
     """Judge probabilities -> shaping scores in [-1, 1]: 0 where |p - 1/2| <= dead_band (a tie), linear to +-1 outside.
 
@@ -644,15 +619,6 @@ class RewardConfig:
         return not self.rm_only or self.judges
 
 
-
-
-def stand_in_scorer(cfg: RewardConfig) -> Scorer | None:
-    """The built-in scorer cfg.model names (None for ""). A checkpoint folder's reward model is
-    reward_model.reward_model_for's (it loads through hf.py, layers above this file); raises ValueError for one."""
-    if cfg.model not in REWARD_MODELS:
-        raise ValueError(f"reward.model={cfg.model!r} names a checkpoint folder: build its scorer with "
-                         f"reward_model.reward_model_for")
-    return {"": None, "stub": StubRewardModel(), "stub-judge": StubJudge()}[cfg.model]
 
 
 def scorer_outputs(scorer: Scorer, prompt: str, texts: list[str], reference: str) -> torch.Tensor:

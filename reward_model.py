@@ -6,7 +6,7 @@ holding a transformers sequence-classification checkpoint (config.json's archite
 this project's own model (model.Transformer, loaded by hf.load_hf), the `score` head [1, D] is read
 apart, and each (prompt, completion) is scored in the reward model's own chat template and tokenizer
 (tokenizer.load_hf_tokenizer). `reward_model_for(cfg)` is the run's scorer for `reward.model`: a
-checkpoint folder here, the stand-ins through reward.stand_in_scorer.
+checkpoint folder here, the stand-ins through stand_in_scorer.
 
 `GenerativeJudge` is a pairwise judge (reward.PairwiseJudge) on a causal LM's checkpoint
 (`reward.model=judge:<folder>`): `JUDGE_PROMPT` rendered in the judge's chat template, a greedy reply from a
@@ -78,6 +78,7 @@ Notable choices:
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -91,7 +92,7 @@ import torch
 from distributed import all_reduce_float, own_meshes, parallelize, rank_world
 from hf import load_hf
 from hf_config import config_from_hf, read_config, weight_files
-from reward import JUDGE_OUTCOMES, JUDGE_PREFIX, REWARD_MODELS, RewardConfig, Scorer, stand_in_scorer
+from reward import JUDGE_OUTCOMES, JUDGE_PREFIX, REWARD_MODELS, RewardConfig, Scorer
 from tokenizer import NFC, Tokenizer, _specials, load_hf_tokenizer
 
 if TYPE_CHECKING:
@@ -315,11 +316,44 @@ Generate = Callable[[list[list[int]]], list[list[int]]]
 """A greedy generator: prompts' ids -> each reply's ids, its stop token left out."""
 
 
+class StubRewardModel:
+    """Deterministic stand-in for tests: a hash of (prompt, completion) mapped to [-1, 1], i.e. pure noise."""
+    sharded = False  # each rank's its own
+
+    def score(self, prompts: list[str], completions: list[str]) -> list[float]:
+        out = []
+        for p, c in zip(prompts, completions):
+            # blake2b, not hash(): Python salts str hashes per process, and the stub must agree across runs and ranks
+            h = int.from_bytes(hashlib.blake2b(f"{p}\0{c}".encode(), digest_size=8).digest(), "little")
+            out.append(2.0 * h / 2**64 - 1.0)  # 64-bit integer -> [-1, 1)
+        return out
+
+
+class StubJudge:
+    """Deterministic stand-in for tests: the shorter text is better, equal lengths tie. It counts nothing."""
+
+    def __init__(self):
+        self.counts = Counter()
+
+    def compare(self, prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
+        return [JUDGE_OUTCOMES["better" if len(c) < len(r) else "tie" if len(c) == len(r) else "worse"]
+                for c, r in zip(completions, references)]
+
+
+def stand_in_scorer(cfg: RewardConfig) -> Scorer | None:
+    """The built-in scorer cfg.model names (None for ""). A checkpoint folder's reward model is
+    reward_model_for's; raises ValueError for one."""
+    if cfg.model not in REWARD_MODELS:
+        raise ValueError(f"reward.model={cfg.model!r} names a checkpoint folder: build its scorer with "
+                         f"reward_model.reward_model_for")
+    return {"": None, "stub": StubRewardModel(), "stub-judge": StubJudge()}[cfg.model]
+
+
 def reward_model_for(cfg: RewardConfig, *, device: str | torch.device = "cpu",
                      judge_generator: Callable[[Transformer, Tokenizer], Generate] | None = None) -> Scorer | None:
     """The run's scorer for cfg.model: an HFRewardModel of a checkpoint folder (on device, cfg.rm_batch_size
     pairs per forward), a GenerativeJudge of 'judge:<folder>' (its model loaded by hf.load_hf, its generator
-    `judge_generator(model, tokenizer)`), else reward.stand_in_scorer's stand-in (None for "").
+    `judge_generator(model, tokenizer)`), else stand_in_scorer's stand-in (None for "").
     Raises ValueError for rm_only without a scorer, a judge without judge_generator, and what the loaders refuse."""
     if cfg.rm_only and not cfg.model:
         raise ValueError("reward.rm_only=True: the reward is the reward model's alone, so reward.model must name one "

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from collections import Counter
@@ -40,12 +39,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError
 from tqdm import tqdm
 
-from checkpoint import (MODEL_BYTES_PER_PARAM, RUN_FILES_BYTES, check_run_folder, latest_checkpoint, lock_run_folder,
-                        no_room, read_checkpoint, rescue_folders, resume_checkpoint, rng_state, run_bytes,
-                        set_rng_state, write_checkpoint)
+from checkpoint import (check_run_folder, latest_checkpoint, lock_run_folder, read_checkpoint, resume_checkpoint,
+                        rng_state, run_bytes, save_model, set_rng_state, write_checkpoint)
 from config import ConfigError, TrainConfig, parse_args
 from data import Item, Prompts, RunData, load_run_data
 from distributed import Meshes, all_gather_list, build_model, rank_world, reference_copy, setup_distributed
@@ -53,8 +50,8 @@ from espo import ragged_group_advantages
 from evaluation import HeldOut, run_eval, summarize
 from filter import (STAGE1_COUNTS, STAGE2_COUNTS, PromptHistory, Scored, is_informative, oversample_size,
                     pre_rollout_filter, probe_decisions, stage3)
-from hf import check_weights, save_hf
-from metrics import MetricsLog, WriteError, check_logger, read_records, write_atomic, write_error
+from hf import check_weights
+from metrics import MetricsLog, WriteError, check_logger, read_records, write_atomic
 from plan import param_counts
 from reward_model import check_scorer_context, reward_model_for, scorer_model_config
 from rollout import Engine, build_engine, engine_builder, producer_engine, stop_engine_servers
@@ -535,54 +532,6 @@ def start_run(cfg: TrainConfig, start: Start, meshes: Meshes | None) -> Run:
                scores_collectively(scorer) else None)  # a sharded one scores collectively (shaping's choice 4)
 
 
-def save_model(run: Run):
-    """The final policy in the HF hub layout in out_dir: config.json and safetensors (hf.save_hf, a
-    parameter at a time, written by rank 0 shard by shard) with the tokenizer files beside them, so
-    transformers, SGLang and this project's init_hf/init_from load it. Collective.
-
-    The model exists only in memory until it is written, so a write that fails (the disk filled during the run, the
-    folder made read-only) is retried in a rescue folder (checkpoint.rescue_folders: beside out_dir, else under
-    $TMPDIR), each first checked for room. Raises WriteError either way: naming where the model went, or, when no
-    folder took it, each failure and the newest checkpoint, the last good state left."""
-    cfg = run.cfg
-    failure = _save_model_in(run, cfg.out_dir)
-    if failure is None:
-        return
-    rank0 = rank_world()[0] == 0
-    needed = MODEL_BYTES_PER_PARAM * param_counts(cfg.model)["total"] + RUN_FILES_BYTES
-    tried = []
-    for folder in all_gather_list(rescue_folders(cfg.out_dir) if rank0 else []):  # rank 0's, which writes
-        why = all_gather_list([no_room(folder, needed) if rank0 else None])[0]
-        if why is None:
-            made = not os.path.exists(folder)
-            if (why := _save_model_in(run, folder)) is None:
-                raise WriteError(f"{failure}; the trained model is saved in {folder} instead (config.json, "
-                                 f"safetensors and tokenizer files, as out_dir would hold them): move them into "
-                                 f"{cfg.out_dir} once there is room, or load them from there (init_from={folder!r})")
-            if made and rank0:  # nothing partial left
-                shutil.rmtree(folder, ignore_errors=True)
-        tried.append(why)
-    newest = latest_checkpoint(cfg.out_dir)
-    raise WriteError(f"{failure}; no rescue folder took it either ({'; '.join(tried)}): the trained model is lost; "
-                     + (f"the newest checkpoint ({newest}) holds the last good state (resume=auto continues from "
-                        f"it once there is room)" if newest else f"no checkpoint was written (ckpt_every="
-                        f"{cfg.ckpt_every})"))
-
-
-def _save_model_in(run: Run, folder: str) -> str | None:
-    # save_model's one attempt, collective: None, or rank 0's failure (every rank gets it, to retry together)
-    write, failure = rank_world()[0] == 0, None
-    try:
-        save_hf(run.model, folder, write=write)
-        if write:
-            run.tok.save(folder)
-    except OSError as e:  # a full disk, a folder made read-only during the run
-        failure = str(write_error(folder, e))
-    except SafetensorError as e:  # safetensors' own error for a failed write, naming the OS's
-        failure = f"cannot write the model in {folder}: {e}"
-    return all_gather_list([failure])[0]
-
-
 def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
     """main's body once the config and the files are checked and the process group (if any) is up."""
     rank, world = rank_world()
@@ -641,7 +590,7 @@ def run(cfg: TrainConfig, start: Start, meshes: Meshes | None = None) -> dict:
     if r.scorer_queue is not None:
         r.scorer_queue.close()
     r.log.close()
-    save_model(r)
+    save_model(r.model, r.tok, cfg, param_counts(cfg.model)["total"])
     return summarize(cfg, r.held_out, r.log.records, r.t_start)
 
 

@@ -9,7 +9,7 @@ and the settings of a new run into it, and names the outcome:
   engine, metrics log; no step), then the row's own check;
 - raises: a direct call, ended as a full disk ends it: one ValueError line holding the words, and
   nothing partial left.
-Every row fails on the code before the run-folder checks (checkpoint.check_run_folder, take_lock,
+Every row fails on the code before the run-folder checks (checkpoint.check_run_folder, run_lock.take_lock,
 the settings check in resume_checkpoint, metrics.read_records and WriteError, check_logger, the
 dry run's prepare). Only names that code has are imported, so there the table runs and fails row
 by row.
@@ -35,9 +35,10 @@ from safetensors import SafetensorError
 import checkpoint
 import train
 from config import ConfigError, TrainConfig, load_config, parse_args
-from checkpoint import take_lock
 from metrics import MetricsLog, WriteError
 from model import Transformer
+from plan import param_counts
+from run_lock import take_lock
 from runs import MICRO, make_run, micro_config
 
 SHORT = ["sft_steps=2", "rl_steps=1", "ckpt_every=1", "eval_size=8", "eval_samples=1"]  # checkpoints 2 (SFT), 3 (RL)
@@ -444,11 +445,10 @@ def test_the_final_model_save_that_cannot_write_is_one_write_error(error, monkey
     """out_dir made read-only (or full) during the run: the final save_hf is a WriteError line, not a traceback."""
     def fail(*args, **kwargs):
         raise error
-    monkeypatch.setattr(train, "save_hf", fail)
+    monkeypatch.setattr(checkpoint, "save_hf", fail)
     cfg = micro_config(tmp_path)
-    run = SimpleNamespace(model=None, tok=None, cfg=cfg)
     with pytest.raises(WriteError, match=f"cannot write (the model in )?{cfg.out_dir}") as e:
-        train.save_model(run)
+        checkpoint.save_model(None, None, cfg, 0)
     assert "\n" not in str(e.value)
 
 
@@ -482,7 +482,7 @@ def test_a_final_model_out_dir_cannot_take_is_saved_in_a_rescue_folder(sibling_r
     full_disk_writes(monkeypatch, cfg.out_dir)
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     with pytest.raises(WriteError) as e:
-        train.save_model(run)
+        checkpoint.save_model(run.model, run.tok, cfg, param_counts(cfg.model)["total"])
     rescue = os.path.join(disk if sibling_room else scratch, f"run.rescue-{os.getpid()}")
     assert str(e.value) == (f"cannot write {cfg.out_dir}: No space left on device (ENOSPC): 1,000 bytes are free; the "
                             f"trained model is saved in {rescue} instead (config.json, safetensors and tokenizer "
@@ -507,7 +507,7 @@ def test_a_final_model_no_folder_takes_says_what_failed_and_what_is_left(with_ch
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
     full_disk_writes(monkeypatch, tmp_path)
     with pytest.raises(WriteError) as e:
-        train.save_model(run)
+        checkpoint.save_model(run.model, run.tok, cfg, param_counts(cfg.model)["total"])
     beside, scratch = (os.path.join(tmp_path, where, f"run.rescue-{os.getpid()}") for where in ("", "scratch"))
     assert str(e.value).startswith(f"cannot write {cfg.out_dir}: No space left on device (ENOSPC): ")
     assert f"; no rescue folder took it either (cannot write {beside}: No space left on device (ENOSPC): " in str(e.value)

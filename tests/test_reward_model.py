@@ -463,7 +463,8 @@ def test_an_hf_run_with_a_reward_model_logs_its_scores_and_keeps_correct_above_w
 def test_rm_only_rewards_are_the_bounded_reward_model_term_whatever_the_verifier_says():
     """reward.rm_only (configs/qwen3_30b_a3b_rm.py): no correctness class, so the reward is rm_weight * rm_score,
     clamped to [-1, 1], where adjust_rewards would leave a one-class group without any shaping."""
-    from reward import StubRewardModel, shaped_rewards
+    from reward import shaped_rewards
+    from reward_model import StubRewardModel
     cfg = RewardConfig(model="stub", rm_only=True, rm_weight=1.0)
     texts = ["4", "five", "<answer>5</answer>", "I do not know"]
     want = rm_score(torch.tensor(StubRewardModel().score(["2 + 3?"] * 4, texts)), scale=1.0).float()
