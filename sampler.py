@@ -55,10 +55,18 @@ class Rollout:
     finish_reason: str  # "stop" (EOS sampled) or "length" (max_new_tokens reached)
     group_id: int  # index of the prompt in the generate() call (or group_ids[i]); rollouts of one prompt share it
     weight_version: int  # the engine's version when it generated this rollout (staleness = trainer's - this)
+    # one 0/1 per completion_ids entry: 0 where the model did not sample the token (a tool's response, fed to the
+    # model as input but never trained, its logprob never read); None = every completion token trained
+    loss_mask: list[int] | None = None
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def num_trained(self) -> int:
+        """Completion tokens the loss trains: the token-mean loss's normaliser counts these."""
+        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
 
     @property
     def text_ids(self) -> list[int]:
@@ -67,8 +75,9 @@ class Rollout:
 
     def summary(self, rank: int, with_tokens: bool = False) -> RolloutSummary:
         """Its scalars, for the other ranks (with the completion's ids if with_tokens)."""
-        return RolloutSummary(len(self.prompt_ids), len(self.completion_ids), self.finish_reason, self.group_id,
-                              self.weight_version, rank, list(self.completion_ids) if with_tokens else None)
+        return RolloutSummary(len(self.prompt_ids), len(self.completion_ids), self.num_trained, self.finish_reason,
+                              self.group_id, self.weight_version, rank,
+                              list(self.completion_ids) if with_tokens else None)
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,8 @@ class RolloutSummary:
     stay on the rank that generated it, which trains it). completion_ids only when reward shaping reads
     the group's completions."""
     prompt_len: int
-    num_tokens: int
+    num_tokens: int  # generated tokens, tool tokens included
+    num_trained: int  # those the loss trains (Rollout.num_trained): the token-mean normaliser's count
     finish_reason: str
     group_id: int
     weight_version: int

@@ -295,8 +295,10 @@ def kept_batch(run: Run, groups, keep_P: torch.Tensor, zero_var_P: torch.Tensor,
     zvp = {a: kept[j][2].reward > 0 for a, j in enumerate(mine) if zero_var_P[kept[j][1]]}
     return TrainBatch(seqs=[x.prompt_ids + x.completion_ids for x in r], starts=[x.prompt_len for x in r],
                       routes=[x.routes for x in r], adv_B=adv[[kept[j][0] for j in mine]],
-                      infer_logp=[x.logprobs for x in r], zvp=zvp, pad_id=run.tok.pad_id, ids=mine,
-                      all_lens=[s.num_tokens for _, _, s in kept])
+                      infer_logp=[x.logprobs for x in r], loss_masks=[x.loss_mask for x in r], zvp=zvp,
+                      pad_id=run.tok.pad_id, ids=mine,
+                      # trained tokens only (a Rollout's or another rank's RolloutSummary's): the token-mean normaliser
+                      all_lens=[s.rollout.num_trained for _, _, s in kept])
 
 
 def rollout_metrics(step: int, groups, correct, lengths, filtered: dict, t_generate: float) -> dict:

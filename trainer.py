@@ -14,6 +14,12 @@ step (`TrainBatch`: sequences, the engine's routes and logprobs, advantages):
      accumulated over token-budget micro-batches (`pack_microbatches`).
   4. The train-inference mismatch: k3 of KL(pi_infer || pi_old) and friends (espo.mismatch_metrics).
 
+A completion's loss mask (`TrainBatch.loss_masks`, from sampler.Rollout.loss_mask) marks the tokens the
+model did not sample, a tool's response: they stay model inputs (their KV and replayed routes shape the
+tokens after them) but get NO_TARGET and mask 0 in `sequence_batch`, so no logprob is computed for them and
+every consumer of the mask sees trained tokens only: the loss and its normaliser (all_lens counts trained
+tokens), ESPO's entropy bins, RL-ZVP's max entropy, TIS / IcePop weights and the mismatch metrics.
+
 A NaN or inf loss, gradient norm or advantage stops the run before the optimizer step it would
 poison (`NonFiniteError`): the weights and optimizer state stay those of the last good step, so the
 newest checkpoint is the last good state. Every value checked is the same on all ranks (a global
@@ -48,12 +54,14 @@ LR_FLOOR = 0.1  # the SFT schedule's cosine ends at this fraction of the peak le
 
 
 def sequence_batch(seqs: list[list[int]], starts: list[int], pad_id: int, routes: list[torch.Tensor] | None = None,
-                   num_layers: int = 0, top_k: int = 0):
+                   num_layers: int = 0, top_k: int = 0, loss_masks: list[list[int] | None] | None = None):
     """Right-padded next-token batch from full sequences (prompt + completion).
 
-    Returns inputs_BT, targets_BT (int64; NO_TARGET where no loss reads the position: the prompt
-    and padding), mask_BT (1 where the target is a completion token: positions >= start - 1) and,
-    if routes are given, routes_BTLK (-1 on padding).
+    Returns inputs_BT, targets_BT (int64; NO_TARGET where no loss reads the position: the prompt,
+    padding and untrained completion tokens), mask_BT (1 where the target is a trained completion
+    token: positions >= start - 1 whose loss mask is 1) and, if routes are given, routes_BTLK (-1 on
+    padding). loss_masks: per sequence, one 0/1 per completion token (None, or a None entry: all 1);
+    a 0 (a tool's response) stays a model input, its routes replayed, but gets no target and no loss.
     """
     B, T = len(seqs), max(len(s) for s in seqs) - 1
     inputs = torch.full((B, T), pad_id, dtype=torch.long)
@@ -67,6 +75,11 @@ def sequence_batch(seqs: list[list[int]], starts: list[int], pad_id: int, routes
         inputs[i, :n] = torch.tensor(s[:-1])
         targets[i, start - 1:n] = torch.tensor(s[start:])  # position t predicts token t + 1
         mask[i, start - 1:n] = 1.0  # the last prompt position predicts the first completion token
+        if loss_masks is not None and loss_masks[i] is not None:
+            trained_C = torch.tensor(loss_masks[i], dtype=torch.bool)
+            mask[i, start - 1:n] = trained_C.float()
+            # NO_TARGET: the model computes no logprob or entropy for a token it did not sample
+            targets[i, start - 1:n] = torch.where(trained_C, targets[i, start - 1:n], NO_TARGET)
         if routes is not None:
             routes_BTLK[i, :n] = routes[i]  # the engine recorded routes for every token fed to the model
     return inputs, targets, mask, routes_BTLK
@@ -198,22 +211,43 @@ class TrainBatch:
     routes: list[torch.Tensor]  # [len(seqs[i]) - 1, L, K] routed experts recorded by the engine
     adv_B: torch.Tensor  # one advantage per sequence
     infer_logp: list[torch.Tensor] | None = None  # [len(completion)] the engine's log pi_infer of each completion token
+    # per sequence, one 0/1 per completion token (sampler.Rollout.loss_mask): 0 = fed, never trained (a tool's
+    # response); None (the list or an entry) = all trained. Every consumer of the trainer's mask sees trained only.
+    loss_masks: list[list[int] | None] | None = None
     zvp: dict[int, bool] = field(default_factory=dict)  # i -> all correct, for the kept zero-variance groups (RL-ZVP)
     pad_id: int = 0
     old_logp: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] log pi_old (set_old)
     old_ent: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] entropy of pi_old (nats)
     adv_tokens: dict[int, torch.Tensor] = field(default_factory=dict)  # i -> [len(seqs[i]) - 1] token advantages
     # Several ranks: the step's kept sequences are numbered 0..N-1 the same way on every rank; this rank holds
-    # those it generated, ids[i] being sequence i's number, and knows every one's completion length (all_lens,
-    # the loss normaliser). Defaults: one process, which holds them all.
+    # those it generated, ids[i] being sequence i's number, and knows every one's trained completion tokens
+    # (all_lens, the token-mean loss's normaliser). Defaults: one process, which holds them all.
     ids: list[int] | None = None
     all_lens: list[int] | None = None
 
     def __post_init__(self):
+        """Raises ValueError if a loss mask's length is not its completion's, or it holds other than 0 and 1."""
+        if self.loss_masks is not None:
+            for i, m in enumerate(self.loss_masks):
+                if m is None:
+                    continue
+                num_completion = len(self.seqs[i]) - self.starts[i]
+                if len(m) != num_completion:
+                    raise ValueError(f"sequence {i}: loss_mask has {len(m)} entries; its completion has "
+                                     f"{num_completion} tokens (one 0/1 per completion token)")
+                if any(x not in (0, 1) for x in m):
+                    raise ValueError(f"sequence {i}: loss_mask holds {sorted(set(m) - {0, 1})}; valid: 0 and 1")
         if self.ids is None:
             self.ids = list(range(len(self.seqs)))
         if self.all_lens is None:
             self.all_lens = [len(q) - st for q, st in zip(self.seqs, self.starts)]
+            if self.loss_masks is not None:
+                self.all_lens = [n if m is None else sum(m) for n, m in zip(self.all_lens, self.loss_masks)]
+
+    def trained(self, i: int) -> torch.Tensor | None:
+        """Sequence i's trained completion tokens, bool [len(completion)]; None when all are trained."""
+        m = self.loss_masks[i] if self.loss_masks is not None else None
+        return None if m is None else torch.tensor(m, dtype=torch.bool)
 
     def local(self, members: list[int]) -> list[int]:
         """The members (numbers among all ranks' sequences) this rank holds, as its own indices, in order."""
@@ -229,7 +263,12 @@ class TrainBatch:
             if i in self.zvp:
                 s = self.starts[i] - 1  # the completion's first target position
                 a = torch.zeros(n)
-                a[s:] = zvp_token_advantages(self.old_ent[i][s:n].cpu(), correct=self.zvp[i], alpha=zvp_alpha)
+                trained = self.trained(i)
+                if trained is None:
+                    a[s:] = zvp_token_advantages(self.old_ent[i][s:n].cpu(), correct=self.zvp[i], alpha=zvp_alpha)
+                else:  # the max entropy over trained tokens only: a tool token has none (0, NO_TARGET)
+                    ent = self.old_ent[i][s:n].cpu()[trained]
+                    a[s:][trained] = zvp_token_advantages(ent, correct=self.zvp[i], alpha=zvp_alpha)
                 self.adv_tokens[i] = a
 
     def advantages(self, idx: list[int], T: int) -> torch.Tensor:
@@ -246,9 +285,10 @@ class TrainBatch:
 
     def micro(self, idx: list[int], cfg: TrainConfig):
         """inputs, targets, loss mask [B, T] and routes to replay [B, T, L, K] (or None) for sequences idx."""
+        masks = [self.loss_masks[i] for i in idx] if self.loss_masks is not None else None
         inputs, targets, mask, routes = sequence_batch([self.seqs[i] for i in idx], [self.starts[i] for i in idx],
                                                        self.pad_id, [self.routes[i] for i in idx],
-                                                       cfg.model.num_moe_layers, cfg.model.top_k)
+                                                       cfg.model.num_moe_layers, cfg.model.top_k, masks)
         dev = cfg.device
         return inputs.to(dev), targets.to(dev), mask.to(dev), (routes.to(dev) if cfg.router_replay else None)
 
@@ -257,6 +297,9 @@ class TrainBatch:
         rows = [torch.zeros(len(self.seqs[i]) - 1) for i in idx]
         for row, i in zip(rows, idx):
             row[self.starts[i] - 1:] = self.infer_logp[i]  # target position t predicts token t + 1: starts at start - 1
+            trained = self.trained(i)
+            if trained is not None:  # a tool token's engine logprob (if any) is never read: selected, not multiplied
+                row[self.starts[i] - 1:] = torch.where(trained, row[self.starts[i] - 1:], 0.0)
         return pad_rows(rows, T)
 
 
@@ -377,11 +420,14 @@ def check_advantages(adv: list[torch.Tensor], step: int):
 
 
 def mismatch(batch: TrainBatch) -> dict:
-    """espo.mismatch_metrics of the engine's logprobs against pi_old, over the sequences whose pi_old
-    this rank computed; with several ranks their token-weighted mean (their max for the max)."""
+    """espo.mismatch_metrics of the engine's logprobs against pi_old, over the trained tokens of the sequences
+    whose pi_old this rank computed; with several ranks their token-weighted mean (their max for the max)."""
     idx = list(batch.old_logp)
     infer = [batch.infer_logp[i] for i in idx]
     old = [batch.old_logp[i][batch.starts[i] - 1:].cpu() for i in idx]  # pi_old of the completion tokens only
+    trained = [batch.trained(i) for i in idx]
+    infer = [x if t is None else x[t] for x, t in zip(infer, trained)]  # a tool token was not sampled: no mismatch
+    old = [x if t is None else x[t] for x, t in zip(old, trained)]
     m = mismatch_metrics(infer, old)
     if rank_world()[1] == 1:
         return m
