@@ -103,6 +103,7 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
             queue.forget()
         for p, x in all_gather_list(own):  # every rank's, rank order; one process: its own
             scores[p] = x
+        check_outputs(scores, judge, cfg.model, step)  # every rank holds them all: all raise alike
         counts = all_gather_list([dict(scorer.counts)]) if judge else []
     m = {"t_reward_model": time.perf_counter() - t0}
     if queue is not None:  # the scorer's own seconds this step, generation's overlap included
@@ -140,7 +141,20 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
 
 class BlindScorerError(RuntimeError):
     """Most of the scorer's outputs were unusable UNUSABLE_STEPS steps in a row (choice 5): it cannot see what it
-    scores. Every rank finds it alike (train.py's __main__ reports it in one line)."""
+    scores; or it returned what no score can be (check_outputs). Every rank finds it alike (train.py's __main__ reports it in one line)."""
+
+
+def check_outputs(scores: list[torch.Tensor], judge: bool, model: str, step: int):
+    """Raise BlindScorerError naming reward.model (`model`) for outputs no scorer can mean: an infinite reward-model
+    score (NaN is its "no score"), or a judge's P(better) that is not a probability in [0, 1] (NaN included).
+    HFRewardModel checks its own forward; this catches any scorer's, a user's protocol implementation too."""
+    for p, x in enumerate(scores):
+        bad = ~((x >= 0) & (x <= 1)) if judge else x.isinf()
+        if bad.any():
+            raise BlindScorerError(f"reward.model={model!r}: group {p} at rl step {step}: {int(bad.sum())} of "
+                                   f"{x.numel()} outputs {'not in [0, 1]' if judge else 'infinite'} (first "
+                                   f"{x[bad][0].item()}); a judge returns probabilities, a reward model finite scores "
+                                   f"(NaN: no score)")
 
 
 class UnusableStreak:

@@ -180,6 +180,24 @@ def test_a_scorer_whose_outputs_are_mostly_unusable_warns_then_stops_the_run_nam
         streak.observe(2, run()[1])
 
 
+@pytest.mark.parametrize("outputs", [[0.5, float("inf"), 0.1, 0.2], [0.5, float("-inf"), 0.1, 0.2]],
+                         ids=["inf", "-inf"])
+def test_any_scorers_infinite_score_stops_the_step_naming_it(outputs):
+    """A reward model other than HFRewardModel (a user's implementation of the protocol) returning inf: shaping
+    raises naming reward.model, the group and the count, where it would have shaped with tanh(inf) or NaN."""
+    with pytest.raises(shaping.BlindScorerError, match=r"reward.model='stub': group 0 at rl step 0: 1 of 4 outputs "
+                                                        r"infinite \(first -?inf\)"):
+        shape([1.0, 0.0, 1.0, 0.0], FixedRewardModel(outputs))
+
+
+def test_a_judge_whose_output_is_no_probability_stops_the_step_naming_it():
+    judge = TooSmallJudge()
+    judge.compare = lambda prompts, completions, references: [0.5, 1.5, float("nan"), 0.0]
+    with pytest.raises(shaping.BlindScorerError, match=r"group 0 at rl step 0: 2 of 4 outputs not in \[0, 1\] "
+                                                        r"\(first 1.5\)"):
+        shape([1.0, 0.0, 1.0, 0.0], judge)
+
+
 def test_a_usable_step_ends_the_streak_and_a_minority_unusable_is_quiet():
     streak = shaping.UnusableStreak("judge:/ckpt/lm")
     mostly = {"judge/judged": 8, "judge/too_long": 3, "judge/unparsed": 2}
