@@ -324,15 +324,15 @@ class SGLangEngine:
     @classmethod
     def from_engine(cls, engine: Server | list[Server], cfg: ModelConfig, *, eos_id, fp8: bool = False,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, leader: bool = True, colocated: bool = False,
-                    join_group=None, group_backend: str = "nccl", num_tokens: int | None = None,
+                    update_group: str | None = None, num_tokens: int | None = None,
                     config_dtype: str | None = None) -> SGLangEngine:
         """Wrap running servers (`Server`s): an SGLangServer, an `InProcessServer` around an sglang.Engine, or a
         list of them (external servers: requests spread over them by group id).
 
         leader: this rank sends the weights and releases / resumes the memory (others only generate
         and take part in the gathers). colocated: sleep() and wake() release and resume the memory.
-        join_group: `join_update_group` or a stand-in: weights go by NCCL broadcast (to SGLangServers only: a
-        ValueError otherwise); None: by update_weights_from_tensor (CUDA IPC). group_backend: that group's,
+        update_group: the weight-update group's backend: weights go by its broadcast (`join_update_group`; to
+        SGLangServers only: a ValueError otherwise); None: by update_weights_from_tensor (CUDA IPC). Its backend:
         "nccl" between GPUs, "gloo" from a trainer on CPU (tools/sglang_standin.py's tests; there is no NCCL to
         pair). num_tokens: the tokenizer's
         ids; SGLang samples over every row of the embedding, and ids past these are counted (`counters`).
@@ -341,19 +341,19 @@ class SGLangEngine:
         """
         self = cls.__new__(cls)  # skips __init__: no sglang import, no CUDA check (how the CPU tests build one)
         self._setup(engine if isinstance(engine, list) else [engine], cfg, eos_id=eos_id, fp8=fp8,
-                    bucket_bytes=bucket_bytes, leader=leader, colocated=colocated, join_group=join_group,
-                    group_backend=group_backend, num_tokens=num_tokens, config_dtype=config_dtype)
+                    bucket_bytes=bucket_bytes, leader=leader, colocated=colocated, update_group=update_group,
+                    num_tokens=num_tokens, config_dtype=config_dtype)
         return self
 
     def _setup(self, servers: list[Server], cfg: ModelConfig, *, eos_id, fp8: bool, bucket_bytes: int,
-               leader: bool = True, colocated: bool = False, join_group=None, group_backend: str = "nccl",
+               leader: bool = True, colocated: bool = False, update_group: str | None = None,
                num_tokens: int | None = None, config_dtype: str | None = None):
         self.servers, self.cfg, self.eos_id, self.fp8, self.bucket_bytes = servers, cfg, eos_id, fp8, bucket_bytes
         self.num_tokens, self.ids_past_tokenizer = num_tokens, 0
-        self.leader, self.colocated, self.join_group = leader, colocated, join_group
-        if join_group is not None and not all(isinstance(s, SGLangServer) for s in servers):
-            raise ValueError("weights by NCCL broadcast (join_group) go to HTTP servers (sglang_server.SGLangServer) "
-                             "only; an in-process Engine takes them by update_weights_from_tensor (join_group=None)")
+        self.leader, self.colocated, self.update_group = leader, colocated, update_group
+        if update_group is not None and not all(isinstance(s, SGLangServer) for s in servers):
+            raise ValueError("weights by broadcast (update_group) go to HTTP servers (sglang_server.SGLangServer) "
+                             "only; an in-process Engine takes them by update_weights_from_tensor (update_group=None)")
         # at connect, not at the first rollout: HTTP servers are asked; an in-process Engine (InProcessServer) is not
         asked = [s for s in servers if isinstance(s, SGLangServer)]
         unseeded = [s.url for s in asked if not check_server(s)]  # every server checked: check_server may raise
@@ -361,8 +361,7 @@ class SGLangEngine:
             warnings.warn(f"SGLang {', '.join(unseeded)} runs without --enable-deterministic-inference: it ignores "
                           f"each request's sampling_seed, so these rollouts are not reproducible", stacklevel=3)
         self.seeded = len(asked) == len(servers) and not unseeded  # every request's sampling_seed honoured
-        self.group_backend = group_backend
-        if join_group is not None and leader and group_backend == "nccl":  # the trainer's NCCL must be each server's
+        if update_group == "nccl" and leader:  # the trainer's NCCL must be each server's
             problems = [p for p in (nccl_pairing(s.version, s.url) for s in asked) if p is not None]
             if problems:  # refused at connect: NCCL would refuse the group only at the first weight sync
                 raise RuntimeError("; ".join(problems))
@@ -499,7 +498,7 @@ class SGLangEngine:
                     opened.append(server)
             for bucket in weight_buckets(tensors, self.bucket_bytes):
                 bucket = [(k, t.detach().contiguous()) for k, t in bucket]
-                if self.join_group is None:
+                if self.update_group is None:
                     for server in self.servers:  # flush_cache=False per bucket: flushed once, after the last
                         _ok(server.update_weights_from_tensor(named_tensors=bucket, flush_cache=False),
                             "update_weights_from_tensor")
@@ -539,9 +538,9 @@ class SGLangEngine:
         pool = ThreadPoolExecutor(len(self.servers))
         calls = [pool.submit(server.init_weights_update_group, master_address=address, master_port=port,
                              rank_offset=offset, world_size=world, group_name=UPDATE_GROUP,
-                             backend=self.group_backend) for server, offset in zip(self.servers, offsets)]
+                             backend=self.update_group) for server, offset in zip(self.servers, offsets)]
         try:
-            broadcast = self.join_group(address, port, world, UPDATE_GROUP, backend=self.group_backend)
+            broadcast = join_update_group(address, port, world, UPDATE_GROUP, backend=self.update_group)
         except BaseException:  # raise now: the servers' calls wait for this rank, which is not coming
             pool.shutdown(wait=False, cancel_futures=True)
             raise
@@ -588,8 +587,8 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
     if engine_cfg.urls:
         backend = "nccl" if torch.device(cfg.device).type == "cuda" else "gloo"  # gloo: a CPU trainer's stand-in
         return SGLangEngine.from_engine([SGLangServer(u) for u in engine_cfg.urls], cfg.model, eos_id=tok.stop_ids,
-                                        fp8=engine_cfg.fp8, leader=rank == 0, join_group=join_update_group,
-                                        group_backend=backend, num_tokens=tok.enc.n_vocab,
+                                        fp8=engine_cfg.fp8, leader=rank == 0, update_group=backend,
+                                        num_tokens=tok.enc.n_vocab,
                                         config_dtype=checkpoint_dtype(cfg.init_hf or cfg.init_from))
     check_colocated_install()
     path = cfg.init_hf or cfg.init_from

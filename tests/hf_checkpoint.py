@@ -119,6 +119,22 @@ def model_config(family: str, **overrides):
     raise ValueError(f"family={family!r}; valid: {FAMILIES}")
 
 
+def scorer_config_folder(path, architecture: str, *, context: int = 4096, vocab_size: int = 1000) -> str:
+    """A folder holding only the config.json of a small Qwen3-MoE (2 layers, width 64): a one-label sequence
+    classifier (a reward model) or a causal LM (a judge), `context` tokens long. What the dry run and
+    train.prepare read of a scorer; no weights."""
+    config = {"model_type": "qwen3_moe", "architectures": [architecture], "vocab_size": vocab_size, "hidden_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 128,
+              "max_position_embeddings": context}
+    if architecture.endswith("ForSequenceClassification"):
+        config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
+
+
 def build_checkpoint(path: str, family: str = "qwen3_moe", *, seed: int = 0, num_ranks: int | None = None,
                      specials: list[str] = QWEN_SPECIALS, classifier: bool = False, **overrides) -> str:
     """Write a random `family` checkpoint with Qwen's tokenizer and chat template to path; returns path.

@@ -9,7 +9,6 @@ c. A step in which most of the scorer's outputs are unusable warns; UNUSABLE_STE
 d. A reward model whose forward is not finite stops naming its folder, how many scores and one pair, instead of
    later as non-finite advantages.
 """
-import json
 import os
 import sys
 import warnings
@@ -20,7 +19,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_checkpoint import IM_END, model_config, qwen_ranks_path, write_qwen_tokenizer  # noqa: E402
+from hf_checkpoint import (IM_END, model_config, qwen_ranks_path, scorer_config_folder,  # noqa: E402
+                           write_qwen_tokenizer)
 
 import shaping  # noqa: E402
 import train  # noqa: E402
@@ -52,20 +52,6 @@ def write_rm(path, *, rows: int = NUM_IDS, context: int = 512, huge: bool = Fals
     return write_qwen_tokenizer(str(path), num_ranks=NUM_RANKS)
 
 
-def config_only(path, architecture: str, context: int) -> str:
-    """A folder holding only a small Qwen3-MoE's config.json (what the dry run and train.prepare read of it)."""
-    config = {"model_type": "qwen3_moe", "architectures": [architecture], "vocab_size": NUM_IDS, "hidden_size": 64,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 128,
-              "max_position_embeddings": context}
-    if architecture.endswith("ForSequenceClassification"):
-        config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return str(path)
-
-
 # ----------------------------------------------------------------------------- a. tokenizer ids past the embedding
 
 @needs_ranks
@@ -88,7 +74,7 @@ def test_a_scorer_whose_context_cannot_hold_the_runs_conversations_is_refused_be
     need = cfg.prompt_limit() + cfg.sampling.max_new_tokens + (8 if judge else 0)
     arch = "Qwen3MoeForCausalLM" if judge else "Qwen3MoeForSequenceClassification"
     for context in (need - 1, need):
-        folder = config_only(tmp_path / f"scorer{context}", arch, context)
+        folder = scorer_config_folder(tmp_path / f"scorer{context}", arch, context=context, vocab_size=NUM_IDS)
         args = [TINY, "dry_run=True", f"out_dir={tmp_path / 'out'}", "reward.judge_max_new_tokens=8",
                 f"reward.model={'judge:' if judge else ''}{folder}"]
         if context < need:

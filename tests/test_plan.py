@@ -1,5 +1,4 @@
 import dataclasses
-import json
 import glob
 import importlib.util
 import os
@@ -10,6 +9,7 @@ import torch
 import checkpoint
 import plan
 import train
+from hf_checkpoint import scorer_config_folder
 from hf_config import config_to_hf
 from plan import param_counts, print_plan
 
@@ -108,7 +108,7 @@ def test_every_config_passes_the_checks_a_real_run_makes_before_training(path, t
     cpu = [] if torch.cuda.is_available() else ["device=cpu"]  # a CUDA config's checks, on this machine's device
     rm = []  # what the reward-model recipe's header says the command line sets: reward.model (a run refuses none)
     if os.path.basename(path) == "qwen3_30b_a3b_rm.py":
-        rm = [f"reward.model={_scorer_folder(tmp_path / 'rm', 'Qwen3MoeForSequenceClassification', context=40960)}"]
+        rm = [f"reward.model={scorer_config_folder(tmp_path / 'rm', 'Qwen3MoeForSequenceClassification', context=40960)}"]
     with pytest.raises(ChecksPassed):
         train.main(train.parse_args([path, f"out_dir={tmp_path / 'run'}", *cpu, *rm]))
 
@@ -248,21 +248,6 @@ def test_a_continuous_engines_kv_cache_and_generate_peak_are_sized_by_its_slots(
     assert "the engine generating 4 rows per GPU at once (engine.slots" in capsys.readouterr().out
 
 
-def _scorer_folder(path, architecture: str, context: int = 4096) -> str:
-    """A folder holding only the config.json of a small Qwen3-MoE (2 layers, width 64): a one-label sequence
-    classifier (a reward model) or a causal LM (a judge). The plan reads no weights."""
-    config = {"model_type": "qwen3_moe", "architectures": [architecture], "vocab_size": 1000, "hidden_size": 64,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 128,
-              "max_position_embeddings": context}
-    if architecture.endswith("ForSequenceClassification"):
-        config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    return str(path)
-
-
 def test_a_reward_model_or_judge_adds_its_whole_weights_to_every_gpus_plan(monkeypatch, tmp_path, capsys):
     """reward.model=<classifier folder>: each GPU's plan grows by the reward model's weights, bf16 on CUDA (its
     parameters, the routers' expert_bias buffers and the score head's D), whatever the world size, as long as
@@ -273,8 +258,8 @@ def test_a_reward_model_or_judge_adds_its_whole_weights_to_every_gpus_plan(monke
     trainer = {"params": 10 * plan.GB, "optimizer": 20 * plan.GB, "gathered": 0, "activations": 0,
                "total": 100 * plan.GB}
     monkeypatch.setattr(plan, "trainer_memory", lambda *args, **kwargs: trainer)
-    rm_path = _scorer_folder(tmp_path / "rm", "Qwen3MoeForSequenceClassification")
-    judge_path = _scorer_folder(tmp_path / "judge", "Qwen3MoeForCausalLM")
+    rm_path = scorer_config_folder(tmp_path / "rm", "Qwen3MoeForSequenceClassification")
+    judge_path = scorer_config_folder(tmp_path / "judge", "Qwen3MoeForCausalLM")
     for world in (1, 8):
         cfg = train.parse_args([CONFIGS[-1], "dtype=bfloat16", "dry_run=True", "device=cuda", "group_size=4",
                                 f"reward.model={rm_path}", "reward.rm_batch_size=2"])
@@ -301,7 +286,7 @@ def test_a_reward_model_or_judge_adds_its_whole_weights_to_every_gpus_plan(monke
     out = capsys.readouterr().out
     assert f"reward.model={rm_path}: " in out and "whole on every GPU" in out and rows[0]["total"] > 0
     with pytest.raises(ValueError, match=r"reward\.model=.*dense or unsupported"):
-        scorer_model_config(RewardConfig(model=_scorer_folder(tmp_path / "dense", "Qwen3ForSequenceClassification")))
+        scorer_model_config(RewardConfig(model=scorer_config_folder(tmp_path / "dense", "Qwen3ForSequenceClassification")))
 
 
 def test_the_dry_run_counts_the_decode_steps_before_the_first_optimizer_step():
