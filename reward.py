@@ -1,18 +1,13 @@
-"""Rewards: verifiers, penalties, and reward-model adjustment without advantage inversion.
+"""Rewards: the tasks' verifiers, and the contract of the run's reward section.
 
-Owns every reward an RL step sees: the binary verifiers (`reasoning_gym_reward` on
+Owns what decides a rollout's correctness: the binary verifiers (`reasoning_gym_reward` on
 reasoning-gym's own scorers, `math_reward` on math-verify for GSM8K and MATH rows, the sandboxed
 HumanEval-format `code_reward`; the tasks that call them, reasoning-gym's and a user's files,
-are data.py's), DAPO's overlong
-penalty and a repetition penalty, and reward-model and pairwise judge shaping
-(`shaped_rewards`, through `adjust_rewards`, which keeps every correct response's reward
-above every wrong one's). How a verifier runs, under a time limit, inline or in a
-`RewardPool` beside generation, is scoring.py's. Papers: DAPO (arXiv 2503.14476), its soft
-overlong punishment (eq. 13); HumanEval's task format (arXiv 2107.03374); the
-group-relative advantage of GRPO (arXiv 2402.03300), whose sign the shaping must never
-turn against correctness.
-
-Shapes: P, G (letters of the README's legend).
+are data.py's), the protocols a reward model and a pairwise judge implement (`RewardModel`,
+`PairwiseJudge`: reward_model.py's checkpoints and stand-ins), and the run's `reward` section
+(`RewardConfig`). How a verifier runs, under a time limit, inline or in a `RewardPool` beside
+generation, is scoring.py's; how penalties and a scorer shape the verifier's reward without
+advantage inversion is shaping.py's. Paper: HumanEval's task format (arXiv 2107.03374).
 
 Verifiers (binary: 1.0 correct, 0.0 not):
 1. reasoning-gym (`reasoning_gym_reward`, data.TaskMix's): each dataset's own `score_answer`,
@@ -36,27 +31,6 @@ Verifiers (binary: 1.0 correct, 0.0 not):
    overlapping choices (PROSE_RE's runs of letters are possessive), and the tags and nested boxes
    are read by one pass of str.find (`answer_spans`, `unbox`), so no crafted answer costs the
    scoring time limit (tests/test_break_verifier_time.py times each on crafted inputs).
-
-Penalties and shaping:
-1. Penalties, in [-1, 0]: DAPO's soft overlong punishment (eq. 13) and a repetition
-   penalty (the fraction of repeated n-grams).
-2. Adjustment (`adjust_rewards`): a shaping score s in [-1, 1] (a reward-model or judge
-   score, penalties) is added inside the correctness class,
-   r_i = c_i + m * min(p, 1 - p) * s_i, with c_i in {0, 1}, p the group's fraction
-   correct and m < 1/2. Since |s_i - mean(s)| <= 2, in a group with 0 < p < 1 every
-   correct response keeps r_i > mean(r) and every wrong one r_i < mean(r): the
-   group-relative advantage never changes sign against correctness (no advantage
-   inversion), and any correct response's reward stays above any wrong one's.
-3. A group with p in {0, 1} gets no shaping, so it stays zero-variance (the filter decides
-   its fate).
-4. Pairwise judge outcomes map to s with a dead band (`judge_score`), so a tie adds
-   exactly zero.
-5. Departure from DAPO: its overlong penalty is added to a +-1 reward, where an overlong
-   correct answer can fall below a wrong one; here penalties enter as shaping instead.
-6. Without a verifier (`RewardConfig.rm_only`: prompts without trusted gold answers) the
-   reward is the shaping score itself, clamped to [-1, 1]: correctness would be constant in
-   every group, where adjust_rewards adds no shaping at all. `order_violations` is the
-   check train.py makes on every group that the adjustment kept its order.
 """
 
 from __future__ import annotations
@@ -68,9 +42,7 @@ import threading
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
-
-import torch
+from typing import Protocol, runtime_checkable
 
 import sandbox
 from rules import FLAG, NON_NEGATIVE, POSITIVE, check_fields, integer, number, text as text_rule
@@ -405,46 +377,13 @@ def code_reward(completion: str, task: CodeProblem) -> float:
     return 1.0 if sandbox.run(code_solution(completion, task), check=check).passed else 0.0
 
 
-# ----------------------------------------------------------------------------- penalties
-
-def overlong_penalty(length: int, *, max_len: int, buffer: int) -> float:
-    """DAPO soft overlong punishment (arXiv 2503.14476 eq. 13), in [-1, 0].
-
-    0 up to max_len - buffer tokens, then falling linearly to -1 at max_len; -1 beyond.
-    Raises ValueError unless 0 < buffer <= max_len.
-    """
-    if not 0 < buffer <= max_len:
-        raise ValueError(f"need 0 < buffer <= max_len; got buffer={buffer}, max_len={max_len}")
-    # eq. 13 with L_max = max_len and L_cache = buffer: a penalty that grows over the last `buffer` tokens, so
-    # a response is steered away from the limit before truncation cuts it off, not only punished at it
-    if length <= max_len - buffer:
-        return 0.0
-    if length <= max_len:
-        return (max_len - buffer - length) / buffer  # ((L_max - L_cache) - |y|) / L_cache
-    return -1.0
-
-
-REPETITION_NGRAM = 4
-"""repetition_penalty's n-gram length."""
-
-
-def repetition_penalty(token_ids: Sequence[int]) -> float:
-    """-(fraction of the completion's REPETITION_NGRAM-grams that repeat an earlier one), in [-1, 0]; 0 if it has
-    none."""
-    n = REPETITION_NGRAM
-    # over token ids, as generated (nothing to decode); a degenerate loop scores near -1, and a completion
-    # shorter than n has no n-grams and no penalty
-    grams = [tuple(token_ids[i:i + n]) for i in range(len(token_ids) - n + 1)]
-    return -(len(grams) - len(set(grams))) / len(grams) if grams else 0.0
-
-
 # ----------------------------------------------------------------------------- reward models
 
 @runtime_checkable
 class RewardModel(Protocol):
     """A scalar reward model: one unbounded score per (prompt, completion); higher is better. NaN is no score, for a
     pair the model cannot read (reward_model.HFRewardModel: a conversation past its context): it shapes nothing
-    (rm_score) and is counted (rm/unscored); a model whose own forward is not finite raises instead.
+    (shaping.rm_score) and is counted (rm/unscored); a model whose own forward is not finite raises instead.
 
     sharded: whether `score` is a collective (reward.rm_shard: the model FSDP-sharded over every rank, each rank
     calling it once per step with its own rows, none too; shaping.py's choice 4), else each rank's is its own."""
@@ -469,69 +408,13 @@ Scorer = RewardModel | PairwiseJudge
 `isinstance(scorer, PairwiseJudge)` (both protocols are runtime-checkable, each member declared)."""
 
 
-def judge_score(p_better: torch.Tensor, *, dead_band: float) -> torch.Tensor:
-    """Judge probabilities -> shaping scores in [-1, 1]: 0 where |p - 1/2| <= dead_band (a tie), linear to +-1 outside.
-
-    Raises ValueError unless 0 <= dead_band < 1/2.
-    """
-    if not 0 <= dead_band < 0.5:
-        raise ValueError(f"dead_band={dead_band} must lie in [0, 0.5)")
-    # centred on a tie (p = 1/2); a dead band rather than the raw difference, so a judge that is unsure adds
-    # nothing instead of noise; the final clamp covers a judge whose probabilities stray outside [0, 1]
-    d = p_better.double() - 0.5
-    return (d.sign() * (d.abs() - dead_band).clamp(min=0) / (0.5 - dead_band)).clamp(-1, 1)
-
-
-def rm_score(scores_PG: torch.Tensor, *, scale: float, dead_band: float = 0.0) -> torch.Tensor:
-    """Scalar reward-model scores -> shaping in [-1, 1]: tanh((x - group mean) / scale), dead band as judge_score.
-    A NaN (no score: RewardModel) is left out of its group's mean and shapes exactly 0, as a judge's tie does.
-
-    Raises ValueError unless scale > 0 and 0 <= dead_band < 1.
-    """
-    if scale <= 0 or not 0 <= dead_band < 1:
-        raise ValueError(f"need scale > 0 and 0 <= dead_band < 1; got {scale}, {dead_band}")
-    # centred per group: a reward model's offset says nothing about which of G responses is better; tanh
-    # bounds an unbounded score to [-1, 1], the range adjust_rewards' guarantee assumes
-    x = scores_PG.double()
-    u = torch.tanh((x - x.nanmean(-1, keepdim=True)) / scale).nan_to_num(0.0)  # a group all NaN: all 0
-    return u.sign() * (u.abs() - dead_band).clamp(min=0) / (1 - dead_band)
-
-
-def adjust_rewards(correct_PG: torch.Tensor, shaping_PG: torch.Tensor, *, margin: float = 0.4) -> torch.Tensor:
-    """Final rewards [P, G] (or [G]) fp32: c + margin * min(p, 1 - p) * clamp(s, -1, 1), p = mean_g c.
-
-    correct_PG: 1 for correct, 0 for wrong. shaping_PG: reward-model, judge or penalty
-    score. With margin < 1/2, in a group with both correct and wrong responses, no correct
-    response gets a non-positive group-relative advantage and no wrong one a non-negative
-    one (see the module docstring; a group with all or none correct is left as it is);
-    all-zero shaping returns the correctness unchanged. Raises ValueError on a margin outside
-    [0, 0.5), shapes that differ, or correctness other than 0/1.
-    """
-    if not 0 <= margin < 0.5:
-        raise ValueError(f"margin={margin} must lie in [0, 0.5), or a correct answer could get a negative advantage")
-    if correct_PG.shape != shaping_PG.shape:
-        raise ValueError(f"correct {tuple(correct_PG.shape)} and shaping {tuple(shaping_PG.shape)} must match")
-    c = correct_PG.double()
-    if not ((c == 0) | (c == 1)).all():
-        raise ValueError("correct must hold only 0 and 1")
-    p = c.mean(-1, keepdim=True)  # [P, 1]: the group's fraction correct
-    # r_i = c_i + m min(p, 1 - p) s_i, |s_i| <= 1 (the clamp), so |s_i - mean(s)| <= 2. For a correct response
-    # r_i - mean(r) = (1 - p) + m min(p, 1 - p) (s_i - mean(s)) > (1 - p) - min(p, 1 - p) >= 0 when m < 1/2, and
-    # for a wrong one r_i - mean(r) = -p + m min(p, 1 - p) (s_i - mean(s)) < -p + min(p, 1 - p) <= 0: the
-    # advantage's sign is the correctness's, also after division by the group's std. And |shaping| < 1/4,
-    # so every correct reward is > 3/4 and every wrong one < 1/4. At p in {0, 1} the factor is 0: the group
-    # stays zero-variance, for the filter to decide on, instead of being made informative by shaping alone.
-    return (c + margin * torch.minimum(p, 1 - p) * shaping_PG.double().clamp(-1, 1)).float()
-
-
 REWARD_MODELS = ("", "stub", "stub-judge")  # the built-in scorers; reward.model may instead name a checkpoint folder
 JUDGE_PREFIX = "judge:"  # reward.model=judge:<folder>: a causal LM as a judge (reward_model.GenerativeJudge)
-RM_SCORE_SCALE = 1.0  # reward-model score units per tanh unit in the shaping score (the stub's scores lie in [-1, 1])
 
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """How rewards are shaped inside the correctness class (adjust_rewards: no advantage inversion) and
+    """How rewards are shaped inside the correctness class (shaping.adjust_rewards: no advantage inversion) and
     scored: the run's `reward` section. Raises ValueError on a field its rule refuses (`RULES`)."""
     overlong_buffer: int = 0
     """DAPO soft overlong penalty: tokens before sampling.max_new_tokens where it ramps from 0 to -1 (0 = off)."""
@@ -550,7 +433,7 @@ class RewardConfig:
     would be the penalties alone, or identically 0); 0 otherwise scores and logs it (rm/score_mean) without shaping
     by it, said at start."""
     judge_dead_band: float = 0.1
-    """Judge verdicts within this of 1/2 count as ties and add exactly nothing (judge_score)."""
+    """Judge verdicts within this of 1/2 count as ties and add exactly nothing (shaping.judge_score)."""
     judge_max_new_tokens: int = 512
     """A generative judge's reply limit, in tokens: a reply cut off there has no last verdict line (a counted tie)."""
     rm_shard: bool = False
@@ -561,7 +444,7 @@ class RewardConfig:
     rm_only: bool = False
     """The reward is the shaping score alone (reward model or judge, and penalties), the verifier's correctness
     unread: RL on prompts without trusted gold answers. Every response is then in one correctness class, so
-    adjust_rewards' ordering guarantee holds vacuously. Needs reward.model (config.RELATIONS, but for a dry run) and
+    shaping.adjust_rewards' ordering guarantee holds vacuously. Needs reward.model (config.RELATIONS, but for a dry run) and
     rm_weight > 0.
     With a scalar reward model (not a judge) the run may read prompt-only data (`reads_gold`, data.PromptTask)."""
     shaping_margin: float = 0.4
@@ -617,59 +500,3 @@ class RewardConfig:
         """Whether the reward reads each row's gold answer: the verifier's correctness (unless rm_only), or a
         judge's reference. Prompt-only rows (data.PromptTask) need it False."""
         return not self.rm_only or self.judges
-
-
-
-
-def scorer_outputs(scorer: Scorer, prompt: str, texts: list[str], reference: str) -> torch.Tensor:
-    """One group's raw scorer outputs [G] fp64: a RewardModel's scores (unbounded), or a PairwiseJudge's
-    P(completion beats `reference`) in [0, 1]."""
-    G = len(texts)
-    if isinstance(scorer, PairwiseJudge):
-        return torch.tensor(scorer.compare([prompt] * G, texts, [reference] * G), dtype=torch.float64)
-    return torch.tensor(scorer.score([prompt] * G, texts), dtype=torch.float64)
-
-
-def order_violations(correct_G: torch.Tensor, rewards_G: torch.Tensor) -> tuple[int, int]:
-    """(pairs compared, pairs inverted) of one group: every (correct, wrong) pair of responses, inverted when the
-    correct one's reward is not above the wrong one's, which adjust_rewards rules out (margin < 1/2)."""
-    c = correct_G.bool()
-    right, wrong = rewards_G[c].double(), rewards_G[~c].double()
-    return right.numel() * wrong.numel(), int((right[:, None] <= wrong[None, :]).sum())
-
-
-def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg: RewardConfig, *, max_new_tokens: int,
-                   scorer: Scorer | None = None, prompt: str = "", texts: list[str] | None = None, reference: str = "",
-                   scores: torch.Tensor | None = None) -> torch.Tensor:
-    """One group's final rewards [G] fp32: correctness plus shaping kept inside the correctness class.
-
-    The shaping score s sums DAPO's overlong penalty, the repetition penalty and the
-    scorer's term (a reward model's score through `rm_score`, or a judge's verdict against
-    `reference` through `judge_score`), and enters through `adjust_rewards`, so no correct
-    response's advantage turns negative. max_new_tokens: the generation limit the overlong
-    penalty ramps up to. texts (the decoded completions) and prompt are needed only with a scorer;
-    scores: the scorer's outputs for this group (`scorer_outputs`) when the caller already has them
-    (train.py times and logs them), else they are computed here. With cfg.rm_only the reward is s itself,
-    clamped to [-1, 1], correct_G unread: a group then holds one class, and adjust_rewards would give it
-    no shaping at all. Without any shaping, the correctness is returned as it is.
-    """
-    if not cfg.shapes:  # the common case: no float64 detour, the verifier's rewards as they are
-        return correct_G
-    G = len(completion_ids)
-    # the terms add up and may leave [-1, 1]; adjust_rewards clamps the sum, which is what its guarantee needs
-    s_G = torch.zeros(G, dtype=torch.float64)
-    if cfg.overlong_buffer:
-        s_G += torch.tensor([overlong_penalty(len(x), max_len=max_new_tokens, buffer=cfg.overlong_buffer)
-                             for x in completion_ids])
-    if cfg.repetition_weight:
-        s_G += cfg.repetition_weight * torch.tensor([repetition_penalty(x) for x in completion_ids])
-    if scorer is not None and scores is None:
-        scores = scorer_outputs(scorer, prompt, texts, reference)
-    if isinstance(scorer, PairwiseJudge):
-        # against the gold answer as the reference: better than gold pushes up, worse pushes down, a tie adds 0
-        s_G += cfg.rm_weight * judge_score(scores, dead_band=cfg.judge_dead_band)
-    elif scorer is not None:
-        s_G += cfg.rm_weight * rm_score(scores, scale=RM_SCORE_SCALE)
-    if cfg.rm_only:  # no correctness class to keep: the bounded shaping is the reward
-        return s_G.clamp(-1, 1).float()
-    return adjust_rewards(correct_G, s_G, margin=cfg.shaping_margin)

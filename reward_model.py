@@ -12,7 +12,7 @@ checkpoint folder here, the stand-ins through stand_in_scorer.
 (`reward.model=judge:<folder>`): `JUDGE_PROMPT` rendered in the judge's chat template, a greedy reply from a
 `generate` callable the caller gives it (train.py wires a rollout.NativeEngine of the judge's weights: the
 engines sit a layer above this file), the one verdict `parse_verdict` reads from the reply. The outcome
-then enters the reward through reward.judge_score's dead band and reward.adjust_rewards, which keeps every
+then enters the reward through shaping.judge_score's dead band and shaping.adjust_rewards, which keeps every
 correct response above every wrong one (arXiv 2402.03300's group-relative advantage never turned against
 correctness).
 Shapes: B, T, D (letters of the README's legend).
@@ -70,7 +70,7 @@ Notable choices:
    max_position_embeddings) must hold the run's longest prompt and completion (`check_scorer_context`, from
    train.prepare, dry runs too). At run time a conversation still past the context (the scorer's own tokens, its
    template or a judge's instructions and reference, are not in that rule) is not scored: NaN from a reward model
-   (no score, reward.rm_score's zero shaping, counted as rm/unscored), a tie from a judge (judge/too_long). A
+   (no score, shaping.rm_score's zero shaping, counted as rm/unscored), a tie from a judge (judge/too_long). A
    reward model's forward that is not finite raises naming reward.model (its weights are finite as read, so the
    forward overflowed).
 """
@@ -419,7 +419,7 @@ def parse_verdict(text: str) -> str | None:
     """'better', 'worse' or 'tie' if the last non-empty line of a judge's reply is exactly `Verdict: <word>`
     (JUDGE_PROMPT's format; spaces around the line aside), else None: no verdict, a malformed or hedged one,
     text after it, a reply over MAX_JUDGE_CHARS, or anything that is not a str. The caller counts None as a
-    tie (GenerativeJudge.compare: reward.JUDGE_OUTCOMES' 1/2, which reward.judge_score turns into exactly zero
+    tie (GenerativeJudge.compare: reward.JUDGE_OUTCOMES' 1/2, which shaping.judge_score turns into exactly zero
     shaping), never as a reward."""
     if not isinstance(text, str) or len(text) > MAX_JUDGE_CHARS:
         return None

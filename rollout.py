@@ -2,9 +2,10 @@
 
 This file owns the rollout side of an RL step: `Engine` (the protocol both engines implement:
 generate, update_weights, phase, sleep, wake, memory, counters, weight_version), `ENGINES` (name ->
-builder, what engine.name picks) with `build_engine` and the async producer's `producer_engine`,
-and `NativeEngine` (prefill and decode over a static KV cache in plain PyTorch, CPU or GPU, on its
-own copy of the weights or on the sharded policy itself), with its bucketed weight sync.
+builder, what engine.name picks) with `build_engine`, the async producer's `producer_engine` and a
+generative judge's own engine (`judge_generator`), and `NativeEngine` (prefill and decode over a static KV
+cache in plain PyTorch, CPU or GPU, on its own copy of the weights or on the sharded policy itself), with its
+bucketed weight sync.
 `SGLangEngine` (sglang_engine.py) is the other engine. Both return sampler.Rollout records,
 sampled by sampler.sample from per-row random streams; FP8 weights come from weights.py.
 
@@ -76,7 +77,7 @@ from model import KVCache, ModelConfig, Transformer, route_dtype
 from sampler import Rollout, SamplingParams, row_keys, row_uniforms, sample
 from sglang_engine import build_sglang_engine, stop_launched_servers
 from weights import (DEFAULT_BUCKET_BYTES, FP8, FP8GroupedExperts, FP8Linear, Named, full_tensor, local,
-                     quantize_fp8_blockwise, to_fp8_modules, weight_buckets)
+                     policy_tensors, quantize_fp8_blockwise, to_fp8_modules, weight_buckets)
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -503,6 +504,27 @@ ENGINES: dict[str, Callable[[TrainConfig, Tokenizer, nn.Module], Engine]] = {
 }
 """The rollout engines a run can use (engine.name): name -> builder(cfg, tok, policy). A new engine is a
 file implementing `Engine` and one line here."""
+
+
+JUDGE_SEED = 0  # a generative judge decodes greedily; a fixed seed keeps its calls off torch's RNG (the policy's)
+
+
+def judge_generator(cfg: TrainConfig):
+    """How a generative judge (reward.model=judge:<folder>) of a run of cfg (config.TrainConfig) generates:
+    builder(model, tok) -> a greedy generator on a NativeEngine of its own holding the judge's weights (cfg.device,
+    the run's compute dtype), replies of at most reward.judge_max_new_tokens, their stop token left out. Under
+    torchrun each rank holds a whole judge, which judges the groups that rank generated (shaping.shape_rewards)."""
+    def build(model, tok):
+        engine = NativeEngine(model.cfg, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device,
+                              dtype=cfg.compute_dtype(), num_tokens=tok.enc.n_vocab)
+        engine.update_weights(policy_tensors(model), version=0)
+        params = SamplingParams(max_new_tokens=cfg.reward.judge_max_new_tokens, temperature=0.0)
+
+        def generate(prompts: list[list[int]]) -> list[list[int]]:
+            replies = engine.generate(prompts, params, seed=JUDGE_SEED)
+            return [r.text_ids for r in replies]
+        return generate
+    return build
 
 
 def stop_engine_servers():

@@ -1,19 +1,48 @@
-"""The RL step's reward shaping by a reward model or a generative judge (reward.model): `shape_rewards`, each
-group's rewards moved inside its correctness class by the scorer's outputs and checked against inversion;
-`judge_generator`, the native engine a judge generates on; and `ScorerQueue`, the scorer at work while the
-policy still generates. train.collect_rollouts calls the first when reward.shapes; train.start_run builds the
-scorer with the second (reward_model.reward_model_for) and, with reward workers, the queue. What they read is
-named in their signatures (the reward section, the tokenizer, the scorer and its queue), not a train.Run.
+"""Reward shaping: penalties and a reward model's or judge's score added to the verifier's reward inside its
+correctness class, so no correct response's advantage turns negative (arXiv 2512.07710's adjustment against
+advantage inversion).
+
+The pure part: DAPO's overlong penalty (arXiv 2503.14476, eq. 13) and a repetition penalty, the scorer's term
+(`rm_score`, `judge_score`), `adjust_rewards` and one group's `shaped_rewards`. The RL step's part:
+`shape_rewards`, every group of a step shaped and checked against inversion, and `ScorerQueue`, the scorer at work
+while the policy still generates. train.collect_rollouts calls shape_rewards when reward.shapes; train.start_run
+builds the scorer (reward_model.reward_model_for, a judge on rollout.judge_generator's engine) and, with reward
+workers, the queue. What they read is named in their signatures (the reward section, the tokenizer, the scorer
+and its queue), not a train.Run. The group-relative advantage is GRPO's (arXiv 2402.03300), whose sign the shaping
+must never turn against correctness.
+
+Shapes: P, G (letters of the README's legend).
+
+Penalties and shaping:
+1. Penalties, in [-1, 0]: DAPO's soft overlong punishment (eq. 13) and a repetition
+   penalty (the fraction of repeated n-grams).
+2. Adjustment (`adjust_rewards`): a shaping score s in [-1, 1] (a reward-model or judge
+   score, penalties) is added inside the correctness class,
+   r_i = c_i + m * min(p, 1 - p) * s_i, with c_i in {0, 1}, p the group's fraction
+   correct and m < 1/2. Since |s_i - mean(s)| <= 2, in a group with 0 < p < 1 every
+   correct response keeps r_i > mean(r) and every wrong one r_i < mean(r): the
+   group-relative advantage never changes sign against correctness (no advantage
+   inversion), and any correct response's reward stays above any wrong one's.
+3. A group with p in {0, 1} gets no shaping, so it stays zero-variance (the filter decides
+   its fate).
+4. Pairwise judge outcomes map to s with a dead band (`judge_score`), so a tie adds
+   exactly zero.
+5. Departure from DAPO: its overlong penalty is added to a +-1 reward, where an overlong
+   correct answer can fall below a wrong one; here penalties enter as shaping instead.
+6. Without a verifier (`RewardConfig.rm_only`: prompts without trusted gold answers) the
+   reward is the shaping score itself, clamped to [-1, 1]: correctness would be constant in
+   every group, where adjust_rewards adds no shaping at all. `order_violations` is the
+   check shape_rewards makes on every group that the adjustment kept its order.
 
 Notable choices:
 1. Under torchrun each rank's whole scorer scores the groups it generated (reward_model.py's choice 8) and
    every rank learns every group's scores (all_gather_list), so all ranks shape alike.
 2. Every group is checked, every step, to keep each correct response's reward above each wrong one's
-   (reward.adjust_rewards' guarantee, arXiv 2512.07710's adjustment against advantage inversion): a broken
+   (shaping.adjust_rewards' guarantee, arXiv 2512.07710's adjustment against advantage inversion): a broken
    guarantee stops the run naming the step and group, before a step trains on it.
 3. With reward.workers > 0 (the reward pool: verifiers score while generation goes on) the scorer does too: each
    generate call's groups go to `ScorerQueue`, one worker thread scoring a group at a time, in submission
-   order, exactly as shape_rewards would (reward.scorer_outputs of the group), and shape_rewards waits only
+   order, exactly as shape_rewards would (scorer_outputs of the group), and shape_rewards waits only
    for what is left. A group whose probes and rest come from two calls (filter.probe_size) is scored as two
    parts, which can differ from scoring it whole by float rounding (the reward model's batches). The worker
    runs no collective (each rank's scorer is its own), so it never meets the ranks' lockstep. Where the
@@ -34,26 +63,167 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from distributed import all_gather_list
-from reward import PairwiseJudge, RewardConfig, Scorer, order_violations, scorer_outputs, shaped_rewards
-from rollout import NativeEngine
-from sampler import Rollout, SamplingParams
-from weights import policy_tensors
+from reward import PairwiseJudge, RewardConfig, Scorer
+from sampler import Rollout
 
 if TYPE_CHECKING:
-    from config import TrainConfig
     from data import Item
     from filter import Scored
     from tokenizer import Tokenizer
 
-JUDGE_SEED = 0  # a generative judge decodes greedily; a fixed seed keeps its calls off torch's RNG (the policy's)
 UNUSABLE_SHARE = 0.5  # past this share of a step's scorer outputs unusable, the step's shaping is mostly zero: warn
 UNUSABLE_STEPS = 3  # so many such steps in a row stop the run: one is a bad batch, three a scorer that cannot see
 
+
+# ----------------------------------------------------------------------------- penalties and the adjustment
+
+def overlong_penalty(length: int, *, max_len: int, buffer: int) -> float:
+    """DAPO soft overlong punishment (arXiv 2503.14476 eq. 13), in [-1, 0].
+
+    0 up to max_len - buffer tokens, then falling linearly to -1 at max_len; -1 beyond.
+    Raises ValueError unless 0 < buffer <= max_len.
+    """
+    if not 0 < buffer <= max_len:
+        raise ValueError(f"need 0 < buffer <= max_len; got buffer={buffer}, max_len={max_len}")
+    # eq. 13 with L_max = max_len and L_cache = buffer: a penalty that grows over the last `buffer` tokens, so
+    # a response is steered away from the limit before truncation cuts it off, not only punished at it
+    if length <= max_len - buffer:
+        return 0.0
+    if length <= max_len:
+        return (max_len - buffer - length) / buffer  # ((L_max - L_cache) - |y|) / L_cache
+    return -1.0
+
+
+REPETITION_NGRAM = 4
+"""repetition_penalty's n-gram length."""
+
+
+def repetition_penalty(token_ids: Sequence[int]) -> float:
+    """-(fraction of the completion's REPETITION_NGRAM-grams that repeat an earlier one), in [-1, 0]; 0 if it has
+    none."""
+    n = REPETITION_NGRAM
+    # over token ids, as generated (nothing to decode); a degenerate loop scores near -1, and a completion
+    # shorter than n has no n-grams and no penalty
+    grams = [tuple(token_ids[i:i + n]) for i in range(len(token_ids) - n + 1)]
+    return -(len(grams) - len(set(grams))) / len(grams) if grams else 0.0
+
+
+def judge_score(p_better: torch.Tensor, *, dead_band: float) -> torch.Tensor:
+    """Judge probabilities -> shaping scores in [-1, 1]: 0 where |p - 1/2| <= dead_band (a tie), linear to +-1 outside.
+
+    Raises ValueError unless 0 <= dead_band < 1/2.
+    """
+    if not 0 <= dead_band < 0.5:
+        raise ValueError(f"dead_band={dead_band} must lie in [0, 0.5)")
+    # centred on a tie (p = 1/2); a dead band rather than the raw difference, so a judge that is unsure adds
+    # nothing instead of noise; the final clamp covers a judge whose probabilities stray outside [0, 1]
+    d = p_better.double() - 0.5
+    return (d.sign() * (d.abs() - dead_band).clamp(min=0) / (0.5 - dead_band)).clamp(-1, 1)
+
+
+def rm_score(scores_PG: torch.Tensor, *, scale: float, dead_band: float = 0.0) -> torch.Tensor:
+    """Scalar reward-model scores -> shaping in [-1, 1]: tanh((x - group mean) / scale), dead band as judge_score.
+    A NaN (no score: RewardModel) is left out of its group's mean and shapes exactly 0, as a judge's tie does.
+
+    Raises ValueError unless scale > 0 and 0 <= dead_band < 1.
+    """
+    if scale <= 0 or not 0 <= dead_band < 1:
+        raise ValueError(f"need scale > 0 and 0 <= dead_band < 1; got {scale}, {dead_band}")
+    # centred per group: a reward model's offset says nothing about which of G responses is better; tanh
+    # bounds an unbounded score to [-1, 1], the range adjust_rewards' guarantee assumes
+    x = scores_PG.double()
+    u = torch.tanh((x - x.nanmean(-1, keepdim=True)) / scale).nan_to_num(0.0)  # a group all NaN: all 0
+    return u.sign() * (u.abs() - dead_band).clamp(min=0) / (1 - dead_band)
+
+
+def adjust_rewards(correct_PG: torch.Tensor, shaping_PG: torch.Tensor, *, margin: float = 0.4) -> torch.Tensor:
+    """Final rewards [P, G] (or [G]) fp32: c + margin * min(p, 1 - p) * clamp(s, -1, 1), p = mean_g c.
+
+    correct_PG: 1 for correct, 0 for wrong. shaping_PG: reward-model, judge or penalty
+    score. With margin < 1/2, in a group with both correct and wrong responses, no correct
+    response gets a non-positive group-relative advantage and no wrong one a non-negative
+    one (see the module docstring; a group with all or none correct is left as it is);
+    all-zero shaping returns the correctness unchanged. Raises ValueError on a margin outside
+    [0, 0.5), shapes that differ, or correctness other than 0/1.
+    """
+    if not 0 <= margin < 0.5:
+        raise ValueError(f"margin={margin} must lie in [0, 0.5), or a correct answer could get a negative advantage")
+    if correct_PG.shape != shaping_PG.shape:
+        raise ValueError(f"correct {tuple(correct_PG.shape)} and shaping {tuple(shaping_PG.shape)} must match")
+    c = correct_PG.double()
+    if not ((c == 0) | (c == 1)).all():
+        raise ValueError("correct must hold only 0 and 1")
+    p = c.mean(-1, keepdim=True)  # [P, 1]: the group's fraction correct
+    # r_i = c_i + m min(p, 1 - p) s_i, |s_i| <= 1 (the clamp), so |s_i - mean(s)| <= 2. For a correct response
+    # r_i - mean(r) = (1 - p) + m min(p, 1 - p) (s_i - mean(s)) > (1 - p) - min(p, 1 - p) >= 0 when m < 1/2, and
+    # for a wrong one r_i - mean(r) = -p + m min(p, 1 - p) (s_i - mean(s)) < -p + min(p, 1 - p) <= 0: the
+    # advantage's sign is the correctness's, also after division by the group's std. And |shaping| < 1/4,
+    # so every correct reward is > 3/4 and every wrong one < 1/4. At p in {0, 1} the factor is 0: the group
+    # stays zero-variance, for the filter to decide on, instead of being made informative by shaping alone.
+    return (c + margin * torch.minimum(p, 1 - p) * shaping_PG.double().clamp(-1, 1)).float()
+
+
+RM_SCORE_SCALE = 1.0  # reward-model score units per tanh unit in the shaping score (the stub's scores lie in [-1, 1])
+def scorer_outputs(scorer: Scorer, prompt: str, texts: list[str], reference: str) -> torch.Tensor:
+    """One group's raw scorer outputs [G] fp64: a RewardModel's scores (unbounded), or a PairwiseJudge's
+    P(completion beats `reference`) in [0, 1]."""
+    G = len(texts)
+    if isinstance(scorer, PairwiseJudge):
+        return torch.tensor(scorer.compare([prompt] * G, texts, [reference] * G), dtype=torch.float64)
+    return torch.tensor(scorer.score([prompt] * G, texts), dtype=torch.float64)
+
+
+def order_violations(correct_G: torch.Tensor, rewards_G: torch.Tensor) -> tuple[int, int]:
+    """(pairs compared, pairs inverted) of one group: every (correct, wrong) pair of responses, inverted when the
+    correct one's reward is not above the wrong one's, which adjust_rewards rules out (margin < 1/2)."""
+    c = correct_G.bool()
+    right, wrong = rewards_G[c].double(), rewards_G[~c].double()
+    return right.numel() * wrong.numel(), int((right[:, None] <= wrong[None, :]).sum())
+
+
+def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg: RewardConfig, *, max_new_tokens: int,
+                   scorer: Scorer | None = None, prompt: str = "", texts: list[str] | None = None, reference: str = "",
+                   scores: torch.Tensor | None = None) -> torch.Tensor:
+    """One group's final rewards [G] fp32: correctness plus shaping kept inside the correctness class.
+
+    The shaping score s sums DAPO's overlong penalty, the repetition penalty and the
+    scorer's term (a reward model's score through `rm_score`, or a judge's verdict against
+    `reference` through `judge_score`), and enters through `adjust_rewards`, so no correct
+    response's advantage turns negative. max_new_tokens: the generation limit the overlong
+    penalty ramps up to. texts (the decoded completions) and prompt are needed only with a scorer;
+    scores: the scorer's outputs for this group (`scorer_outputs`) when the caller already has them
+    (train.py times and logs them), else they are computed here. With cfg.rm_only the reward is s itself,
+    clamped to [-1, 1], correct_G unread: a group then holds one class, and adjust_rewards would give it
+    no shaping at all. Without any shaping, the correctness is returned as it is.
+    """
+    if not cfg.shapes:  # the common case: no float64 detour, the verifier's rewards as they are
+        return correct_G
+    G = len(completion_ids)
+    # the terms add up and may leave [-1, 1]; adjust_rewards clamps the sum, which is what its guarantee needs
+    s_G = torch.zeros(G, dtype=torch.float64)
+    if cfg.overlong_buffer:
+        s_G += torch.tensor([overlong_penalty(len(x), max_len=max_new_tokens, buffer=cfg.overlong_buffer)
+                             for x in completion_ids])
+    if cfg.repetition_weight:
+        s_G += cfg.repetition_weight * torch.tensor([repetition_penalty(x) for x in completion_ids])
+    if scorer is not None and scores is None:
+        scores = scorer_outputs(scorer, prompt, texts, reference)
+    if isinstance(scorer, PairwiseJudge):
+        # against the gold answer as the reference: better than gold pushes up, worse pushes down, a tie adds 0
+        s_G += cfg.rm_weight * judge_score(scores, dead_band=cfg.judge_dead_band)
+    elif scorer is not None:
+        s_G += cfg.rm_weight * rm_score(scores, scale=RM_SCORE_SCALE)
+    if cfg.rm_only:  # no correctness class to keep: the bounded shaping is the reward
+        return s_G.clamp(-1, 1).float()
+    return adjust_rewards(correct_G, s_G, margin=cfg.shaping_margin)
+
+
+# ----------------------------------------------------------------------------- the RL step's shaping
 
 def scores_collectively(scorer: Scorer | None) -> bool:
     """Whether scorer is a sharded reward model (reward.rm_shard): scored in one collective call per rank and step
@@ -68,13 +238,13 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
     limit (sampling.max_new_tokens, where the overlong penalty ends); tok: the policy's tokenizer (the texts the
     scorer reads); scorer: the run's reward model or judge (None: penalties only); queue: its ScorerQueue with
     reward workers (what it scored while generating), else None. Each group's final rewards, shaped inside its
-    correctness class (reward.shaped_rewards), and their metrics:
+    correctness class (shaped_rewards), and their metrics:
     the scorer's raw outputs (rm/score_mean and rm/score_std over the scored pairs, rm/scored and rm/unscored (NaN:
     no score, reward.RewardModel), or a judge's judge/p_better_mean and its counts: judge/judged, judge/unparsed,
     judge/too_long), the rewards' mean and std, the (correct, wrong) pairs checked and
     t_reward_model (the seconds here: with reward workers, the wait for what the scorer had left) and, with
     reward workers, t_reward_model_busy (the scorer's own seconds, generation's overlap included). Every group
-    is checked to keep each correct response's reward above each wrong one's (reward.adjust_rewards'
+    is checked to keep each correct response's reward above each wrong one's (shaping.adjust_rewards'
     guarantee): an AssertionError naming the step if one ever is not.
     With reward.rm_only the verifier's correctness is unread: each group is one class, the check vacuous.
     Multi-rank: each rank's whole scorer scores the groups it generated (a group is generated on one rank), and
@@ -118,7 +288,7 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
         if inverted:  # adjust_rewards rules this out; a change to the shaping that breaks it must not train on
             raise AssertionError(f"step {step}: group {p}: {inverted} of {n} (correct, wrong) pairs have the wrong "
                                  f"response's reward at or above the correct one's: rewards {r.tolist()}, correct "
-                                 f"{c.tolist()} (reward.adjust_rewards' ordering guarantee broken)")
+                                 f"{c.tolist()} (shaping.adjust_rewards' ordering guarantee broken)")
         pairs += n
     if rewards:
         r = torch.cat(rewards).double()
@@ -239,21 +409,3 @@ def submit_groups(queue: ScorerQueue, tok: Tokenizer, generated: list[Rollout], 
         group = generated[k:k + n]
         item = items[group[0].group_id]
         queue.submit(group, item.question, [tok.decode(r.text_ids) for r in group], item.answer)
-
-
-def judge_generator(cfg: TrainConfig):
-    """How a generative judge (reward.model=judge:<folder>) of a run of cfg (config.TrainConfig) generates:
-    builder(model, tok) -> a greedy generator on a NativeEngine of its own holding the judge's weights (cfg.device,
-    the run's compute dtype), replies of at most reward.judge_max_new_tokens, their stop token left out. Under
-    torchrun each rank holds a whole judge, which judges the groups that rank generated (shape_rewards)."""
-    def build(model, tok):
-        engine = NativeEngine(model.cfg, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device,
-                              dtype=cfg.compute_dtype(), num_tokens=tok.enc.n_vocab)
-        engine.update_weights(policy_tensors(model), version=0)
-        params = SamplingParams(max_new_tokens=cfg.reward.judge_max_new_tokens, temperature=0.0)
-
-        def generate(prompts: list[list[int]]) -> list[list[int]]:
-            replies = engine.generate(prompts, params, seed=JUDGE_SEED)
-            return [r.text_ids for r in replies]
-        return generate
-    return build

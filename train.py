@@ -54,11 +54,11 @@ from hf import check_weights
 from metrics import MetricsLog, WriteError, check_logger, read_records, write_atomic
 from plan import param_counts
 from reward_model import check_scorer_context, reward_model_for, scorer_model_config
-from rollout import Engine, build_engine, engine_builder, producer_engine, stop_engine_servers
+from rollout import Engine, build_engine, engine_builder, judge_generator, producer_engine, stop_engine_servers
 from sampler import Rollout
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
-from shaping import (BlindScorerError, ScorerQueue, UnusableStreak, judge_generator, scores_collectively, shape_rewards,
+from shaping import (BlindScorerError, ScorerQueue, UnusableStreak, scores_collectively, shape_rewards,
                      submit_groups)
 from trainer import NonFiniteError, TrainBatch, lr_at, sft_step, train_on_rollouts
 from weights import full_tensor, policy_tensors
@@ -130,7 +130,7 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
             run.predictor.observe(item.question, s.num_tokens, task=item.task, prompt_len=s.rollout.prompt_len)
     correct = [torch.tensor([s.reward for s in g]) for _, g in groups]  # the verifier's 0/1
     # shaping (penalties, reward model, judge) moves a reward only inside its correctness class, so no
-    # correct response can get a negative advantage (reward.adjust_rewards)
+    # correct response can get a negative advantage (shaping.adjust_rewards)
     rewards, shaping = (shape_rewards(groups, correct, step, cfg=cfg.reward, tok=run.tok, scorer=run.scorer,
                                       queue=run.scorer_queue, max_new_tokens=cfg.sampling.max_new_tokens)
                         if cfg.reward.shapes else (correct, {}))

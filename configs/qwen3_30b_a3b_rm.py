@@ -3,7 +3,7 @@
 #       init_hf=/ckpt/Qwen3-30B-A3B reward.model=/ckpt/<a Qwen3-MoE or GLM-4.5 ForSequenceClassification folder> \
 #       train_data=/data/prompts_train.jsonl eval_data=/data/prompts_test.jsonl
 # (reward.model=judge:/ckpt/<a causal LM> reward.rm_shard=False judges each rollout against the row's answer instead.)
-# The reward (reward.rm_only): rm_weight * tanh(score - the group's mean score) (reward.rm_score), in [-1, 1];
+# The reward (reward.rm_only): rm_weight * tanh(score - the group's mean score) (shaping.rm_score), in [-1, 1];
 # the verifier's correctness is not read, so a group is one correctness class, adjust_rewards' ordering
 # guarantee holds vacuously and the shaping is the reward. The data is prompt-only: JSONL (or parquet) rows of
 # {"prompt": "..."} and no answer field (data.py's format 4; refused unless reward.rm_only with a scalar reward

@@ -24,6 +24,7 @@ import config
 import espo
 import filter as zve
 import reward
+import shaping
 import train
 import trainer
 from config import load_config, parse_args
@@ -409,12 +410,12 @@ BAD = [
          id="tensor:routes-float"),
     call(lambda: zve.post_rollout_filter(torch.zeros(1, 2), torch.ones(1, 3)), names=("rewards",),
          id="tensor:filter-rewards-vs-lengths"),
-    call(lambda: reward.adjust_rewards(torch.full((2, 2), 0.5), torch.zeros(2, 2)), names=("correct must hold",),
+    call(lambda: shaping.adjust_rewards(torch.full((2, 2), 0.5), torch.zeros(2, 2)), names=("correct must hold",),
          id="tensor:correct-not-0-1"),
-    call(lambda: reward.adjust_rewards(torch.zeros(2, 2), torch.zeros(2, 3)), names=("shaping (2, 3)",),
+    call(lambda: shaping.adjust_rewards(torch.zeros(2, 2), torch.zeros(2, 3)), names=("shaping (2, 3)",),
          id="tensor:shaping-shape"),
     call(lambda: trainer.pack_microbatches([3, 4], 0), names=("token_budget=0",), id="tensor:token-budget=0"),
-    call(lambda: reward.rm_score(torch.zeros(2, 2), scale=0.0), names=("scale",), id="tensor:rm-scale=0"),
+    call(lambda: shaping.rm_score(torch.zeros(2, 2), scale=0.0), names=("scale",), id="tensor:rm-scale=0"),
     # ------------------------------------------------ `python train.py`: stderr is one config error line, exit != 0
     cli("sampling.temperature=0", "filter.zero_variance=rl-zvp", names=("sampling.temperature=0.0:",),
         id="cli:temperature=0-rl-zvp"),

@@ -25,7 +25,8 @@ from hf_checkpoint import (IM_END, model_config, qwen_ranks_path, scorer_config_
 import shaping  # noqa: E402
 import train  # noqa: E402
 from config import ConfigError, TrainConfig  # noqa: E402
-from reward import RewardConfig, rm_score  # noqa: E402
+from reward import RewardConfig  # noqa: E402
+from shaping import rm_score  # noqa: E402
 from reward_model import HFRewardModel, check_scorer_context, reward_model_for, scorer_model_config  # noqa: E402
 
 transformers = pytest.importorskip("transformers", reason="a test-only dependency (requirements-dev.txt)")

@@ -17,8 +17,8 @@ import reward
 import scoring
 from data import CodeTask, load_task
 from espo import group_advantages
-from reward import (RewardConfig, adjust_rewards, code_reward, extract_answer, judge_score, math_reward,
-                    overlong_penalty, repetition_penalty, rm_score, shaped_rewards)
+from reward import RewardConfig, code_reward, extract_answer, math_reward
+from shaping import adjust_rewards, judge_score, overlong_penalty, repetition_penalty, rm_score, shaped_rewards
 from reward_model import StubJudge, StubRewardModel, stand_in_scorer
 from scoring import RewardPool, ScoreTimeout, score_inline
 

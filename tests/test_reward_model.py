@@ -14,7 +14,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_checkpoint import IM_END, QWEN_SPECIALS, model_config, qwen_ranks_path, write_qwen_tokenizer  # noqa: E402
 
-from reward import JUDGE_OUTCOMES, RewardConfig, adjust_rewards, judge_score, rm_score  # noqa: E402
+from reward import JUDGE_OUTCOMES, RewardConfig  # noqa: E402
+from shaping import adjust_rewards, judge_score, rm_score  # noqa: E402
 from reward_model import (JUDGE_PROMPT, MAX_JUDGE_CHARS, GenerativeJudge, HFRewardModel, conversation_ids,  # noqa: E402
                           neutralize_specials, parse_verdict, reward_model_for)
 
@@ -361,13 +362,13 @@ def test_a_random_judge_on_the_native_engine_gives_counted_ties_and_leaves_rewar
     triple is JUDGE_PROMPT in the judge's chat template, answered greedily (the same replies twice), bounded by
     judge_max_new_tokens; the random judge's garbage is no verdict, so every outcome is a counted tie (1/2), a
     prompt too long for the judge's context is a counted tie unsent, and the shaped rewards are the correctness."""
-    import shaping
+    import rollout
     from config import TrainConfig
     cfg = RewardConfig(model=f"judge:{causal}", judge_max_new_tokens=6, rm_weight=1.0, judge_dead_band=0.0)
     sent = []
 
     def generator(model, tok):
-        generate = shaping.judge_generator(TrainConfig(reward=cfg))(model, tok)
+        generate = rollout.judge_generator(TrainConfig(reward=cfg))(model, tok)
         return lambda prompts: sent.append(prompts) or generate(prompts)
     judge = reward_model_for(cfg, judge_generator=generator)
     assert type(judge).__name__ == "GenerativeJudge"
@@ -381,7 +382,7 @@ def test_a_random_judge_on_the_native_engine_gives_counted_ties_and_leaves_rewar
     assert all(parse_verdict(r) is None for r in replies)
     assert judge.compare([PROMPTS[0]] * 2, ["5", "many words " * 300], ["5"] * 2) == [0.5, 0.5]
     assert judge.counts["too_long"] == 1 and len(sent[-1]) == 1  # the long one never reached the engine
-    from reward import shaped_rewards
+    from shaping import shaped_rewards
     c_G = torch.tensor([1.0, 0.0, 1.0, 0.0])
     assert torch.equal(shaped_rewards(c_G, [[1]] * 4, cfg, max_new_tokens=8, scorer=judge, prompt=PROMPTS[0],
                                       texts=answers, reference="5"), c_G)
@@ -463,7 +464,7 @@ def test_an_hf_run_with_a_reward_model_logs_its_scores_and_keeps_correct_above_w
 def test_rm_only_rewards_are_the_bounded_reward_model_term_whatever_the_verifier_says():
     """reward.rm_only (configs/qwen3_30b_a3b_rm.py): no correctness class, so the reward is rm_weight * rm_score,
     clamped to [-1, 1], where adjust_rewards would leave a one-class group without any shaping."""
-    from reward import shaped_rewards
+    from shaping import shaped_rewards
     from reward_model import StubRewardModel
     cfg = RewardConfig(model="stub", rm_only=True, rm_weight=1.0)
     texts = ["4", "five", "<answer>5</answer>", "I do not know"]

@@ -36,7 +36,7 @@ LAYERS = {
     "sglang_engine": 7, "engines.batching": 7, "trainer": 7, "checkpoint": 7, "plan": 7, "reward_model": 7,
     "rollout": 8,
     # 9: the RL step's parts above the engines; 10: the entry point and the RL step
-    "shaping": 9, "evaluation": 9, "train": 10,
+    "shaping": 7, "evaluation": 9, "train": 10,
 }
 FOLDERS = ("engines",)  # folders of the project's Python code beside the top-level files (tests/, bench/ and tools/
 # sit above everything and import what they test or measure)
