@@ -1,7 +1,7 @@
 """The held-out evals of a run: `evaluate` (per held-out prompt, the mean reward of its samples, scored as the
 RL step scores, under reward.timeout_s), `run_eval` (sampled and greedy accuracy, logged) and `summarize` (the
 run's last lines: optimizer steps, the plot, the accuracy before and after RL). A completion's text, as a verifier
-reads it, is its tokenizer's decode of `Rollout.text_ids` (the RL step's too)."""
+reads it, is `Rollout.text`, the engine's decode by the run's tokenizer (the RL step's too)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from data import Item, Task, prompt_ids
 from distributed import all_gather_list, rank_world
 from metrics import MetricsLog, plot
 from rollout import Engine
+from sampler import texts
 from scoring import RewardPool, score_inline
 
 if TYPE_CHECKING:
@@ -70,8 +71,8 @@ def evaluate(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, *,
                 # item i's stream is keyed by (cfg.seed, i, sample): the same whichever rank and call generate it
                 outs = engine.generate([prompt_ids(tok, task, items[i], cfg.system_prompt) for i in chunk],
                                        params, n=samples, seed=cfg.seed, group_ids=chunk)
-                for r in outs:  # a completion's key is its position among this rank's completions
-                    text, item = tok.decode(r.text_ids), items[r.group_id]
+                for r, text in zip(outs, texts(outs)):  # a completion's key: its position among this rank's
+                    item = items[r.group_id]
                     if pool is not None:
                         pool.submit(len(group_ids), text, item)
                     else:

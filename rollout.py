@@ -148,12 +148,14 @@ class NativeEngine:
 
     def __init__(self, cfg: ModelConfig, *, eos_id: int | Sequence[int], pad_id: int, device="cpu",
                  dtype=torch.float32, compile: bool = False, num_tokens: int | None = None,
-                 policy: nn.Module | None = None, group=None, options: EngineConfig | None = None):
-        # eos_id: one id or several (a chat model stops at <|im_end|> and at <|endoftext|>).
+                 policy: nn.Module | None = None, group=None, options: EngineConfig | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
+        # eos_id: one id or several (a chat model stops at <|im_end|> and at <|endoftext|>). decode: the tokenizer's,
+        # which gives each Rollout its text (None: rollouts of ids only).
         # num_tokens: the tokenizer's ids, 0..num_tokens - 1; a checkpoint's embedding may have more rows (Qwen3:
         # 151,936 for 151,665 tokens), which are never sampled: no id the tokenizer cannot decode. Their
         # probability mass (nil in a trained model) is what the engine's logprobs then differ by from the trainer's.
-        self.cfg, self.pad_id, self.num_tokens = cfg, pad_id, num_tokens
+        self.cfg, self.pad_id, self.num_tokens, self.decode = cfg, pad_id, num_tokens, decode
         self.stop_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
         self.options = options or EngineConfig()
         self.device, self.dtype, self.group = torch.device(device), dtype, group
@@ -295,11 +297,16 @@ class NativeEngine:
         """
         if self.sharded:  # lockstep with the other ranks, inside a rollout phase
             with self.phase():
-                if prompts:
-                    return self._generate(prompts, params, n, seed, group_ids)
-                self._generate([[self.pad_id]], params, 1, 0, None)  # joins the others' collectives; dropped
-                return []
-        return self._generate(prompts, params, n, seed, group_ids)
+                if not prompts:
+                    self._generate([[self.pad_id]], params, 1, 0, None)  # joins the others' collectives; dropped
+                    return []
+                rollouts = self._generate(prompts, params, n, seed, group_ids)
+        else:
+            rollouts = self._generate(prompts, params, n, seed, group_ids)
+        if self.decode is not None:
+            for r in rollouts:
+                r.text = self.decode(r.text_ids)
+        return rollouts
 
     def _generate(self, prompts, params, n, seed, group_ids) -> list[Rollout]:
         if not prompts:
@@ -461,7 +468,8 @@ class Engine(Protocol):
 
     generate(prompts, params, *, n, seed, group_ids): n Rollouts of each prompt (token ids),
         prompt-major, each sample's random stream keyed by (seed, group id, sample index): batching
-        does not change what is sampled. A Rollout records tokens, logprobs, routes, weight version.
+        does not change what is sampled. A Rollout records tokens, logprobs, routes, weight version, and its
+        text (the run's tokenizer's decode of its ids: what the verifiers and scorers read).
     update_weights(named_tensors, version): take the trainer's weights (weights.policy_tensors names)
         and stamp `version` (RL steps trained, the weight_version) on what it generates from then on.
     phase(): around a step's (or an eval's) generate calls: gathering weights or switching process
@@ -495,7 +503,8 @@ def build_native_engine(cfg: TrainConfig, tok: Tokenizer, policy: nn.Module) -> 
     batches continuously."""
     on_policy = policy if rank_world()[1] > 1 else None
     return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device, dtype=cfg.compute_dtype(),
-                        compile=cfg.compile, num_tokens=tok.enc.n_vocab, policy=on_policy, options=cfg.engine)
+                        compile=cfg.compile, num_tokens=tok.enc.n_vocab, policy=on_policy, options=cfg.engine,
+                        decode=tok.decode)
 
 
 ENGINES: dict[str, Callable[[TrainConfig, Tokenizer, nn.Module], Engine]] = {
@@ -550,13 +559,13 @@ def producer_engine(engine: Engine, cfg: TrainConfig, policy: nn.Module) -> Engi
     share a communicator with the trainer's). Raises ValueError for another engine than the native one."""
     if not isinstance(engine, NativeEngine):
         raise ValueError(f"max_staleness={cfg.max_staleness}: async rollouts run on the native engine only")
-    if not engine.sharded:
-        return copy.deepcopy(engine)
+    if not engine.sharded:  # its own copy of the weights; the tokenizer's decode shared, not copied
+        return copy.deepcopy(engine, memo={id(engine.decode): engine.decode})
     meshes = own_meshes(rank_world()[1], cfg.ep)
     set_group_timeouts(cfg.dist_timeout_s)  # the new groups too
     producer = NativeEngine(cfg.model, eos_id=engine.stop_ids, pad_id=engine.pad_id, device=cfg.device,
                             dtype=cfg.compute_dtype(), compile=cfg.compile, num_tokens=engine.num_tokens,
                             policy=reference_copy(policy, cfg, meshes), group=meshes.fsdp.get_group(),
-                            options=engine.options)
+                            options=engine.options, decode=engine.decode)
     producer.weight_version = engine.weight_version  # the version its copy holds (a resumed run's, say)
     return producer

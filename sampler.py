@@ -58,6 +58,9 @@ class Rollout:
     # one 0/1 per completion_ids entry: 0 where the model did not sample the token (a tool's response, fed to the
     # model as input but never trained, its logprob never read); None = every completion token trained
     loss_mask: list[int] | None = None
+    # what a verifier, a reward model or a judge reads: text_ids decoded by the run's tokenizer, set by an engine
+    # built with its decode (rollout.ENGINES' builders); None from one built without (tests that read ids only)
+    text: str | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -74,17 +77,17 @@ class Rollout:
         return self.completion_ids[:-1] if self.finish_reason == "stop" else self.completion_ids
 
     def summary(self, rank: int, with_tokens: bool = False) -> RolloutSummary:
-        """Its scalars, for the other ranks (with the completion's ids if with_tokens)."""
+        """Its scalars, for the other ranks (with the completion's ids and text if with_tokens)."""
         return RolloutSummary(len(self.prompt_ids), len(self.completion_ids), self.num_trained, self.finish_reason,
                               self.group_id, self.weight_version, rank,
-                              list(self.completion_ids) if with_tokens else None)
+                              list(self.completion_ids) if with_tokens else None, self.text if with_tokens else None)
 
 
 @dataclass(frozen=True)
 class RolloutSummary:
     """What the other ranks learn of a rollout: its scalars, never its tokens, logprobs or routes (those
-    stay on the rank that generated it, which trains it). completion_ids only when reward shaping reads
-    the group's completions."""
+    stay on the rank that generated it, which trains it). completion_ids and text only when reward shaping
+    reads the group's completions."""
     prompt_len: int
     num_tokens: int  # generated tokens, tool tokens included
     num_trained: int  # those the loss trains (Rollout.num_trained): the token-mean normaliser's count
@@ -93,6 +96,16 @@ class RolloutSummary:
     weight_version: int
     rank: int
     completion_ids: list[int] | None = None
+    text: str | None = None
+
+
+def texts(rollouts: list[Rollout]) -> list[str]:
+    """Each rollout's text (Rollout.text), what the step's verifiers and scorers read. Raises ValueError for rollouts
+    an engine left undecoded (built without the tokenizer's decode: rollout.ENGINES' builders pass it)."""
+    if any(r.text is None for r in rollouts):
+        raise ValueError(f"{sum(r.text is None for r in rollouts)} of {len(rollouts)} rollouts have no text: build the "
+                         f"engine with decode=tok.decode (rollout.ENGINES' builders do)")
+    return [r.text for r in rollouts]
 
 
 def sample(logits_BV: torch.Tensor, params: SamplingParams, u_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,3 +203,4 @@ def row_uniforms_at(keys_B: torch.Tensor, step_B: torch.Tensor) -> torch.Tensor:
     draw t of key k is draw 0 of key k + t * golden: the same bits as row_uniforms(keys, t) row by row.
     """
     return row_uniforms(keys_B + step_B * _GOLDEN, 0)  # int64 products and sums wrap, as the stream's own
+

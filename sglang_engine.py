@@ -74,7 +74,7 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from contextlib import contextmanager
 from itertools import accumulate
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 from urllib.parse import urlsplit
 
 import torch
@@ -291,7 +291,7 @@ class SGLangEngine:
 
     def __init__(self, model_path: str, cfg: ModelConfig, *, eos_id, fp8: bool = False, tp_size: int = 1, ep_size: int = 1,
                  mem_fraction_static: float = 0.8, seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 num_tokens: int | None = None, **server_kwargs):
+                 num_tokens: int | None = None, decode: Callable[[list[int]], str] | None = None, **server_kwargs):
         _import_sglang()  # first, so a CPU machine fails with what to install before reading any file
         from sglang.srt.entrypoints.http_server import launch_server
         from sglang.srt.server_args import ServerArgs
@@ -319,13 +319,13 @@ class SGLangEngine:
         server = SGLangServer(url, serialize=lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True))
         # cfg: the served model's shape (the run's), whose layer counts, top_k and dense layers decode the routes
         self._setup([server], cfg, eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes, colocated=True,
-                    num_tokens=num_tokens)
+                    num_tokens=num_tokens, decode=decode)
 
     @classmethod
     def from_engine(cls, engine: Server | list[Server], cfg: ModelConfig, *, eos_id, fp8: bool = False,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, leader: bool = True, colocated: bool = False,
                     update_group: str | None = None, num_tokens: int | None = None,
-                    config_dtype: str | None = None) -> SGLangEngine:
+                    config_dtype: str | None = None, decode: Callable[[list[int]], str] | None = None) -> SGLangEngine:
         """Wrap running servers (`Server`s): an SGLangServer, an `InProcessServer` around an sglang.Engine, or a
         list of them (external servers: requests spread over them by group id).
 
@@ -337,18 +337,20 @@ class SGLangEngine:
         pair). num_tokens: the tokenizer's
         ids; SGLang samples over every row of the embedding, and ids past these are counted (`counters`).
         config_dtype: the served checkpoint's config.json dtype, which a server started with --dtype auto serves in
-        (sglang_server.served_dtype).
+        (sglang_server.served_dtype). decode: the run's tokenizer's, which gives each Rollout its text.
         """
         self = cls.__new__(cls)  # skips __init__: no sglang import, no CUDA check (how the CPU tests build one)
         self._setup(engine if isinstance(engine, list) else [engine], cfg, eos_id=eos_id, fp8=fp8,
                     bucket_bytes=bucket_bytes, leader=leader, colocated=colocated, update_group=update_group,
-                    num_tokens=num_tokens, config_dtype=config_dtype)
+                    num_tokens=num_tokens, config_dtype=config_dtype, decode=decode)
         return self
 
     def _setup(self, servers: list[Server], cfg: ModelConfig, *, eos_id, fp8: bool, bucket_bytes: int,
                leader: bool = True, colocated: bool = False, update_group: str | None = None,
-               num_tokens: int | None = None, config_dtype: str | None = None):
+               num_tokens: int | None = None, config_dtype: str | None = None,
+               decode: Callable[[list[int]], str] | None = None):
         self.servers, self.cfg, self.eos_id, self.fp8, self.bucket_bytes = servers, cfg, eos_id, fp8, bucket_bytes
+        self.decode = decode  # the run's tokenizer's: each Rollout's text (SGLang's own detokenizer is not read)
         self.num_tokens, self.ids_past_tokenizer = num_tokens, 0
         self.leader, self.colocated, self.update_group = leader, colocated, update_group
         if update_group is not None and not all(isinstance(s, SGLangServer) for s in servers):
@@ -395,6 +397,9 @@ class SGLangEngine:
                                          group_id=groups[i // n]) for i, out in enumerate(outs)]
         if self.num_tokens is not None:  # padded embedding rows, which the tokenizer cannot decode
             self.ids_past_tokenizer += sum(i >= self.num_tokens for r in rollouts for i in r.completion_ids)
+        if self.decode is not None:
+            for r in rollouts:
+                r.text = self.decode(r.text_ids)
         return rollouts
 
     def _generate(self, request: dict, row_groups: list[int]) -> list[dict]:
@@ -588,7 +593,7 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
         backend = "nccl" if torch.device(cfg.device).type == "cuda" else "gloo"  # gloo: a CPU trainer's stand-in
         return SGLangEngine.from_engine([SGLangServer(u) for u in engine_cfg.urls], cfg.model, eos_id=tok.stop_ids,
                                         fp8=engine_cfg.fp8, leader=rank == 0, update_group=backend,
-                                        num_tokens=tok.enc.n_vocab,
+                                        num_tokens=tok.enc.n_vocab, decode=tok.decode,
                                         config_dtype=checkpoint_dtype(cfg.init_hf or cfg.init_from))
     check_colocated_install()
     path = cfg.init_hf or cfg.init_from
@@ -606,11 +611,12 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
         ep = sglang_ep(cfg.model, local_world)  # what fp8_bf16_modules assumed of this server
         engine = SGLangEngine(path, cfg.model, eos_id=tok.stop_ids, fp8=engine_cfg.fp8, tp_size=local_world, ep_size=ep,
                               mem_fraction_static=engine_cfg.sglang_mem_fraction, seed=cfg.seed,
-                              num_tokens=tok.enc.n_vocab)
+                              num_tokens=tok.enc.n_vocab, decode=tok.decode)
     # every rank learns its node leader's URL (torchrun numbers a node's ranks consecutively); the gather also
     # waits for the leaders' servers to be up
     node_url = all_gather_list([engine.servers[0].url if engine is not None else None])[rank - local_rank]
     if engine is None:  # a non-leader rank: generates through its node's server, sends no weights
         engine = SGLangEngine.from_engine(SGLangServer(node_url), cfg.model, eos_id=tok.stop_ids, fp8=engine_cfg.fp8,
-                                          leader=False, colocated=True, num_tokens=tok.enc.n_vocab)
+                                          leader=False, colocated=True, num_tokens=tok.enc.n_vocab,
+                                          decode=tok.decode)
     return engine

@@ -7,9 +7,9 @@ The pure part: DAPO's overlong penalty (arXiv 2503.14476, eq. 13) and a repetiti
 `shape_rewards`, every group of a step shaped and checked against inversion, and `ScorerQueue`, the scorer at work
 while the policy still generates. train.collect_rollouts calls shape_rewards when reward.shapes; train.start_run
 builds the scorer (reward_model.reward_model_for, a judge on rollout.judge_generator's engine) and, with reward
-workers, the queue. What they read is named in their signatures (the reward section, the tokenizer, the scorer
-and its queue), not a train.Run. The group-relative advantage is GRPO's (arXiv 2402.03300), whose sign the shaping
-must never turn against correctness.
+workers, the queue. What they read is named in their signatures (the reward section, the scorer and its queue;
+the texts are the rollouts' own), not a train.Run. The group-relative advantage is GRPO's (arXiv 2402.03300),
+whose sign the shaping must never turn against correctness.
 
 Shapes: P, G (letters of the README's legend).
 
@@ -74,7 +74,6 @@ from sampler import Rollout
 if TYPE_CHECKING:
     from data import Item
     from filter import Scored
-    from tokenizer import Tokenizer
 
 UNUSABLE_SHARE = 0.5  # past this share of a step's scorer outputs unusable, the step's shaping is mostly zero: warn
 UNUSABLE_STEPS = 3  # so many such steps in a row stop the run: one is a bad batch, three a scorer that cannot see
@@ -232,11 +231,10 @@ def scores_collectively(scorer: Scorer | None) -> bool:
 
 
 def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.Tensor], step: int, *,
-                  cfg: RewardConfig, max_new_tokens: int, tok: Tokenizer, scorer: Scorer | None,
+                  cfg: RewardConfig, max_new_tokens: int, scorer: Scorer | None,
                   queue: ScorerQueue | None) -> tuple[list[torch.Tensor], dict]:
     """groups: the step's (item, [Scored]) pairs; cfg: the run's reward section; max_new_tokens: the generation
-    limit (sampling.max_new_tokens, where the overlong penalty ends); tok: the policy's tokenizer (the texts the
-    scorer reads); scorer: the run's reward model or judge (None: penalties only); queue: its ScorerQueue with
+    limit (sampling.max_new_tokens, where the overlong penalty ends); scorer: the run's reward model or judge (None: penalties only); queue: its ScorerQueue with
     reward workers (what it scored while generating), else None. Each group's final rewards, shaped inside its
     correctness class (shaped_rewards), and their metrics:
     the scorer's raw outputs (rm/score_mean and rm/score_std over the scored pairs, rm/scored and rm/unscored (NaN:
@@ -258,16 +256,15 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
         mine = [p for p, (_, g) in enumerate(groups) if g[0].local]
         if scores_collectively(scorer):  # a collective (reward.rm_shard): one call of every own row (choice 4)
             rows = [(p, s) for p in mine for s in groups[p][1]]
-            flat = scorer.score([groups[p][0].question for p, _ in rows],
-                                [tok.decode(s.rollout.text_ids) for _, s in rows])
+            flat = scorer.score([groups[p][0].question for p, _ in rows], [s.rollout.text for _, s in rows])
             flat, own = torch.tensor(flat, dtype=torch.float64), []
             for p in mine:
                 own.append((p, flat[:len(groups[p][1])]))
                 flat = flat[len(groups[p][1]):]
         else:  # with reward workers: scored while generating, waited for here (choice 3)
             own = [(p, queue.scores([s.rollout for s in groups[p][1]]) if queue is not None else
-                    scorer_outputs(scorer, groups[p][0].question, [tok.decode(s.rollout.text_ids)
-                                                                   for s in groups[p][1]], groups[p][0].answer))
+                    scorer_outputs(scorer, groups[p][0].question, [s.rollout.text for s in groups[p][1]],
+                                   groups[p][0].answer))
                    for p in mine]
         if queue is not None:
             queue.forget()
@@ -401,11 +398,10 @@ class ScorerQueue:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def submit_groups(queue: ScorerQueue, tok: Tokenizer, generated: list[Rollout], items: list[Item], n: int):
-    """Hand a generate call's groups to the run's ScorerQueue (choice 3), their completions decoded by tok (the
-    policy's tokenizer): generated holds n rollouts per prompt, in order, each group's prompt and gold in
-    items[group_id]."""
+def submit_groups(queue: ScorerQueue, generated: list[Rollout], items: list[Item], n: int):
+    """Hand a generate call's groups to the run's ScorerQueue (choice 3), with their completions' texts (Rollout.text):
+    generated holds n rollouts per prompt, in order, each group's prompt and gold in items[group_id]."""
     for k in range(0, len(generated), n):
         group = generated[k:k + n]
         item = items[group[0].group_id]
-        queue.submit(group, item.question, [tok.decode(r.text_ids) for r in group], item.answer)
+        queue.submit(group, item.question, [r.text for r in group], item.answer)

@@ -55,7 +55,7 @@ from metrics import MetricsLog, WriteError, check_logger, read_records, write_at
 from plan import param_counts
 from reward_model import check_scorer_context, reward_model_for, scorer_model_config
 from rollout import Engine, build_engine, engine_builder, judge_generator, producer_engine, stop_engine_servers
-from sampler import Rollout
+from sampler import Rollout, texts
 from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
 from shaping import (BlindScorerError, ScorerQueue, UnusableStreak, scores_collectively, shape_rewards,
@@ -131,7 +131,7 @@ def collect_rollouts(run: Run, step: int) -> tuple[dict, TrainBatch | None]:
     correct = [torch.tensor([s.reward for s in g]) for _, g in groups]  # the verifier's 0/1
     # shaping (penalties, reward model, judge) moves a reward only inside its correctness class, so no
     # correct response can get a negative advantage (shaping.adjust_rewards)
-    rewards, shaping = (shape_rewards(groups, correct, step, cfg=cfg.reward, tok=run.tok, scorer=run.scorer,
+    rewards, shaping = (shape_rewards(groups, correct, step, cfg=cfg.reward, scorer=run.scorer,
                                       queue=run.scorer_queue, max_new_tokens=cfg.sampling.max_new_tokens)
                         if cfg.reward.shapes else (correct, {}))
     run.unusable.observe(step, shaping)  # a scorer that cannot see what it scores warns, then stops the run
@@ -246,11 +246,12 @@ def generate_rollouts(run: Run, items: list[Item], n: int, step: int, gen_round:
                                     per_call, num_ranks=world, rank=rank):
         # share: this rank's indices into items (maybe none), which become the rollouts' group ids
         generated = run.engine.generate([prompts[i] for i in share], cfg.sampling, n=n, group_ids=share, seed=seed)
+        completions = texts(generated)  # what the verifier and the scorer read
         if run.pool is not None:  # rollouts of a prompt come out in order, so (gen_round, group, j) names each one
-            for j, r in enumerate(generated):
-                run.pool.submit((gen_round, r.group_id, j % n), run.tok.decode(r.text_ids), items[r.group_id])
+            for j, (r, text) in enumerate(zip(generated, completions)):
+                run.pool.submit((gen_round, r.group_id, j % n), text, items[r.group_id])
         if run.scorer_queue is not None:  # the reward model or judge too (shaping's choice 3)
-            submit_groups(run.scorer_queue, run.tok, generated, items, n)
+            submit_groups(run.scorer_queue, generated, items, n)
         rollouts += generated
     rollouts.sort(key=lambda r: r.group_id)  # stable: keeps each group's sample order
     return rollouts
@@ -266,8 +267,8 @@ def score_rollouts(run: Run, rollouts: list[Rollout], items: list[Item], n: int,
         rewards, reasons = run.pool.gather([(gen_round, i, j) for i in mine for j in range(n)])
     else:
         # on this thread, each bounded by reward.timeout_s as a worker's would be
-        results = [score_inline(run.prompts.task.score, run.tok.decode(r.text_ids), items[r.group_id],
-                                timeout_s=run.cfg.reward.timeout_s) for r in rollouts]
+        results = [score_inline(run.prompts.task.score, r.text, items[r.group_id], timeout_s=run.cfg.reward.timeout_s)
+                   for r in rollouts]
         rewards, reasons = [w for w, _ in results], [why for _, why in results]
     scored = [Scored(reward=w, num_tokens=len(r.completion_ids), rollout=r, reason=why)
               for w, r, why in zip(rewards, rollouts, reasons)]

@@ -96,7 +96,7 @@ def make_engine(cfg, tok, *, fp8: bool = False, dtype: torch.dtype = torch.float
     """A rollout engine with the run's stop and pad ids and engine section, as train.start_run builds it
     (rollout.build_native_engine), in `dtype`; fp8: with blockwise-FP8 weights (engine.fp8)."""
     return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, num_tokens=tok.enc.n_vocab, dtype=dtype,
-                        options=dataclasses.replace(cfg.engine, fp8=fp8))
+                        options=dataclasses.replace(cfg.engine, fp8=fp8), decode=tok.decode)
 
 
 @torch.no_grad()

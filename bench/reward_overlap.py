@@ -86,11 +86,11 @@ def main():
                        top_k=2, moe_inter_dim=128, max_seq_len=args.prompt_len + args.new_tokens)
     cfg = TrainConfig(model=mcfg, group_size=args.group_size, gen_batch_rows=args.rows,
                       sampling=SamplingParams(max_new_tokens=args.new_tokens))
-    engine = NativeEngine(mcfg, eos_id=NO_EOS, pad_id=0)
-    engine.update_weights(Transformer(mcfg).named_parameters(), version=0)
-    num_prompts = args.batches * (args.rows // args.group_size)
     # prompts of random bytes: a byte-level tokenizer makes each exactly prompt_len tokens with <|bos|> and "\n"
     tok = demo_tokenizer(build_tokenizer(mcfg.vocab_size))
+    engine = NativeEngine(mcfg, eos_id=NO_EOS, pad_id=0, decode=tok.decode)
+    engine.update_weights(Transformer(mcfg).named_parameters(), version=0)
+    num_prompts = args.batches * (args.rows // args.group_size)
     text = torch.randint(ord("a"), ord("z") + 1, (num_prompts, args.prompt_len - 2)).tolist()
     items = [Item("".join(map(chr, t)), "", 0, i) for i, t in enumerate(text)]
     delay = args.verifier_ms / 1000
@@ -117,7 +117,7 @@ def main():
 
             t = time.perf_counter()
             for i, r in enumerate(rollouts):
-                pool.submit(i, tok.decode(r.text_ids), items[r.group_id])
+                pool.submit(i, r.text, items[r.group_id])
             after, _ = pool.gather(list(range(len(rollouts))))
             t_reward = time.perf_counter() - t
 

@@ -99,7 +99,7 @@ class SimEngine:
             mean = self.mean_length[tuple(p)]
             for _ in range(n):
                 c = max(1, round(self.gen.gauss(mean, LENGTH_SPREAD * mean)))
-                out.append(Rollout(list(p), [0] * c, torch.zeros(c), torch.zeros(0), "stop", g, 0))
+                out.append(Rollout(list(p), [0] * c, torch.zeros(c), torch.zeros(0), "stop", g, 0, text=""))
         return out
 
     def phase(self):

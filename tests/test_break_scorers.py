@@ -139,12 +139,12 @@ class TooSmallJudge:
 
 def shape(correct: list[float], scorer, **reward) -> tuple[list[torch.Tensor], dict]:
     """shaping.shape_rewards of one group of len(correct) rollouts (completion "x" per token), scorer's outputs."""
-    g = [SimpleNamespace(rollout=SimpleNamespace(text_ids=[1] * (i + 1), completion_ids=[1] * (i + 1)), local=True)
+    g = [SimpleNamespace(rollout=SimpleNamespace(text="x" * (i + 1), completion_ids=[1] * (i + 1)), local=True)
          for i in range(len(correct))]
     cfg = RewardConfig(model="stub", rm_weight=1.0, **reward)
     return shaping.shape_rewards([(SimpleNamespace(question="2 + 3?", answer="5"), g)], [torch.tensor(correct)],
                                  step=0, cfg=cfg, max_new_tokens=TrainConfig().sampling.max_new_tokens,
-                                 tok=SimpleNamespace(decode=lambda ids: "x" * len(ids)), scorer=scorer, queue=None)
+                                 scorer=scorer, queue=None)
 
 
 @pytest.mark.parametrize("scorer", ["judge", "rm_only"])

@@ -36,14 +36,17 @@ SLOW_S = 3.0  # a verifier this slow would give reward 1.0, long after the limit
 # ----------------------------------------------------------------------------- 4. the eval path
 
 class ScriptedEngine:
-    """Answers held-out item i with completion id i, whatever the sampling."""
+    """Answers held-out item i with completion id i, whose text is texts[i], whatever the sampling."""
+
+    def __init__(self, texts: list[str]):
+        self.texts = texts
 
     def phase(self):
         return contextlib.nullcontext()
 
     def generate(self, prompts, params, *, n, seed, group_ids):
         return [Rollout(prompt_ids=p, completion_ids=[g], logprobs=torch.zeros(1), routes=torch.zeros(0),
-                        finish_reason="length", group_id=g, weight_version=0)
+                        finish_reason="length", group_id=g, weight_version=0, text=self.texts[g])
                 for p, g in zip(prompts, group_ids) for _ in range(n)]
 
 
@@ -104,7 +107,7 @@ def test_eval_counts_an_unscorable_completion_wrong_and_goes_on(case, tmp_path):
                              "eval_samples=1"])
     log = MetricsLog()
     # reward.workers > 0 sends the eval to workers of its own, as the run's own pool scores the training task
-    sampled, greedy = run_eval(ScriptedEngine(), CompletionTable([bad, good]), HeldOut(task, task.items), cfg, log,
+    sampled, greedy = run_eval(ScriptedEngine([bad, good]), CompletionTable([bad, good]), HeldOut(task, task.items), cfg, log,
                                step=0, t_start=0.0)
     assert sampled.tolist() == greedy.tolist() == [0.0, 1.0]
     assert log.records[-1]["eval/unscored"] == 2  # once sampled, once greedy

@@ -406,7 +406,7 @@ def test_an_inverted_group_stops_the_run_naming_its_step(monkeypatch):
     import shaping
     from config import TrainConfig
     kw = dict(cfg=RewardConfig(repetition_weight=0.1), max_new_tokens=TrainConfig().sampling.max_new_tokens,
-              tok=None, scorer=None, queue=None)
+              scorer=None, queue=None)
     g = [SimpleNamespace(rollout=SimpleNamespace(completion_ids=[1, 2])) for _ in range(4)]
     correct = [torch.tensor([1.0, 0.0, 0.0, 1.0])]
     rewards, m = shaping.shape_rewards([(None, g)], correct, step=3, **kw)
@@ -509,12 +509,10 @@ def recording_scorer(judge: bool | str):
 
 
 def shaping_of(scorer) -> dict:
-    """shaping.shape_rewards' keywords for a stub run's reward section with this scorer (texts: "x" per token)."""
-    from types import SimpleNamespace
-
+    """shaping.shape_rewards' keywords for a stub run's reward section with this scorer."""
     from config import TrainConfig
     return dict(cfg=RewardConfig(model="stub", rm_weight=1.0), max_new_tokens=TrainConfig().sampling.max_new_tokens,
-                tok=SimpleNamespace(decode=lambda ids: "x" * len(ids)), scorer=scorer, queue=None)
+                scorer=scorer, queue=None)
 
 
 def shape_worker(rank, world, port, out):
@@ -540,7 +538,7 @@ def shape_worker(rank, world, port, out):
                 g = []
                 for j in range(2):
                     ids = [1] * (1 + p + 2 * j)
-                    here = Rollout([0], ids, torch.zeros(len(ids)), torch.zeros(0), "length", p, 0)
+                    here = Rollout([0], ids, torch.zeros(len(ids)), torch.zeros(0), "length", p, 0, text="x" * len(ids))
                     local = p // 2 == rank
                     rollout = here if local else here.summary(p // 2, True)
                     g.append(Scored(reward=float(j), num_tokens=len(ids), rollout=rollout, local=local))
@@ -588,7 +586,8 @@ def test_each_rank_scores_only_the_groups_it_generated_and_all_learn_every_score
         scorer = recording_scorer(judge)  # one process, every group whole
         groups = [(SimpleNamespace(question=f"q{p}", answer="a"),
                    [Scored(reward=float(j), num_tokens=1 + p + 2 * j,
-                           rollout=Rollout([0], [1] * (1 + p + 2 * j), torch.zeros(1), torch.zeros(0), "length", p, 0))
+                           rollout=Rollout([0], [1] * (1 + p + 2 * j), torch.zeros(1), torch.zeros(0), "length", p, 0,
+                                           text="x" * (1 + p + 2 * j)))
                     for j in range(2)]) for p in range(4)]
         rewards, m = shaping.shape_rewards(groups, [torch.tensor([0.0, 1.0])] * 4, step=0, **shaping_of(scorer))
         assert [r.tolist() for r in rewards] == zero[1] and untimed(m) == untimed(zero[2])

@@ -8,7 +8,7 @@ from logprobs import token_logprobs
 from model import ModelConfig, Transformer, route_dtype
 from config import EngineConfig
 from rollout import NativeEngine
-from sampler import SamplingParams, sample
+from sampler import SamplingParams, sample, texts
 
 EOS, PAD = 1, 0
 
@@ -72,6 +72,25 @@ def test_rollouts_stop_at_eos_or_token_limit(tiny_cfg):
             assert r.completion_ids[-1] == EOS and EOS not in r.completion_ids[:-1]
         else:
             assert r.finish_reason == "length" and len(r.completion_ids) == 6 and EOS not in r.completion_ids
+
+
+def test_each_rollout_carries_its_text_as_the_tokenizers_decode_of_its_ids(tiny_cfg):
+    """An engine built with a decode gives each rollout its text (what verifiers read), static and continuous alike,
+    the stop token left out; one built without leaves it None, which sampler.texts refuses, naming the fix."""
+    def decode(ids):
+        return " ".join(map(str, ids))
+    model = Transformer(tiny_cfg)
+    for options in (EngineConfig(), EngineConfig(slots=2)):
+        engine = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, options=options, decode=decode)
+        engine.update_weights(model.named_parameters(), version=0)
+        rollouts = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6), n=2, seed=3)
+        assert texts(rollouts) == [decode(r.text_ids) for r in rollouts]
+        assert all(EOS not in r.text_ids for r in rollouts)
+    bare, _ = engine_and_model(tiny_cfg)
+    rollouts = bare.generate(PROMPTS, SamplingParams(max_new_tokens=6), n=2, seed=3)
+    assert all(r.text is None for r in rollouts)
+    with pytest.raises(ValueError, match=r"6 of 6 rollouts have no text: build the engine with decode=tok.decode"):
+        texts(rollouts)
 
 
 def test_top_p_keeps_only_the_nucleus():

@@ -27,7 +27,7 @@ from sglang_engine import InProcessServer, SGLangEngine, build_sglang_engine
 from engines.sglang_server import SGLangServer
 
 EOS = 1
-TOK = SimpleNamespace(stop_ids=(EOS,), pad_id=0, enc=SimpleNamespace(n_vocab=256))  # what build_sglang_engine
+TOK = SimpleNamespace(stop_ids=(EOS,), pad_id=0, enc=SimpleNamespace(n_vocab=256), decode=str)  # what build_sglang_engine
 # reads of a tokenizer.Tokenizer
 PARAMS = SamplingParams(max_new_tokens=4)
 CKPT = tempfile.mkdtemp(prefix="ckpt")  # the run's init_hf, as far as the engine reads it: config.json's dtype
@@ -334,8 +334,10 @@ def test_colocated_memory_is_released_before_training_and_resumed_before_rollout
     server = FakeSGLang(tiny_cfg, log, tp_size=2)
     packed = []
     client = SGLangServer(server.url, serialize=lambda bucket: packed.append(bucket) or f"ipc-{len(packed)}")
-    engine = SGLangEngine.from_engine(client, tiny_cfg, eos_id=EOS, colocated=True, bucket_bytes=16 << 10)
-    engine.generate([[5, 6]], PARAMS, n=1, seed=0)
+    engine = SGLangEngine.from_engine(client, tiny_cfg, eos_id=EOS, colocated=True, bucket_bytes=16 << 10,
+                                      decode=lambda ids: ",".join(map(str, ids)))
+    out = engine.generate([[5, 6]], PARAMS, n=1, seed=0)[0]
+    assert out.text == ",".join(map(str, out.text_ids))  # the run's tokenizer's decode, not the server's text
     engine.wake()  # awake already: nothing to resume
     engine.sleep()  # the trainer trains
     engine.sleep()  # asleep already: nothing more to release
@@ -381,7 +383,7 @@ def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_wri
     assert isinstance(engine, Launched) and len(launched) == 1
     path, kw, before, files = launched[0]
     assert kw == dict(eos_id=TOK.stop_ids, fp8=fp8, tp_size=2, ep_size=2, mem_fraction_static=0.5, seed=cfg.seed,
-                      num_tokens=TOK.enc.n_vocab)
+                      num_tokens=TOK.enc.n_vocab, decode=TOK.decode)
     assert before == ["barrier"]  # what rank 0 wrote is complete before any server loads it
     if not fp8:
         assert path == CKPT  # init_hf as it is: nothing written
