@@ -497,9 +497,6 @@ RELATIONS: list[tuple[Callable[[TrainConfig], Any], Callable[[TrainConfig], str]
     (lambda c: not c.engine.slots or c.engine.page_size <= c.model.max_seq_len,
      lambda c: f"engine.page_size={c.engine.page_size}: a page holds at most model.max_seq_len={c.model.max_seq_len} "
                f"columns (every row would hold a whole page of them); use 1..{c.model.max_seq_len} (16 by default)"),
-    (lambda c: not c.tools.enabled,
-     lambda c: f"tools.enabled={c.tools.enabled!r}: the multi-turn rollout that calls tools is not built yet "
-               f"(issue 34 parts 2-4: tool_calls.py holds the tools and the call parsers only); leave it empty"),
     (lambda c: c.engine.name != "sglang" or c.max_staleness == 0,
      lambda c: f"max_staleness={c.max_staleness}: engine.name='sglang' runs synchronous steps for now (a colocated "
                f"engine sleeps while the trainer trains); use max_staleness=0"),

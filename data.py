@@ -72,6 +72,7 @@ from reward import (PLAIN_NUMBER_RE, code_reward, math_gold_readable, math_rewar
                     reasoning_gym_reward, unbox)
 
 from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer
+from tool_calls import tool_schemas
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -465,9 +466,10 @@ def load_tasks(cfg: TrainConfig) -> tuple[Task, Task]:
     return tasks[0], tasks[1]
 
 
-def prompt_ids(tok: Tokenizer, task: Task, item: Item, system: str = "") -> list[int]:
-    """An item's prompt as token ids: the task's wording of it, in the tokenizer's chat template (if any)."""
-    return tok.prompt_ids(task.user_message(item), system)
+def prompt_ids(tok: Tokenizer, task: Task, item: Item, system: str = "", tools: list[dict] | None = None) -> list[int]:
+    """An item's prompt as token ids: the task's wording of it, in the tokenizer's chat template (if any), with
+    the schemas of the tools the rollout may call (tool_calls.tool_schemas; None: no tools)."""
+    return tok.prompt_ids(task.user_message(item), system, tools=tools)
 
 
 @dataclass
@@ -482,6 +484,7 @@ class Prompts:
     tok: Tokenizer
     max_tokens: int  # cfg.prompt_limit()
     system: str = ""  # cfg.system_prompt
+    tools: list[dict] | None = None  # the schemas of cfg.tools (tool_calls.tool_schemas)
     used: int = 0  # items drawn so far: the data position a checkpoint saves
     ids: dict[str, list[int]] = field(init=False)  # question -> its prompt's token ids
     items: list[Item] = field(init=False)  # the task's prompts, in its own order
@@ -491,7 +494,7 @@ class Prompts:
         self.items, self.ids = [self.task[i] for i in range(len(self.task))], {}
         for it in self.items:
             if it.question not in self.ids:  # a question the task repeats is tokenized once
-                self.ids[it.question] = prompt_ids(self.tok, self.task, it, self.system)
+                self.ids[it.question] = prompt_ids(self.tok, self.task, it, self.system, self.tools)
         lengths = [len(self.ids[self.items[i].question]) for i in self.order]
         keep = [i for i, n in zip(self.order, lengths) if n <= self.max_tokens]
         self.skipped, self.order = len(self.order) - len(keep), keep
@@ -532,7 +535,7 @@ def load_run_data(cfg: TrainConfig) -> RunData:
     # the data order from its own generator: it does not depend on what else draws from torch's RNG
     order = torch.randperm(len(task), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     try:
-        prompts = Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt)
+        prompts = Prompts(task, order, tok, cfg.prompt_limit(), cfg.system_prompt, tool_schemas(cfg.tools))
     except ValueError as e:  # none fits
         raise ValueError(f"max_prompt_tokens={cfg.max_prompt_tokens}: {e}") from None
     except Exception as e:  # noqa: BLE001  the checkpoint's chat template may raise jinja2's errors too
@@ -557,7 +560,8 @@ def run_tokenizer(cfg: TrainConfig, task: Task) -> Tokenizer:
         name = "the demo BPE"
         try:  # it refuses more merges than the vocabulary holds beside the bytes and its specials, before training
             tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
-                                                 vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges))
+                                                 vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges),
+                                 tools=bool(cfg.tools.enabled))
         except ValueError as e:
             raise ValueError(f"bpe_merges={cfg.bpe_merges}: the demo tokenizer's merges must fit model.vocab_size="
                              f"{cfg.model.vocab_size} ({e})") from None
@@ -582,7 +586,7 @@ def held_out_items(cfg: TrainConfig, task: Task, held_out: Task, tok: Tokenizer)
     limit, items = cfg.prompt_limit(), []
     for it in unseen:
         try:
-            fits = len(prompt_ids(tok, held_out, it, cfg.system_prompt)) <= limit
+            fits = len(prompt_ids(tok, held_out, it, cfg.system_prompt, tool_schemas(cfg.tools))) <= limit
         except Exception as e:  # noqa: BLE001  the checkpoint's chat template may raise jinja2's errors too
             raise ValueError(f"{source}: a prompt does not render in the checkpoint's chat template "
                              f"({type(e).__name__}: {e})") from None

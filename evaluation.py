@@ -21,6 +21,7 @@ from distributed import all_gather_list, rank_world
 from metrics import MetricsLog, plot
 from rollout import Engine
 from sampler import texts
+from tool_calls import tool_schemas
 from scoring import RewardPool, score_inline
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ def evaluate(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, *,
     """
     items, task = held.items, held.task
     params = dataclasses.replace(cfg.sampling, temperature=temperature)
+    tools = tool_schemas(cfg.tools)  # shown in the prompt as in training (the engine is then a ToolEngine)
     rank, world = rank_world()
     # items per call and rank: eval_batch_rows' worth, or with engine.slots all of this rank's (one call, `slots` live)
     rows = max(1, -(-len(items) // world)) if cfg.engine.slots else max(1, cfg.eval_batch_rows // samples)
@@ -69,7 +71,7 @@ def evaluate(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, *,
             for c in range(calls):
                 chunk = mine[c * rows:(c + 1) * rows]
                 # item i's stream is keyed by (cfg.seed, i, sample): the same whichever rank and call generate it
-                outs = engine.generate([prompt_ids(tok, task, items[i], cfg.system_prompt) for i in chunk],
+                outs = engine.generate([prompt_ids(tok, task, items[i], cfg.system_prompt, tools) for i in chunk],
                                        params, n=samples, seed=cfg.seed, group_ids=chunk)
                 for r, text in zip(outs, texts(outs)):  # a completion's key: its position among this rank's
                     item = items[r.group_id]

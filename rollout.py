@@ -76,6 +76,7 @@ from distributed import (all_ranks, collective_group, gathered, load_shards, own
 from model import KVCache, ModelConfig, Transformer, route_dtype
 from sampler import Rollout, SamplingParams, row_keys, row_uniforms, sample
 from sglang_engine import build_sglang_engine, stop_launched_servers
+from tool_rollout import ToolEngine
 from weights import (DEFAULT_BUCKET_BYTES, FP8, FP8GroupedExperts, FP8Linear, Named, full_tensor, local,
                      policy_tensors, quantize_fp8_blockwise, to_fp8_modules, weight_buckets)
 
@@ -549,14 +550,22 @@ def engine_builder(name: str) -> Callable[[TrainConfig, Tokenizer, nn.Module], E
 
 
 def build_engine(cfg: TrainConfig, tok: Tokenizer, policy: nn.Module) -> Engine:
-    """The run's rollout engine, engine.name's builder called on the policy (trainer's model)."""
-    return engine_builder(cfg.engine.name)(cfg, tok, policy)
+    """The run's rollout engine, engine.name's builder called on the policy (trainer's model); with tools.enabled
+    wrapped in a ToolEngine (tool_rollout.py), whose rows call the tools between turns."""
+    engine = engine_builder(cfg.engine.name)(cfg, tok, policy)
+    if not cfg.tools.enabled:
+        return engine
+    return ToolEngine(engine, tok, cfg.tools, model_type=cfg.model.hf_model_type, max_seq_len=cfg.model.max_seq_len)
 
 
 def producer_engine(engine: Engine, cfg: TrainConfig, policy: nn.Module) -> Engine:
     """The async producer's engine beside the trainer's: a copy of a one-process native engine, or under
     torchrun one on a sharded copy of the policy over process groups of its own (its collectives never
-    share a communicator with the trainer's). Raises ValueError for another engine than the native one."""
+    share a communicator with the trainer's). A ToolEngine's producer is one over its inner engine's. Raises
+    ValueError for another engine than the native one."""
+    if isinstance(engine, ToolEngine):
+        return ToolEngine(producer_engine(engine.inner, cfg, policy), engine.tok, engine.cfg,
+                          model_type=cfg.model.hf_model_type, max_seq_len=engine.max_seq_len)
     if not isinstance(engine, NativeEngine):
         raise ValueError(f"max_staleness={cfg.max_staleness}: async rollouts run on the native engine only")
     if not engine.sharded:  # its own copy of the weights; the tokenizer's decode shared, not copied

@@ -61,6 +61,10 @@ class Rollout:
     # what a verifier, a reward model or a judge reads: text_ids decoded by the run's tokenizer, set by an engine
     # built with its decode (rollout.ENGINES' builders); None from one built without (tests that read ids only)
     text: str | None = None
+    # a multi-turn row's (tool_rollout.ToolEngine): its assistant turns, the tool calls it made, how many failed
+    turns: int = 1
+    tool_calls: int = 0
+    tool_failures: int = 0
 
     @property
     def prompt_len(self) -> int:

@@ -5,10 +5,8 @@ Owns part 1 of agentic RL (issue 34, "Tools"): the `Tool` protocol and its regis
 all its confinement), the parsers of the two chat formats' calls (`parse_hermes` for Qwen3,
 `parse_glm` for GLM-4.5, chosen by the checkpoint's family: `call_format`), and `run_calls`, which
 answers one assistant turn's calls on a worker pool under the limits of the run's `tools` section
-(`ToolConfig`). What is not built yet: the chat templates' tool turns, the multi-turn rollout (a row
-waiting on a tool, the tool tokens fed with loss mask 0, routes across turns) and the trainer's loss mask
-(issue 34, parts 2-4). Until they are, no run reads this file, and config.RELATIONS refuses
-`tools.enabled` other than empty. The design follows verl's agent loop and TRL's `tools=` (a tool's
+(`ToolConfig`). The multi-turn rollout that runs them between a row's turns is tool_rollout.py's; the
+chat templates' tool turns are chat_template.py's. The design follows verl's agent loop and TRL's `tools=` (a tool's
 error is text for the model, never an exception) and ToolRL (arXiv 2504.13958), which "Each Prompt
 Matters" (arXiv 2512.07710) builds its tool-use RL phase on.
 
@@ -224,8 +222,8 @@ a class with `name`, `schema` and `call`, and a line here."""
 @dataclass
 class ToolConfig:
     """Which tools a rollout may call and the limits on its calls: the run's `tools` section. Raises
-    ValueError on a field its rule refuses (`RULES`). Read by the multi-turn rollout, not built yet (issue 34
-    parts 2-4): until then config.RELATIONS keeps `enabled` empty."""
+    ValueError on a field its rule refuses (`RULES`). Read by the multi-turn rollout (tool_rollout.ToolEngine)
+    and, for the schemas a prompt shows, by data.py (`tool_schemas`)."""
     enabled: tuple[str, ...] = ()
     """Names of the tools (TOOLS) the policy may call; empty (the default): none, a rollout is one completion.
     On the command line a comma-separated list: `tools.enabled=calculator,python`."""
@@ -265,6 +263,11 @@ class ToolConfig:
 def build_tools(cfg: ToolConfig) -> dict[str, Tool]:
     """The enabled tools, by name, in the order `cfg.enabled` lists them."""
     return {name: TOOLS[name](cfg) for name in cfg.enabled}
+
+
+def tool_schemas(cfg: ToolConfig) -> list[dict] | None:
+    """The enabled tools' schemas, which a prompt's chat template shows the model; None when none is enabled."""
+    return [tool.schema for tool in build_tools(cfg).values()] or None
 
 
 # ----------------------------------------------------------------------------- reading the calls of a turn

@@ -267,7 +267,6 @@ BAD = [
     over("reward.timeout_s=0", names=("reward.timeout_s=0.0:",), id="reward.timeout_s=0"),
     over("tools.enabled=abacus", names=("tools.enabled=('abacus',):",), id="tools.enabled-unknown"),
     over("tools.call_timeout_s=0", names=("tools.call_timeout_s=0.0:",), id="tools.call_timeout_s=0"),
-    over("tools.enabled=calculator", names=("tools.enabled=('calculator',):",), id="tools-before-the-rollout"),
     over("engine.sglang_mem_fraction=1.5", names=("engine.sglang_mem_fraction=1.5:",), id="sglang_mem_fraction>1"),
     over("gpus_per_node=0", names=("gpus_per_node=0:",), id="gpus_per_node=0"),
     over("compile=maybe", names=("compile='maybe'",), id="bool-not-a-bool"),

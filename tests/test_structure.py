@@ -33,14 +33,14 @@ LAYERS = {
     # 5: files in and out, several ranks
     "hf": 5, "data": 5, "distributed": 6,
     # 7: engines, trainer, checkpoints, the dry-run plan
-    "sglang_engine": 7, "engines.batching": 7, "trainer": 7, "checkpoint": 7, "plan": 7, "reward_model": 7,
+    "sglang_engine": 7, "engines.batching": 7, "tool_rollout": 7, "trainer": 7, "checkpoint": 7, "plan": 7, "reward_model": 7,
     "rollout": 8,
     # 9: the RL step's parts above the engines; 10: the entry point and the RL step
     "shaping": 7, "evaluation": 9, "train": 10,
 }
 FOLDERS = ("engines",)  # folders of the project's Python code beside the top-level files (tests/, bench/ and tools/
 # sit above everything and import what they test or measure)
-MAX_ARROWS = 103  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
+MAX_ARROWS = 108  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
 # reward_model -> reward, hf, hf_config, tokenizer and train -> reward_model (issue 27: a reward model read
 # from an HF checkpoint); batching's four and rollout -> batching, ep_decode -> model (continuous batching
 # and expert-parallel decode in files of their own); evaluation's four and train -> evaluation (the evals
@@ -56,7 +56,10 @@ MAX_ARROWS = 103  # 58 after issue 23; checkpoint -> weights (a shard's bytes) a
 # rules and sandbox, config -> tool_calls (issue 34: the tools section, the tools and their call parsers);
 # tokenizer -> chat_template (issue 34.2: the chat template's rendering and tool-turn text out of
 # tokenizer.py, which was over 700 lines); run_lock -> metrics, checkpoint -> run_lock and -> hf (the run folder's
-# lock out of checkpoint.py, and the final model's save into it, out of train.py: both were over 700 lines)
+# lock out of checkpoint.py, and the final model's save into it, out of train.py: both were over 700 lines);
+# shaping -> rollout and -> weights gone (the judge's engine into rollout.py); tool_rollout -> distributed, sampler
+# and tool_calls, rollout -> tool_rollout, data and evaluation -> tool_calls (issue 34.3: multi-turn rollouts, the
+# tools' schemas in the prompts)
 
 
 def project_files() -> dict[str, str]:

@@ -236,10 +236,11 @@ def test_the_tools_section_is_off_by_default_and_refuses_unknown_or_repeated_too
         ToolConfig(call_timeout_s=0)
 
 
-def test_enabling_a_tool_in_a_run_is_refused_until_the_rollout_calls_tools():
-    assert load_config(None, ["tools.max_turns=2"]).tools.max_turns == 2
-    with pytest.raises(ValueError, match=r"tools.enabled=\('calculator',\): the multi-turn rollout"):
-        load_config(None, ["tools.enabled=calculator"])
+def test_a_run_enables_tools_and_a_family_without_a_call_format_is_refused_by_name():
+    cfg = load_config(None, ["tools.enabled=calculator", "tools.max_turns=2"])
+    assert cfg.tools.enabled == ("calculator",) and cfg.tools.max_turns == 2
+    with pytest.raises(ValueError, match=r"model_type='llama': no tool-call format known"):
+        call_format("llama")
 
 
 def test_each_tool_has_an_openai_function_schema_under_its_name():

@@ -1,0 +1,181 @@
+"""Multi-turn rollouts that call tools (tool_rollout.ToolEngine, issue 34 part 3 in rounds): one stream per row,
+tool turns fed with loss mask 0, routes as first recorded, budgets and limits, and the trainer's replayed
+forward over a whole multi-turn row equal to the engine's (R3 across turns)."""
+import json
+import time
+
+import pytest
+import torch
+
+import tool_rollout
+from logprobs import token_logprobs
+from config import EngineConfig
+from model import ModelConfig, Transformer
+from rollout import NativeEngine
+from sampler import Rollout, SamplingParams
+from tokenizer import IM_END, build_tokenizer, demo_tokenizer
+from tool_calls import CallCounts, ToolConfig, ToolResult
+from tool_rollout import ToolEngine, turn_seed
+
+TOK = demo_tokenizer(build_tokenizer(512), tools=True)
+L, K = 2, 2  # the scripted engine's routes: layers, experts per token
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 45"}}\n</tool_call>'
+
+
+class ScriptedEngine:
+    """Answers a prompt with a calculator call, and a stream that holds a tool response with the answer: turn
+    i's text is script[i] (i = the tool responses so far), ended by <|im_end|>. Routes: position p of call c is
+    p + 1000 c (every fed position), so the splice of each round's routes can be read off."""
+
+    def __init__(self, script: list[str], versions: list[int] | None = None):
+        self.script, self.versions, self.calls, self.seen = script, versions, 0, []
+        self.weight_version = 0
+
+    def generate(self, prompts, params, *, n=1, seed=None, group_ids=None):
+        out = []
+        for p, g in zip(prompts, group_ids):
+            self.seen.append((len(p), params.max_new_tokens, seed, g))
+            turn = TOK.decode(p).count("<tool_response>")
+            for _ in range(n):
+                ids = TOK.encode(self.script[turn]) + [TOK.enc.encode_single_token(IM_END)]
+                c = min(len(ids), params.max_new_tokens)
+                fed = len(p) + c - 1
+                routes = (torch.arange(fed)[:, None, None] + 1000 * self.calls).expand(fed, L, K).clone()
+                version = self.versions[self.calls] if self.versions else self.weight_version
+                out.append(Rollout(list(p), ids[:c], torch.full((c,), -0.5), routes,
+                                   "stop" if c == len(ids) else "length", g, version))
+        self.calls += 1
+        return out
+
+    def phase(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def counters(self):
+        return {}
+
+
+def tool_engine(inner, **limits):
+    return ToolEngine(inner, TOK, ToolConfig(enabled=("calculator",), **limits), model_type="qwen3_moe",
+                      max_seq_len=4096)
+
+
+def test_a_tool_turn_is_appended_to_the_stream_fed_with_mask_0_and_routes_kept_as_first_recorded():
+    inner = ScriptedEngine([CALL, "<answer>5535</answer>"])
+    engine = tool_engine(inner)
+    prompt = TOK.prompt_ids("what is 123 * 45?", tools=[engine.tools["calculator"].schema])
+    with engine.phase():
+        [r] = engine.generate([prompt], SamplingParams(max_new_tokens=200), n=1, seed=7)
+        counters = engine.counters()
+    turn1 = TOK.encode(CALL) + [TOK.tool_stop_id]
+    tool = TOK.tool_turn_ids(["5535"])
+    turn2 = TOK.encode("<answer>5535</answer>") + [TOK.tool_stop_id]
+    assert r.completion_ids == turn1 + tool + turn2 and r.finish_reason == "stop"
+    assert r.loss_mask == [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2)
+    assert r.num_trained == len(turn1) + len(turn2)
+    assert torch.equal(r.logprobs, torch.tensor([-0.5] * len(turn1) + [0.0] * len(tool) + [-0.5] * len(turn2)))
+    T, C = len(prompt), len(r.completion_ids)
+    assert r.routes.shape == (T + C - 1, L, K)
+    first = T + len(turn1) - 1  # round 0 recorded the prompt and all but its last token
+    assert torch.equal(r.routes[:first, 0, 0], torch.arange(first))  # as first recorded
+    assert torch.equal(r.routes[first:, 0, 0], torch.arange(first, T + C - 1) + 1000)  # the new positions only
+    assert (r.turns, r.tool_calls, r.tool_failures) == (2, 1, 0)
+    assert "<answer>5535</answer>" in r.text and "5535" in TOK.decode(tool)
+    assert counters["tool_calls"] == 1 and counters["tool_turns"] == 1 and counters["tool_failures"] == 0
+    # round 1: the whole stream, the budget left, the turn's own seed, the row's own key (group 0, sample 0)
+    assert inner.seen[1] == (T + len(turn1) + len(tool), 200 - len(turn1) - len(tool), turn_seed(7, 1), 0)
+
+
+def test_limits_end_a_row_max_turns_and_a_budget_a_tool_turn_does_not_fit():
+    one = tool_engine(ScriptedEngine([CALL, "<answer>1</answer>"]), max_turns=1)
+    [r] = one.generate([[1, 2, 3]], SamplingParams(max_new_tokens=200), seed=0)
+    assert r.loss_mask is None and r.turns == 1 and r.tool_calls == 0  # its call is never answered
+    turn1 = len(TOK.encode(CALL)) + 1
+    tight = tool_engine(ScriptedEngine([CALL, "<answer>1</answer>"]))
+    [r] = tight.generate([[1, 2, 3]], SamplingParams(max_new_tokens=turn1 + 3), seed=0)
+    assert r.finish_reason == "length" and len(r.completion_ids) == turn1 and r.tool_calls == 1
+    cut = tool_engine(ScriptedEngine([CALL, "<answer>" + "9" * 50 + "</answer>"]))
+    budget = turn1 + len(TOK.tool_turn_ids(["5535"])) + 4
+    [r] = cut.generate([[1, 2, 3]], SamplingParams(max_new_tokens=budget), seed=0)
+    assert len(r.completion_ids) == budget and r.finish_reason == "length"  # the whole stream within the budget
+    assert r.routes.shape[0] == 3 + budget - 1
+
+
+def test_a_bad_call_is_an_error_text_and_a_counted_failure_and_samples_get_their_own_streams():
+    bad = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 ** 999"}}\n</tool_call>'
+    inner = ScriptedEngine([bad, "<answer>0</answer>"])
+    engine = tool_engine(inner)
+    with engine.phase():
+        rows = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=300), n=2, seed=3, group_ids=[5, 9])
+        counters = engine.counters()
+    assert [(r.group_id, r.turns, r.tool_calls, r.tool_failures) for r in rows] == [(5, 2, 1, 1)] * 2 + [(9, 2, 1, 1)] * 2
+    assert counters["tool_failures"] == 4 and counters["tool_calls"] == 4
+    assert sorted(g for *_, g in inner.seen[2:]) == [10, 11, 18, 19]  # round 1: a key per row, g * n + j
+
+
+def test_a_row_whose_rounds_run_on_two_weight_versions_raises():
+    engine = tool_engine(ScriptedEngine([CALL, "<answer>1</answer>"], versions=[0, 1]))
+    with pytest.raises(RuntimeError, match="spans weight versions 0 and 1"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=200), seed=0)
+
+
+def test_a_slow_tool_costs_time_not_tokens(monkeypatch):
+    """The rounds wait for a tool that sleeps; what the rows sample does not depend on how long it took."""
+    def rows():
+        inner = ScriptedEngine([CALL, "<answer>5535</answer>"])
+        return [r.completion_ids for r in tool_engine(inner).generate([[1, 2, 3]] * 2, SamplingParams(
+            max_new_tokens=200), n=2, seed=1)]
+    fast = rows()
+    slow_call = tool_rollout.run_calls
+
+    def slow(*args, **kw):
+        time.sleep(0.2)
+        return slow_call(*args, **kw)
+    monkeypatch.setattr(tool_rollout, "run_calls", slow)
+    assert rows() == fast
+
+
+@pytest.mark.parametrize("slots", [0, 2], ids=["static", "continuous"])
+def test_the_trainers_replayed_forward_over_a_multi_turn_row_equals_the_engines_logprobs(monkeypatch, slots):
+    """R3 across turns on the native engine (fp32): every turn one token (every id stops a row), the first
+    turn's token taken as the tool stop and answered; the trainer's forward over the whole stream with the
+    recorded routes gives the engine's logprobs at the sampled tokens, and uses exactly those routes."""
+    cfg = ModelConfig(vocab_size=TOK.enc.n_vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                      num_experts=4, top_k=2, moe_inter_dim=16, max_seq_len=512)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    inner = NativeEngine(cfg, eos_id=list(range(TOK.enc.n_vocab)), pad_id=TOK.pad_id, decode=TOK.decode,
+                         options=EngineConfig(slots=slots))
+    inner.update_weights(model.named_parameters(), version=0)
+    engine = tool_engine(inner, max_turns=3)
+    prompt = TOK.prompt_ids("2 + 3?")
+    params = SamplingParams(max_new_tokens=100)
+    [probe, _] = inner.generate([prompt, prompt[:-1]], params, seed=11)
+    engine.stop_id = probe.completion_ids[-1]  # the first turn's only token ends a turn that calls tools
+    monkeypatch.setattr(tool_rollout, "run_calls", lambda *a, **k: ([ToolResult("5")], CallCounts(calls=1)))
+    rows = engine.generate([prompt, prompt[:-1]], params, seed=11)  # two prompt lengths: left padding too
+    assert rows[0].turns >= 2 and 0 in rows[0].loss_mask
+    for r in rows:
+        seq = torch.tensor(r.prompt_ids + r.completion_ids)
+        T, C = len(r.prompt_ids), len(r.completion_ids)
+        assert r.routes.shape == (T + C - 1, cfg.num_moe_layers, cfg.top_k)
+        logits, used = model(seq[None, :-1], routed_experts=r.routes[None], return_routes=True)
+        logp = token_logprobs(logits, seq[None, 1:])[0, T - 1:]
+        trained = torch.tensor(r.loss_mask or [1] * C, dtype=torch.bool)
+        torch.testing.assert_close(logp[trained], r.logprobs[trained], rtol=0, atol=1e-5)
+        assert torch.equal(used[0], r.routes.long())
+
+
+def test_a_run_with_the_calculator_enabled_renders_its_schema_and_counts_its_calls(tmp_path):
+    """tools.enabled reaches the prompts (the schema in the demo's chat template) and the engine (a ToolEngine
+    whose counts are logged per step as engine/tool_*)."""
+    from config import load_config
+    from runs import MICRO
+    import train
+    path = tmp_path / "micro.py"
+    path.write_text(MICRO)
+    cfg = load_config(str(path), [f"out_dir={tmp_path / 'run'}", "tools.enabled=calculator", "model.max_seq_len=1024"])
+    out = train.main(cfg)
+    rl = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"stage": "rl"' in line]
+    assert rl and all("engine/tool_calls" in m and "engine/tool_ms" in m for m in rl)
+    assert out is not None
