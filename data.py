@@ -72,7 +72,7 @@ from reward import (PLAIN_NUMBER_RE, code_reward, math_gold_readable, math_rewar
                     reasoning_gym_reward, unbox)
 
 from tokenizer import Tokenizer, demo_tokenizer, load_hf_tokenizer, train_tokenizer
-from tool_calls import tool_schemas
+from tool_calls import tool_schemas, tool_words
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -559,7 +559,9 @@ def run_tokenizer(cfg: TrainConfig, task: Task) -> Tokenizer:
     else:
         name = "the demo BPE"
         try:  # it refuses more merges than the vocabulary holds beside the bytes and its specials, before training
-            tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) for it in task.items],
+            # with tools, each text also holds what every prompt shows and every call writes (tool_words)
+            extra = "\n" + tool_words(cfg.tools, cfg.model.hf_model_type) if cfg.tools.enabled else ""
+            tok = demo_tokenizer(train_tokenizer([it.question + "\n" + demonstration(it) + extra for it in task.items],
                                                  vocab_size=cfg.model.vocab_size, num_merges=cfg.bpe_merges),
                                  tools=bool(cfg.tools.enabled))
         except ValueError as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ from distributed import all_gather_list, rank_world
 from metrics import MetricsLog, plot
 from rollout import Engine
 from sampler import texts
-from tool_calls import tool_schemas
+from tool_calls import Tool, ToolResult, tool_schemas
+from tool_rollout import ToolEngine
 from scoring import RewardPool, score_inline
 
 if TYPE_CHECKING:
@@ -33,19 +35,20 @@ if TYPE_CHECKING:
 @dataclass
 class HeldOut:
     """The held-out prompts a run evaluates on, their task (the verifier), and the accuracies measured on them: per
-    prompt, (sampled, greedy), before RL (after the SFT warm-up; None with eval_before_rl off) and at the latest
-    eval after it."""
+    prompt, by pass (run_eval's: "sampled", "greedy", and with tools the others), before RL (after the SFT
+    warm-up; None with eval_before_rl off) and at the latest eval after it."""
     task: Task
     items: list[Item]
-    before_rl: tuple[torch.Tensor, torch.Tensor] | None = None
-    after_rl: tuple[torch.Tensor, torch.Tensor] | None = None
+    before_rl: dict[str, torch.Tensor] | None = None
+    after_rl: dict[str, torch.Tensor] | None = None
 
 
 @torch.no_grad()
 def evaluate(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, *, samples: int,
-             temperature: float) -> tuple[torch.Tensor, Counter]:
-    """Per held-out item, the mean binary reward of `samples` completions at `temperature`, [n] fp32, and how their
-    scoring went over every rank (a count per reason: "ok", "timeout", "error: <type>").
+             temperature: float, tools: list[dict] | None = None) -> tuple[torch.Tensor, Counter, torch.Tensor]:
+    """Per held-out item, the mean binary reward of `samples` completions at `temperature`, [n] fp32, how their
+    scoring went over every rank (a count per reason: "ok", "timeout", "error: <type>") and per item the share
+    of its completions that called a tool, [n] fp32. tools: the schemas the prompts show (None: no tools).
 
     Scored as the RL step scores (score_rollouts): each completion within reward.timeout_s, by reward
     workers beside generation when the run has them (reward.workers: a RewardPool of the held-out task's
@@ -56,7 +59,6 @@ def evaluate(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, *,
     """
     items, task = held.items, held.task
     params = dataclasses.replace(cfg.sampling, temperature=temperature)
-    tools = tool_schemas(cfg.tools)  # shown in the prompt as in training (the engine is then a ToolEngine)
     rank, world = rank_world()
     # items per call and rank: eval_batch_rows' worth, or with engine.slots all of this rank's (one call, `slots` live)
     rows = max(1, -(-len(items) // world)) if cfg.engine.slots else max(1, cfg.eval_batch_rows // samples)
@@ -65,7 +67,7 @@ def evaluate(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, *,
     pool = None
     if cfg.reward.workers:  # the run scores on workers: so does its eval, with the same number and limit
         pool = RewardPool(task.score, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
-    group_ids, results = [], []  # per completion: its item, and its (reward, reason)
+    group_ids, results, called = [], [], []  # per completion: its item, its (reward, reason), whether it called
     try:
         with engine.phase():
             for c in range(calls):
@@ -80,6 +82,7 @@ def evaluate(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, *,
                     else:
                         results.append(score_inline(task.score, text, item, timeout_s=cfg.reward.timeout_s))
                     group_ids.append(r.group_id)
+                    called.append(r.tool_calls > 0)
         if pool is not None:
             rewards, reasons = pool.gather(list(range(len(group_ids))))
             results = list(zip(rewards, reasons))
@@ -87,32 +90,67 @@ def evaluate(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, *,
         if pool is not None:
             pool.close()
     # sorted by item, stable: each item's samples stay in order
-    scored = sorted(all_gather_list([(g, w, why) for g, (w, why) in zip(group_ids, results)]), key=lambda s: s[0])
-    reward = torch.tensor([w for _, w, _ in scored], dtype=torch.float32)
-    return reward.view(len(items), samples).mean(dim=1), Counter(why for _, _, why in scored)  # (items, samples) -> [n]
+    scored = sorted(all_gather_list([(g, w, why, c) for g, (w, why), c in zip(group_ids, results, called)]),
+                    key=lambda s: s[0])
+    reward = torch.tensor([w for _, w, _, _ in scored], dtype=torch.float32).view(len(items), samples)
+    calls = torch.tensor([c for *_, c in scored], dtype=torch.float32).view(len(items), samples)
+    return reward.mean(dim=1), Counter(why for _, _, why, _ in scored), calls.mean(dim=1)  # (items, samples) -> [n]
 
 
 def run_eval(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, log: MetricsLog, step: int,
-             t_start: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+             t_start: float) -> dict[str, torch.Tensor] | None:
     """Sampled (mean of eval_samples at the rollout temperature) and greedy accuracy per held-out prompt, logged
-    (`log`, the run's time since t_start) with `eval/unscored`: the completions of both that could not be scored
-    (timeout or error), counted wrong. None, with nothing generated or logged, for held-out prompts without gold
-    answers (data.PromptTask): their verifier pays 0 whatever the answer, an accuracy that measures nothing."""
+    (`log`, the run's time since t_start) with `eval/unscored`: the completions that could not be scored
+    (timeout or error), counted wrong. With tools (a ToolEngine) three greedy passes more show what the tool
+    is worth: "tools off" (the prompts without the tools, no calls answered), "random tools" (each tool answers
+    RandomAnswers' numbers: the model reads what its tool says only if this falls) and the "call rate" with tools.
+    Returns {name: per-prompt [n]} in that order; None, with nothing generated or logged, for held-out prompts
+    without gold answers (data.PromptTask): their verifier pays 0 whatever the answer, an accuracy that
+    measures nothing."""
     if not held.task.has_gold:
         return None
-    sampled, reasons = evaluate(engine, tok, held, cfg, samples=cfg.eval_samples, temperature=cfg.sampling.temperature)
-    greedy, greedy_reasons = evaluate(engine, tok, held, cfg, samples=1, temperature=0.0)
+    schemas = tool_schemas(cfg.tools)
+    sampled, reasons, _ = evaluate(engine, tok, held, cfg, samples=cfg.eval_samples,
+                                   temperature=cfg.sampling.temperature, tools=schemas)
+    greedy, greedy_reasons, calls = evaluate(engine, tok, held, cfg, samples=1, temperature=0.0, tools=schemas)
     reasons.update(greedy_reasons)
+    out = {"sampled": sampled, "greedy": greedy}
+    if isinstance(engine, ToolEngine):
+        out["tools off"] = evaluate(engine.inner, tok, held, cfg, samples=1, temperature=0.0)[0]
+        random_tools = ToolEngine(engine.inner, tok, engine.cfg, model_type=engine.model_type,
+                                  max_seq_len=engine.max_seq_len,
+                                  tools={name: RandomAnswers(tool) for name, tool in engine.tools.items()})
+        out["random tools"] = evaluate(random_tools, tok, held, cfg, samples=1, temperature=0.0, tools=schemas)[0]
+        out["call rate"] = calls
     unscored = sum(n for why, n in reasons.items() if why != "ok")
     (acc, se), (g_acc, g_se) = mean_se(sampled), mean_se(greedy)
+    extra = {f"eval_{name.replace(' ', '_')}": mean_se(x)[0] for name, x in out.items()
+             if name not in ("sampled", "greedy")}
     log({"stage": "eval", "step": step, "eval_acc": acc, "eval_se": se, "eval_greedy_acc": g_acc,
-         "eval_greedy_se": g_se, "eval/unscored": unscored, "time": time.perf_counter() - t_start})
+         "eval_greedy_se": g_se, **extra, "eval/unscored": unscored, "time": time.perf_counter() - t_start})
     if rank_world()[0] == 0:
-        tqdm.write(f"step {step}: eval accuracy {acc:.3f} +- {se:.3f} sampled, {g_acc:.3f} +- {g_se:.3f} greedy")
+        tqdm.write(f"step {step}: eval accuracy {acc:.3f} +- {se:.3f} sampled, {g_acc:.3f} +- {g_se:.3f} greedy"
+                   + "".join(f", {k.removeprefix('eval_').replace('_', ' ')} {v:.3f}" for k, v in extra.items()))
         if unscored:
             causes = ", ".join(f"{n} {why}" for why, n in sorted(reasons.items()) if why != "ok")
             tqdm.write(f"step {step}: eval: {unscored} completions could not be scored ({causes}), counted wrong")
-    return sampled, greedy
+    return out
+
+
+class RandomAnswers:
+    """A tool's control for the eval: `tool`'s name and schema, and for each call its answer's digits replaced
+    by random ones (seeded by the arguments), signs, separators and errors kept: a model that reads its tool's
+    answers loses what the tool gave it."""
+
+    def __init__(self, tool: Tool):
+        self.tool, self.name, self.schema = tool, tool.name, tool.schema
+
+    def call(self, args: dict) -> ToolResult:
+        result = self.tool.call(args)
+        if not result.ok:
+            return result
+        rng = random.Random(repr(sorted(args.items())))
+        return ToolResult("".join(str(rng.randrange(10)) if ch.isdigit() else ch for ch in result.text))
 
 
 def mean_se(x: torch.Tensor) -> tuple[float, float]:
@@ -149,7 +187,7 @@ def summarize(cfg: TrainConfig, held: HeldOut, records: list[dict], t_start: flo
 
 def accuracy_table(cfg: TrainConfig, held: HeldOut) -> dict:
     """Held-out accuracy before RL (after SFT) and after, with the paired gain, printed by rank 0; after RL alone
-    when eval_before_rl is off. Returns {"sampled": ..., "greedy": ...}."""
+    when eval_before_rl is off. Returns {"sampled": ..., "greedy": ..., and with tools run_eval's others}."""
     rank = rank_world()[0]
     before, after = held.before_rl, held.after_rl
     start = "after SFT" if cfg.sft_steps else "before RL"  # a checkpoint's run has no SFT warm-up
@@ -157,18 +195,19 @@ def accuracy_table(cfg: TrainConfig, held: HeldOut) -> dict:
         print(f"{f'held-out accuracy (n={len(held.items)} prompts)':<38}"
               + (f"{start:<17}{'after RL':<17}RL gain" if before is not None else "after RL (eval_before_rl off)"))
     table = {}
-    for k, name in enumerate([f"sampled (mean of {cfg.eval_samples}, T={cfg.sampling.temperature})", "greedy"]):
-        a1, s1 = mean_se(after[k])
+    for key, after_n in after.items():
+        name = f"sampled (mean of {cfg.eval_samples}, T={cfg.sampling.temperature})" if key == "sampled" else key
+        a1, s1 = mean_se(after_n)
         if before is None:
-            table[["sampled", "greedy"][k]] = {"rl_acc": a1, "rl_se": s1}
+            table[key] = {"rl_acc": a1, "rl_se": s1}
             if rank == 0:
                 print(f"{name:<38}{a1:.3f} +- {s1:.3f}")
             continue
-        a0, s0 = mean_se(before[k])
-        gain, paired_se = mean_se(after[k] - before[k])  # same prompts before and after: a paired difference
+        a0, s0 = mean_se(before[key])
+        gain, paired_se = mean_se(after_n - before[key])  # same prompts before and after: a paired difference
         if rank == 0:
             print(f"{name:<38}{a0:.3f} +- {s0:.3f}   {a1:.3f} +- {s1:.3f}   {gain:+.3f} = "
                   f"{gain / max(paired_se, 1e-9):.1f} paired SE ({gain / max(math.hypot(s0, s1), 1e-9):.1f} unpaired)")
-        table[["sampled", "greedy"][k]] = {"sft_acc": a0, "sft_se": s0, "rl_acc": a1, "rl_se": s1,
-                                           "gain": gain, "gain_paired_se": paired_se}
+        table[key] = {"sft_acc": a0, "sft_se": s0, "rl_acc": a1, "rl_se": s1, "gain": gain,
+                      "gain_paired_se": paired_se}
     return table

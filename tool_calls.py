@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import sandbox
-from rules import POSITIVE, Rule, check_fields, integer
+from rules import POSITIVE, Rule, check_fields, integer, number
 
 THINK_CLOSE = "</think>"  # calls before it are thoughts, not calls (choice 2)
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"  # both formats' call block
@@ -241,6 +241,10 @@ class ToolConfig:
     call_workers: int = 4
     """Threads that run calls at once (at least max_parallel_calls, or a turn's calls queue and the wait
     counts against their time limit)."""
+    sft_call_share: float = 0.5
+    """With the calculator enabled, the share of SFT demonstrations that call it first with the question's
+    arithmetic expression and answer from its response (tool_rollout.demonstration_ids); the others answer
+    directly, as does a question without an expression."""
 
     RULES = {  # each field's type and range (rules.py); not a field: no annotation
         "enabled": Rule((list, tuple), f"a list of tool names, each at most once, from {', '.join(map(repr, TOOLS))} "
@@ -253,6 +257,7 @@ class ToolConfig:
         "max_response_tokens": integer(1),
         "call_timeout_s": POSITIVE,
         "call_workers": integer(1),
+        "sft_call_share": number(0, 1),
     }
 
     def __post_init__(self):
@@ -268,6 +273,17 @@ def build_tools(cfg: ToolConfig) -> dict[str, Tool]:
 def tool_schemas(cfg: ToolConfig) -> list[dict] | None:
     """The enabled tools' schemas, which a prompt's chat template shows the model; None when none is enabled."""
     return [tool.schema for tool in build_tools(cfg).values()] or None
+
+
+def tool_words(cfg: ToolConfig, model_type: str) -> str:
+    """What a tool-calling run's prompts and calls add to its texts, for a demo tokenizer to learn merges from:
+    the schemas as JSON and a call of the first tool in model_type's format ('' when no tool is enabled)."""
+    tools = build_tools(cfg)
+    if not tools:
+        return ""
+    first = next(iter(tools.values()))
+    example = {k: "1 + 2" for k in first.schema["function"]["parameters"]["properties"]}
+    return "\n".join([json.dumps(t.schema) for t in tools.values()] + [write_call(call_format(model_type), first.name, example)])
 
 
 # ----------------------------------------------------------------------------- reading the calls of a turn
@@ -406,6 +422,16 @@ def _glm_value(raw: str):
 
 PARSERS: dict[str, Callable[[str, Mapping[str, Tool]], list[Call]]] = {"hermes": parse_hermes, "glm": parse_glm}
 """A call format's parser, by name."""
+
+
+def write_call(call_format: str, name: str, args: dict) -> str:
+    """One call block as the format's chat template writes it (the inverse of its parser): what an SFT
+    demonstration that calls a tool imitates."""
+    if call_format == "hermes":
+        return f'{CALL_OPEN}\n{json.dumps({"name": name, "arguments": args}, ensure_ascii=False)}\n{CALL_CLOSE}'
+    pairs = "".join(f"{KEY_OPEN}{k}{KEY_CLOSE}\n{VALUE_OPEN}{v if isinstance(v, str) else json.dumps(v)}{VALUE_CLOSE}\n"
+                    for k, v in args.items())
+    return f"{CALL_OPEN}{name}\n{pairs}{CALL_CLOSE}"
 CALL_FORMATS = {"qwen3_moe": "hermes", "glm4_moe": "glm"}
 """The call format of a checkpoint's family (config.json's model_type; hf_config.HF_FAMILIES). The tiny demo's
 model is qwen3_moe."""

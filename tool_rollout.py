@@ -35,6 +35,7 @@ Notable choices:
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -46,15 +47,18 @@ import torch
 
 from distributed import all_reduce_float, rank_world
 from sampler import Rollout, SamplingParams, mix64
-from tool_calls import ToolConfig, build_tools, call_format, run_calls
+from tool_calls import Calculator, Tool, ToolConfig, build_tools, call_format, run_calls, write_call
 
 if TYPE_CHECKING:
+    from data import Item
     from rollout import Engine
     from tokenizer import Tokenizer
 
 TOOL_COUNTERS = ("tool_calls", "tool_failures", "tool_timeouts", "tool_truncations", "tool_turns", "tool_ms")
 """What ToolEngine.counters() adds, each every phase (0 when nothing was called): logged as engine/<name>."""
-SEED_BITS = (1 << 62) - 1  # a turn's seed is kept non-negative, as an unseeded call's and SGLang's sampling_seed are
+SEED_BITS = (1 << 62) - 1
+EXPRESSION_RE = re.compile(r"[\d(][\d\s+\-*/%().]*[\d)]")  # a run of arithmetic: numbers, operators, parentheses
+GOLDEN = 0.6180339887498949  # item i calls in its demonstration when frac(i * GOLDEN) < the share: evenly spread  # a turn's seed is kept non-negative, as an unseeded call's and SGLang's sampling_seed are
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -116,14 +120,17 @@ class ToolEngine:
 
     tok: the run's tokenizer, with a chat template that renders tool turns (`Tokenizer.tool_turn_ids`; a
     ValueError here names a template that cannot); cfg: the run's tools section; model_type: the checkpoint
-    family's (model.hf_model_type), whose call format the turns are read in (tool_calls.call_format); max_seq_len: the model's context, which each round's calls keep within.
+    family's (model.hf_model_type), whose call format the turns are read in (tool_calls.call_format);
+    max_seq_len: the model's context, which each round's calls keep within; tools: in place of cfg's enabled
+    ones (an eval's control: evaluation.RandomAnswers).
     counters() adds this phase's tool counts to the inner engine's: tool_calls, tool_failures, tool_timeouts,
     tool_truncations, tool_turns (assistant turns after a row's first), tool_ms (milliseconds in tools)."""
 
-    def __init__(self, inner: Engine, tok: Tokenizer, cfg: ToolConfig, *, model_type: str, max_seq_len: int):
+    def __init__(self, inner: Engine, tok: Tokenizer, cfg: ToolConfig, *, model_type: str, max_seq_len: int,
+                 tools: dict[str, Tool] | None = None):
         self.inner, self.tok, self.cfg, self.max_seq_len = inner, tok, cfg, max_seq_len
-        self.call_format = call_format(model_type)  # a family without one: ValueError naming it
-        self.tools = build_tools(cfg)
+        self.model_type, self.call_format = model_type, call_format(model_type)  # none known: ValueError naming it
+        self.tools = tools if tools is not None else build_tools(cfg)
         self.stop_id = tok.tool_stop_id  # checks the template renders tool turns, before any work
         self.pool = ThreadPoolExecutor(cfg.call_workers, thread_name_prefix="tool")
         self.counts, self._depth = Counter(dict.fromkeys(TOOL_COUNTERS, 0)), 0
@@ -224,3 +231,30 @@ class ToolEngine:
                 calls.append([row])
                 longest, most = length, budget
         return calls
+
+
+# ----------------------------------------------------------------------------- SFT demonstrations that call
+
+def arithmetic_expression(question: str) -> str | None:
+    """The question's longest run of arithmetic with an operator in it ("Calculate 12 + 3 * 4." -> "12 + 3 * 4")."""
+    runs = [m.group().strip() for m in EXPRESSION_RE.finditer(question)]
+    runs = [r for r in runs if any(op in r for op in "+-*/%")]
+    return max(runs, key=len) if runs else None
+
+
+def demonstration_ids(tok: Tokenizer, cfg: ToolConfig, model_type: str, item: Item,
+                      demonstration: str) -> tuple[list[int], list[int] | None]:
+    """An SFT target's completion ids, its stop token included, and its loss mask (None: every token imitated).
+
+    With the calculator enabled, for a share of items (cfg.sft_call_share, spread by GOLDEN) whose question holds
+    an arithmetic expression: a call of the calculator with it, the template's tool stop, the tool turn with the
+    calculator's answer (mask 0: fed, never imitated), then `demonstration` (the task's answer), as a multi-turn
+    rollout would write them, the call in model_type's call format. Otherwise `demonstration` alone."""
+    plain = tok.encode(demonstration) + [tok.stop_ids[0]]  # a chat model's end of turn comes first
+    expression = arithmetic_expression(item.question)
+    if "calculator" not in cfg.enabled or expression is None or (item.index * GOLDEN) % 1 >= cfg.sft_call_share:
+        return plain, None
+    answer = Calculator().call({"expression": expression}).text
+    call = tok.encode(write_call(call_format(model_type), "calculator", {"expression": expression})) + [tok.tool_stop_id]
+    tool = tok.tool_turn_ids([answer])
+    return call + tool + plain, [1] * len(call) + [0] * len(tool) + [1] * len(plain)

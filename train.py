@@ -60,6 +60,7 @@ from scheduler import LengthPredictor, Pipeline, generation_batches
 from scoring import RewardPool, score_inline
 from shaping import (BlindScorerError, ScorerQueue, UnusableStreak, scores_collectively, shape_rewards,
                      submit_groups)
+from tool_rollout import demonstration_ids
 from trainer import NonFiniteError, TrainBatch, lr_at, sft_step, train_on_rollouts
 from weights import full_tensor, policy_tensors
 
@@ -423,15 +424,18 @@ def rl_loop_async(run: Run, start: int = 0, sync_after=None):
 def sft(run: Run, opt, start: int):
     """Cold-start SFT on the task's demonstrations, steps start..sft_steps - 1."""
     cfg, tok = run.cfg, run.tok
-    eos = tok.stop_ids[0]  # a chat model's end of turn (<|im_end|>) comes first: generation_config's order
     bar = tqdm(range(start, cfg.sft_steps), desc="sft", dynamic_ncols=True, initial=start, total=cfg.sft_steps,
                disable=rank_world()[0] != 0)
     for step in bar:
         items = run.prompts.draw(cfg.sft_batch_size)
         prompts = [run.prompts.ids[it.question] for it in items]
-        seqs = [p + tok.encode(run.prompts.task.demonstration(it)) + [eos] for p, it in zip(prompts, items)]
+        # the demonstration's ids and loss mask: its answer, or with tools a calculator call first (0 at the tool turn)
+        demos = [demonstration_ids(tok, cfg.tools, cfg.model.hf_model_type, it, run.prompts.task.demonstration(it))
+                 for it in items]
+        seqs = [p + ids for p, (ids, _) in zip(prompts, demos)]
         lr = lr_at(step, cfg.sft_lr, cfg.lr_warmup_steps, cfg.sft_steps, cosine=True)
-        loss = sft_step(run.model, opt, seqs, [len(p) for p in prompts], tok.pad_id, lr, cfg, step=step)
+        loss = sft_step(run.model, opt, seqs, [len(p) for p in prompts], tok.pad_id, lr, cfg, step=step,
+                        loss_masks=[mask for _, mask in demos])
         bar.set_postfix(loss=f"{loss:.3f}")
         run.log({"stage": "sft", "step": step, "loss": loss, "lr": lr})
         checkpoint(run, opt, "sft", step)

@@ -147,16 +147,18 @@ def optimizer_step(model, opt, cfg: TrainConfig, lr: float, loss: float, *, stag
 
 
 def sft_step(model, opt, seqs: list[list[int]], starts: list[int], pad_id: int, lr: float, cfg: TrainConfig, *,
-             step: int) -> float:
+             step: int, loss_masks: list[list[int] | None] | None = None) -> float:
     """SFT step `step`: mean cross-entropy of the completion tokens of seqs (prompt + demonstration);
-    returns the loss. Multi-rank: every rank gets the whole batch and trains rows r, r + world, ...,
-    its loss divided by the whole batch's token count (times world: FSDP averages gradients).
-    Raises NonFiniteError (optimizer_step) on a NaN or inf loss or gradient norm."""
+    returns the loss. loss_masks: per sequence, 0 at a demonstration's tool turns (fed, never imitated), as
+    sequence_batch reads them (None: every completion token). Multi-rank: every rank gets the whole batch and
+    trains rows r, r + world, ..., its loss divided by the whole batch's token count (times world: FSDP
+    averages gradients). Raises NonFiniteError (optimizer_step) on a NaN or inf loss or gradient norm."""
     rank, world = rank_world()
-    if world > 1:
-        num_tokens = sum(len(s) - p for s, p in zip(seqs, starts))  # the whole batch's loss tokens
-        seqs, starts = seqs[rank::world], starts[rank::world]  # this rank's rows
-    inputs, targets, mask, _ = sequence_batch(seqs, starts, pad_id)
+    masks = loss_masks or [None] * len(seqs)
+    if world > 1:  # the whole batch's loss tokens
+        num_tokens = sum(len(s) - p if m is None else sum(m) for s, p, m in zip(seqs, starts, masks))
+        seqs, starts, masks = seqs[rank::world], starts[rank::world], masks[rank::world]  # this rank's rows
+    inputs, targets, mask, _ = sequence_batch(seqs, starts, pad_id, loss_masks=masks)
     (logp, _), _ = model(inputs.to(cfg.device), targets.to(cfg.device))  # chunked: no [B, T, V] logits
     mask = mask.to(cfg.device)
     # selected, not multiplied by the mask: NaN * 0 is NaN, so a NaN at a padding position would poison the sum

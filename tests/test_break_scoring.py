@@ -56,7 +56,7 @@ class CompletionTable:
     def __init__(self, texts: list[str]):
         self.texts = texts
 
-    def prompt_ids(self, text, system=""):
+    def prompt_ids(self, text, system="", tools=None):
         return [0]
 
     def decode(self, ids):
@@ -107,9 +107,9 @@ def test_eval_counts_an_unscorable_completion_wrong_and_goes_on(case, tmp_path):
                              "eval_samples=1"])
     log = MetricsLog()
     # reward.workers > 0 sends the eval to workers of its own, as the run's own pool scores the training task
-    sampled, greedy = run_eval(ScriptedEngine([bad, good]), CompletionTable([bad, good]), HeldOut(task, task.items), cfg, log,
-                               step=0, t_start=0.0)
-    assert sampled.tolist() == greedy.tolist() == [0.0, 1.0]
+    out = run_eval(ScriptedEngine([bad, good]), CompletionTable([bad, good]), HeldOut(task, task.items), cfg, log,
+                   step=0, t_start=0.0)
+    assert list(out) == ["sampled", "greedy"] and out["sampled"].tolist() == out["greedy"].tolist() == [0.0, 1.0]
     assert log.records[-1]["eval/unscored"] == 2  # once sampled, once greedy
 
 

@@ -167,8 +167,8 @@ def test_the_trainers_replayed_forward_over_a_multi_turn_row_equals_the_engines_
 
 
 def test_a_run_with_the_calculator_enabled_renders_its_schema_and_counts_its_calls(tmp_path):
-    """tools.enabled reaches the prompts (the schema in the demo's chat template) and the engine (a ToolEngine
-    whose counts are logged per step as engine/tool_*)."""
+    """tools.enabled reaches the prompts (the schema in the demo's chat template), the engine (a ToolEngine
+    whose counts are logged per step as engine/tool_*) and the evals (tools off, random answers, call rate)."""
     from config import load_config
     from runs import MICRO
     import train
@@ -176,6 +176,40 @@ def test_a_run_with_the_calculator_enabled_renders_its_schema_and_counts_its_cal
     path.write_text(MICRO)
     cfg = load_config(str(path), [f"out_dir={tmp_path / 'run'}", "tools.enabled=calculator", "model.max_seq_len=1024"])
     out = train.main(cfg)
-    rl = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"stage": "rl"' in line]
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    rl = [m for m in records if m.get("stage") == "rl"]
     assert rl and all("engine/tool_calls" in m and "engine/tool_ms" in m for m in rl)
-    assert out is not None
+    evals = [m for m in records if m.get("stage") == "eval"]
+    assert evals and all({"eval_tools_off", "eval_random_tools", "eval_call_rate"} <= set(m) for m in evals)
+    assert set(out) == {"optimizer_steps", "sampled", "greedy", "tools off", "random tools", "call rate"}
+
+
+def test_random_answers_keep_a_tools_schema_and_errors_and_change_its_digits():
+    from evaluation import RandomAnswers
+    from tool_calls import Calculator
+    control = RandomAnswers(Calculator())
+    assert control.name == "calculator" and control.schema == Calculator.schema
+    answer = control.call({"expression": "123 * 45"})
+    assert answer.ok and len(answer.text) == 4 and answer.text != "5535" and answer == control.call({"expression": "123 * 45"})
+    assert not control.call({"expression": "2 ** 9"}).ok
+
+
+def test_an_sft_demonstration_calls_the_calculator_for_its_share_of_questions():
+    """tools.sft_call_share of the items (spread by item index) call the calculator with the question's expression,
+    the tool turn fed with mask 0, then answer; the rest, and questions without arithmetic, answer directly."""
+    from data import Item
+    from tool_rollout import arithmetic_expression, demonstration_ids
+    cfg = ToolConfig(enabled=("calculator",), sft_call_share=0.5)
+    assert arithmetic_expression("Calculate 261 - 120 - 507.") == "261 - 120 - 507"
+    assert arithmetic_expression("What is the capital of France?") is None
+    demos = [demonstration_ids(TOK, cfg, "qwen3_moe", Item("Calculate 261 - 120 - 507.", "-366", 0, i), "<answer>-366</answer>")
+             for i in range(100)]
+    calling = [(ids, mask) for ids, mask in demos if mask is not None]
+    assert 45 <= len(calling) <= 55
+    ids, mask = calling[0]
+    tool = TOK.tool_turn_ids(["-366"])
+    call = TOK.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "261 - 120 - 507"}}\n</tool_call>')
+    assert ids == call + [TOK.tool_stop_id] + tool + TOK.encode("<answer>-366</answer>") + [TOK.stop_ids[0]]
+    assert mask == [1] * (len(call) + 1) + [0] * len(tool) + [1] * (len(ids) - len(call) - 1 - len(tool))
+    plain = demonstration_ids(TOK, ToolConfig(), "qwen3_moe", Item("Calculate 1 + 2.", "3", 0, 0), "<answer>3</answer>")
+    assert plain == (TOK.encode("<answer>3</answer>") + [TOK.stop_ids[0]], None)
