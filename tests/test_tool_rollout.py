@@ -37,7 +37,7 @@ class ScriptedEngine:
             self.seen.append((len(p), params.max_new_tokens, seed, g))
             turn = TOK.decode(p).count("<tool_response>")
             for _ in range(n):
-                ids = TOK.encode(self.script[turn]) + [TOK.enc.encode_single_token(IM_END)]
+                ids = TOK.encode(self.text(turn, g)) + [TOK.enc.encode_single_token(IM_END)]
                 c = min(len(ids), params.max_new_tokens)
                 fed = len(p) + c - 1
                 routes = (torch.arange(fed)[:, None, None] + 1000 * self.calls).expand(fed, L, K).clone()
@@ -46,6 +46,9 @@ class ScriptedEngine:
                                    "stop" if c == len(ids) else "length", g, version))
         self.calls += 1
         return out
+
+    def text(self, turn: int, group: int) -> str:
+        return self.script[turn]
 
     def phase(self):
         import contextlib
@@ -213,3 +216,51 @@ def test_an_sft_demonstration_calls_the_calculator_for_its_share_of_questions():
     assert mask == [1] * (len(call) + 1) + [0] * len(tool) + [1] * (len(ids) - len(call) - 1 - len(tool))
     plain = demonstration_ids(TOK, ToolConfig(), "qwen3_moe", Item("Calculate 1 + 2.", "3", 0, 0), "<answer>3</answer>")
     assert plain == (TOK.encode("<answer>3</answer>") + [TOK.stop_ids[0]], None)
+
+
+class CountingEngine(ScriptedEngine):
+    """ScriptedEngine whose prompts of group 0 call the calculator in two turns and the others answer at once;
+    it counts its generate calls, rows or none."""
+
+    def __init__(self):
+        super().__init__([CALL, CALL, "<answer>5535</answer>"])
+        self.generate_calls = 0
+
+    def text(self, turn: int, group: int) -> str:
+        return self.script[turn] if group == 0 else self.script[-1]
+
+    def generate(self, prompts, params, *, n=1, seed=None, group_ids=None):
+        self.generate_calls += 1
+        return super().generate(prompts, params, n=n, seed=seed, group_ids=group_ids)
+
+
+def lockstep_worker(rank, world, port, out):
+    import torch.distributed as dist
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        inner = CountingEngine()
+        rows = tool_engine(inner, max_turns=3).generate([[1, 2, 3 + rank]], SamplingParams(max_new_tokens=300),
+                                                        seed=5, group_ids=[rank])
+        torch.save({"calls": inner.generate_calls, "rows": [(r.completion_ids, r.turns) for r in rows]},
+                   f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_makes_as_many_generate_calls_as_the_rank_whose_rows_call_tools_longest(tmp_path):
+    """Under torchrun (2 gloo ranks) the rounds keep the ranks in lockstep: rank 1's row answers at once, rank 0's
+    calls a tool twice, and both ranks call generate 3 times (rank 1 twice with no rows), as the sharded engine's
+    collectives need; each row is what one process makes of it."""
+    import torch.multiprocessing as mp
+    from runs import free_port
+    mp.start_processes(lockstep_worker, args=(2, free_port(), str(tmp_path / "out")), nprocs=2, join=True,
+                       start_method="spawn")
+    got = [torch.load(f"{tmp_path / 'out'}.{rank}") for rank in range(2)]
+    assert [g["calls"] for g in got] == [3, 3]
+    one = CountingEngine()
+    alone = tool_engine(one, max_turns=3).generate([[1, 2, 3], [1, 2, 4]], SamplingParams(max_new_tokens=300),
+                                                   seed=5, group_ids=[0, 1])
+    assert [g["rows"][0] for g in got] == [(r.completion_ids, r.turns) for r in alone]
+    assert [r.turns for r in alone] == [3, 1]
