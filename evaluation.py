@@ -116,10 +116,9 @@ def run_eval(engine: Engine, tok: Tokenizer, held: HeldOut, cfg: TrainConfig, lo
     reasons.update(greedy_reasons)
     out = {"sampled": sampled, "greedy": greedy}
     if isinstance(engine, ToolEngine):
-        out["tools off"] = evaluate(engine.inner, tok, held, cfg, samples=1, temperature=0.0)[0]
-        random_tools = ToolEngine(engine.inner, tok, engine.cfg, model_type=engine.model_type,
-                                  max_seq_len=engine.max_seq_len,
-                                  tools={name: RandomAnswers(tool) for name, tool in engine.tools.items()})
+        tooled: ToolEngine = engine
+        out["tools off"] = evaluate(tooled.inner, tok, held, cfg, samples=1, temperature=0.0)[0]
+        random_tools = tooled.replaced({name: RandomAnswers(tool) for name, tool in tooled.tools.items()})
         out["random tools"] = evaluate(random_tools, tok, held, cfg, samples=1, temperature=0.0, tools=schemas)[0]
         out["call rate"] = calls
     unscored = sum(n for why, n in reasons.items() if why != "ok")

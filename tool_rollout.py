@@ -51,7 +51,6 @@ from tool_calls import Calculator, Tool, ToolConfig, build_tools, call_format, r
 
 if TYPE_CHECKING:
     from data import Item
-    from rollout import Engine
     from tokenizer import Tokenizer
 
 TOOL_COUNTERS = ("tool_calls", "tool_failures", "tool_timeouts", "tool_truncations", "tool_turns", "tool_ms")
@@ -118,6 +117,7 @@ class _Row:
 class ToolEngine:
     """An Engine (rollout.Engine) whose rows call tools between turns, in rounds over `inner` (choices 1-5).
 
+    inner: the engine it wraps, a rollout.Engine (not imported: rollout.build_engine imports this file);
     tok: the run's tokenizer, with a chat template that renders tool turns (`Tokenizer.tool_turn_ids`; a
     ValueError here names a template that cannot); cfg: the run's tools section; model_type: the checkpoint
     family's (model.hf_model_type), whose call format the turns are read in (tool_calls.call_format);
@@ -126,7 +126,7 @@ class ToolEngine:
     counters() adds this phase's tool counts to the inner engine's: tool_calls, tool_failures, tool_timeouts,
     tool_truncations, tool_turns (assistant turns after a row's first), tool_ms (milliseconds in tools)."""
 
-    def __init__(self, inner: Engine, tok: Tokenizer, cfg: ToolConfig, *, model_type: str, max_seq_len: int,
+    def __init__(self, inner, tok: Tokenizer, cfg: ToolConfig, *, model_type: str, max_seq_len: int,
                  tools: dict[str, Tool] | None = None):
         self.inner, self.tok, self.cfg, self.max_seq_len = inner, tok, cfg, max_seq_len
         self.model_type, self.call_format = model_type, call_format(model_type)  # none known: ValueError naming it
@@ -134,6 +134,11 @@ class ToolEngine:
         self.stop_id = tok.tool_stop_id  # checks the template renders tool turns, before any work
         self.pool = ThreadPoolExecutor(cfg.call_workers, thread_name_prefix="tool")
         self.counts, self._depth = Counter(dict.fromkeys(TOOL_COUNTERS, 0)), 0
+
+    def replaced(self, tools: dict[str, Tool]) -> ToolEngine:
+        """This engine with `tools` answering the calls in place of its own (an eval's control)."""
+        return ToolEngine(self.inner, self.tok, self.cfg, model_type=self.model_type, max_seq_len=self.max_seq_len,
+                          tools=tools)
 
     # ------------------------------------------------------------------ the Engine protocol, passed through
 

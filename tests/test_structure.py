@@ -40,7 +40,7 @@ LAYERS = {
 }
 FOLDERS = ("engines",)  # folders of the project's Python code beside the top-level files (tests/, bench/ and tools/
 # sit above everything and import what they test or measure)
-MAX_ARROWS = 108  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
+MAX_ARROWS = 110  # 58 after issue 23; checkpoint -> weights (a shard's bytes) and -> metrics (atomic writes) since;
 # reward_model -> reward, hf, hf_config, tokenizer and train -> reward_model (issue 27: a reward model read
 # from an HF checkpoint); batching's four and rollout -> batching, ep_decode -> model (continuous batching
 # and expert-parallel decode in files of their own); evaluation's four and train -> evaluation (the evals
@@ -58,8 +58,8 @@ MAX_ARROWS = 108  # 58 after issue 23; checkpoint -> weights (a shard's bytes) a
 # tokenizer.py, which was over 700 lines); run_lock -> metrics, checkpoint -> run_lock and -> hf (the run folder's
 # lock out of checkpoint.py, and the final model's save into it, out of train.py: both were over 700 lines);
 # shaping -> rollout and -> weights gone (the judge's engine into rollout.py); tool_rollout -> distributed, sampler
-# and tool_calls, rollout -> tool_rollout, data and evaluation -> tool_calls (issue 34.3: multi-turn rollouts, the
-# tools' schemas in the prompts)
+# and tool_calls, rollout -> tool_rollout, data and evaluation -> tool_calls, evaluation -> tool_rollout (issue 34.3:
+# multi-turn rollouts, the tools' schemas in the prompts, the evals with the tools off and answering at random)
 
 
 def project_files() -> dict[str, str]:
@@ -166,17 +166,18 @@ def engine_reads(source: str) -> set[str]:
 
 def test_every_engine_attribute_the_rl_step_reads_is_declared_on_the_protocol_and_each_engine_has_it():
     """What train.py and evaluation.py read of a rollout engine (`run.engine`, `r.engine`, `producer.engine`, an
-    `engine` argument) is rollout.Engine's, and both engines (rollout.ENGINES' classes) define it: a method, or an
-    attribute their code sets (SGLang's crash on `run.engine.preemptions`, issue 31, was an undeclared one).
+    `engine` argument) is rollout.Engine's, and both engines (rollout.ENGINES' classes) and the ToolEngine that wraps
+    either define it: a method, or an attribute their code sets (SGLang's crash on `run.engine.preemptions`, issue 31, was an undeclared one).
     shaping.py reads none (its judge's engine is a NativeEngine it builds)."""
     import rollout
     import sglang_engine
+    import tool_rollout
     declared = {n for n in vars(rollout.Engine) if not n.startswith("_")} | set(rollout.Engine.__annotations__)
     read = {name: engine_reads(open(os.path.join(ROOT, name + ".py")).read()) for name in ("train", "evaluation")}
     assert read["train"] and read["evaluation"], read  # the matcher still sees the reads
     read = set().union(*read.values())
     assert read <= declared, sorted(read - declared)
-    for cls in (rollout.NativeEngine, sglang_engine.SGLangEngine):
+    for cls in (rollout.NativeEngine, sglang_engine.SGLangEngine, tool_rollout.ToolEngine):
         source = open(os.path.join(ROOT, cls.__module__ + ".py")).read()
         missing = [n for n in declared if not hasattr(cls, n) and f"self.{n}" not in source]
         assert not missing, (cls.__name__, missing)
