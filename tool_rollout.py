@@ -55,9 +55,9 @@ if TYPE_CHECKING:
 
 TOOL_COUNTERS = ("tool_calls", "tool_failures", "tool_timeouts", "tool_truncations", "tool_turns", "tool_ms")
 """What ToolEngine.counters() adds, each every phase (0 when nothing was called): logged as engine/<name>."""
-SEED_BITS = (1 << 62) - 1
+SEED_BITS = (1 << 62) - 1  # a turn's seed is kept non-negative, as an unseeded call's and SGLang's sampling_seed are
 EXPRESSION_RE = re.compile(r"[-\d(][\d\s+\-*/%().]*[\d)]")  # a run of arithmetic: numbers, operators, parentheses
-GOLDEN = 0.6180339887498949  # item i calls in its demonstration when frac(i * GOLDEN) < the share: evenly spread  # a turn's seed is kept non-negative, as an unseeded call's and SGLang's sampling_seed are
+GOLDEN = 0.6180339887498949  # item i calls in its demonstration when frac(i * GOLDEN) < the share: evenly spread
 
 
 def turn_seed(seed: int, turn: int) -> int:
