@@ -420,6 +420,9 @@ class RewardConfig:
     """DAPO soft overlong penalty: tokens before sampling.max_new_tokens where it ramps from 0 to -1 (0 = off)."""
     repetition_weight: float = 0.0
     """Weight of the repeated-4-gram penalty in the shaping score (0 = off)."""
+    tool_failure_weight: float = 0.0
+    """Weight of the failed-call penalty in the shaping score: minus the share of a row's tool calls that failed
+    (malformed, refused, timed out or erroring: tool_calls.FAILURES), 0 for a row without calls (0 = off)."""
     model: str = ""
     """Scorer mixed into the shaping score: '' (none), 'stub' (a reward model of deterministic noise), 'stub-judge'
     (a pairwise judge against the gold answer; both stand-ins test the wiring), the path of a reward model's
@@ -457,6 +460,7 @@ class RewardConfig:
     RULES = {  # each field's type and range (rules.py); not a field: no annotation
         "overlong_buffer": integer(0, why="0 = off; at most sampling.max_new_tokens"),
         "repetition_weight": number(0, why="a penalty's weight; a negative one would pay for repeats"),
+        "tool_failure_weight": number(0, why="a penalty's weight; a negative one would pay for failed calls"),
         "model": text_rule(f"one of {', '.join(map(repr, REWARD_MODELS))}, or a reward model's checkpoint folder "
                            f"(an existing directory) or '{JUDGE_PREFIX}<folder>' (a causal LM's, as a judge)",
                            lambda v: v in REWARD_MODELS or os.path.isdir(v.removeprefix(JUDGE_PREFIX))),
@@ -488,7 +492,8 @@ class RewardConfig:
     @property
     def shapes(self) -> bool:
         """Whether any shaping applies (otherwise the reward is the correctness itself)."""
-        return bool(self.overlong_buffer or self.repetition_weight or self.model or self.rm_only)
+        return bool(self.overlong_buffer or self.repetition_weight or self.tool_failure_weight or self.model
+                    or self.rm_only)
 
     @property
     def judges(self) -> bool:

@@ -84,7 +84,8 @@ class Rollout:
         """Its scalars, for the other ranks (with the completion's ids and text if with_tokens)."""
         return RolloutSummary(len(self.prompt_ids), len(self.completion_ids), self.num_trained, self.finish_reason,
                               self.group_id, self.weight_version, rank,
-                              list(self.completion_ids) if with_tokens else None, self.text if with_tokens else None)
+                              list(self.completion_ids) if with_tokens else None, self.text if with_tokens else None,
+                              self.tool_calls, self.tool_failures)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class RolloutSummary:
     rank: int
     completion_ids: list[int] | None = None
     text: str | None = None
+    tool_calls: int = 0  # a multi-turn row's (Rollout.tool_calls, tool_failures): the failed-call penalty reads them
+    tool_failures: int = 0
 
 
 def texts(rollouts: list[Rollout]) -> list[str]:

@@ -14,8 +14,9 @@ whose sign the shaping must never turn against correctness.
 Shapes: P, G (letters of the README's legend).
 
 Penalties and shaping:
-1. Penalties, in [-1, 0]: DAPO's soft overlong punishment (eq. 13) and a repetition
-   penalty (the fraction of repeated n-grams).
+1. Penalties, in [-1, 0]: DAPO's soft overlong punishment (eq. 13), a repetition
+   penalty (the fraction of repeated n-grams) and, for rows that call tools, the share of
+   their calls that failed (ToolRL's point, arXiv 2504.13958: tool shaping inside the class).
 2. Adjustment (`adjust_rewards`): a shaping score s in [-1, 1] (a reward-model or judge
    score, penalties) is added inside the correctness class,
    r_i = c_i + m * min(p, 1 - p) * s_i, with c_i in {0, 1}, p the group's fraction
@@ -187,11 +188,12 @@ def order_violations(correct_G: torch.Tensor, rewards_G: torch.Tensor) -> tuple[
 
 def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg: RewardConfig, *, max_new_tokens: int,
                    scorer: Scorer | None = None, prompt: str = "", texts: list[str] | None = None, reference: str = "",
-                   scores: torch.Tensor | None = None) -> torch.Tensor:
+                   scores: torch.Tensor | None = None, failed_share: list[float] | None = None) -> torch.Tensor:
     """One group's final rewards [G] fp32: correctness plus shaping kept inside the correctness class.
 
-    The shaping score s sums DAPO's overlong penalty, the repetition penalty and the
-    scorer's term (a reward model's score through `rm_score`, or a judge's verdict against
+    The shaping score s sums DAPO's overlong penalty, the repetition penalty, the failed-call penalty
+    (failed_share: per rollout the share of its tool calls that failed, 0 without calls; read with
+    cfg.tool_failure_weight) and the scorer's term (a reward model's score through `rm_score`, or a judge's verdict against
     `reference` through `judge_score`), and enters through `adjust_rewards`, so no correct
     response's advantage turns negative. max_new_tokens: the generation limit the overlong
     penalty ramps up to. texts (the decoded completions) and prompt are needed only with a scorer;
@@ -210,6 +212,8 @@ def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg
                              for x in completion_ids])
     if cfg.repetition_weight:
         s_G += cfg.repetition_weight * torch.tensor([repetition_penalty(x) for x in completion_ids])
+    if cfg.tool_failure_weight:  # a failed call costs inside the class: no tool bonus lifts a wrong answer
+        s_G -= cfg.tool_failure_weight * torch.tensor(failed_share, dtype=torch.float64)
     if scorer is not None and scores is None:
         scores = scorer_outputs(scorer, prompt, texts, reference)
     if isinstance(scorer, PairwiseJudge):
@@ -277,7 +281,9 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
         m["t_reward_model_busy"] = queue.take_busy_s()
     classes = [torch.zeros_like(c) for c in correct] if cfg.rm_only else correct
     rewards = [shaped_rewards(c, [s.rollout.completion_ids for s in g], cfg, scorer=scorer, scores=x,
-                              max_new_tokens=max_new_tokens)
+                              max_new_tokens=max_new_tokens,
+                              failed_share=[s.rollout.tool_failures / max(s.rollout.tool_calls, 1) for s in g]
+                              if cfg.tool_failure_weight else None)
                for (_, g), c, x in zip(groups, classes, scores)]
     pairs = 0
     for p, (c, r) in enumerate(zip(classes, rewards)):

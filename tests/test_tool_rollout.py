@@ -177,7 +177,8 @@ def test_a_run_with_the_calculator_enabled_renders_its_schema_and_counts_its_cal
     import train
     path = tmp_path / "micro.py"
     path.write_text(MICRO)
-    cfg = load_config(str(path), [f"out_dir={tmp_path / 'run'}", "tools.enabled=calculator", "model.max_seq_len=1024"])
+    cfg = load_config(str(path), [f"out_dir={tmp_path / 'run'}", "tools.enabled=calculator", "model.max_seq_len=1024",
+                                  "reward.tool_failure_weight=0.5"])
     out = train.main(cfg)
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     rl = [m for m in records if m.get("stage") == "rl"]
@@ -264,3 +265,16 @@ def test_every_rank_makes_as_many_generate_calls_as_the_rank_whose_rows_call_too
                                                    seed=5, group_ids=[0, 1])
     assert [g["rows"][0] for g in got] == [(r.completion_ids, r.turns) for r in alone]
     assert [r.turns for r in alone] == [3, 1]
+
+
+def test_failed_calls_cost_inside_the_correctness_class_and_never_lift_a_wrong_answer():
+    """reward.tool_failure_weight: minus the share of a row's calls that failed enters as shaping through
+    adjust_rewards, so among the correct rows a clean one beats one with failures, and every correct row stays
+    above every wrong one, however the wrong ones called."""
+    from reward import RewardConfig
+    from shaping import order_violations, shaped_rewards
+    correct = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    failed = [0.0, 1.0, 0.0, 1.0]
+    r = shaped_rewards(correct, [[1]] * 4, RewardConfig(tool_failure_weight=1.0), max_new_tokens=8, failed_share=failed)
+    assert r[0] > r[1] > r[2] > r[3] and order_violations(correct, r) == (4, 0)
+    assert torch.equal(shaped_rewards(correct, [[1]] * 4, RewardConfig(), max_new_tokens=8, failed_share=failed), correct)
