@@ -15,6 +15,7 @@ from plan import param_counts, print_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+TINY = os.path.join(ROOT, "configs", "tiny.py")
 
 
 def _bench_memory():
@@ -54,22 +55,21 @@ def test_the_plan_is_within_2_percent_of_measured_trainers_and_5_of_engines_in_b
 
 @pytest.mark.slow  # about 10 s on 2 idle cores
 def test_the_plan_extends_two_and_three_moe_blocks_to_the_full_depth_exactly():
-    cfg = train.parse_args([CONFIGS[-1], "model.n_layers=7", "model.first_k_dense_replace=1",
+    cfg = train.parse_args([TINY, "model.n_layers=7", "model.first_k_dense_replace=1",
                             "model.dense_inter_dim=256", "dtype=bfloat16", "microbatch_tokens=1024"])
-    assert os.path.basename(CONFIGS[-1]) == "tiny.py"
     extended = plan.trainer_memory(cfg, 1, activation_checkpoint=True)
     assert extended == plan._fake_steps(cfg, 1, True, cfg.model.n_layers)
 
 
 def test_the_plan_of_a_sharded_expert_parallel_run_counts_a_ranks_share():
-    cfg = train.parse_args([CONFIGS[-1], "dtype=bfloat16", "microbatch_tokens=1024", "ep=2"])
+    cfg = train.parse_args([TINY, "dtype=bfloat16", "microbatch_tokens=1024", "ep=2"])
     one, four = (plan.trainer_memory(cfg, w, activation_checkpoint=False) for w in (1, 4))
     assert four["optimizer"] < one["optimizer"] / 3  # AdamW state sharded 4 ways (experts: 2 ep x 2 efsdp)
     assert four["ep_buffers"] > 0 == one["ep_buffers"]
 
 
 def test_the_engine_plan_grows_with_the_prompt_limit():
-    cfg = train.parse_args([CONFIGS[-1]])
+    cfg = train.parse_args([TINY])
     short, long = (plan.engine_memory(dataclasses.replace(cfg, max_prompt_tokens=n)) for n in (32, 200))
     assert long["kv_cache"] > short["kv_cache"] and long["weights"] == short["weights"]
 
@@ -128,7 +128,7 @@ def test_one_process_engine_bytes_are_the_replicas_tensors():
     model.KVCache's allocation."""
     from model import KVCache
     from rollout import NativeEngine
-    cfg = train.parse_args([CONFIGS[-1], "dtype=bfloat16", "gen_batch_rows=24"])
+    cfg = train.parse_args([TINY, "dtype=bfloat16", "gen_batch_rows=24"])
     engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0, dtype=cfg.compute_dtype())
     sizes = {n: t.numel() * t.element_size() for n, t in [*engine.model.named_parameters(),
                                                           *engine.model.named_buffers()]}
@@ -160,7 +160,7 @@ def test_the_engine_weights_count_in_a_training_step_only_in_one_process(monkeyp
     trainer = {"params": 10 * plan.GB, "optimizer": 20 * plan.GB, "gathered": 0, "activations": 0,
                "total": 100 * plan.GB}
     monkeypatch.setattr(plan, "trainer_memory", lambda *args, **kwargs: trainer)
-    cfg = train.parse_args([CONFIGS[-1], "dtype=bfloat16", "ep=2"])
+    cfg = train.parse_args([TINY, "dtype=bfloat16", "ep=2"])
     for world in (1, 4):
         p, engine = plan.memory_plan(cfg, world), plan.engine_memory(cfg, world)
         assert p["rollout peak"] == 30 * plan.GB + engine["total"]
@@ -170,7 +170,7 @@ def test_the_engine_weights_count_in_a_training_step_only_in_one_process(monkeyp
 
 
 def test_the_plan_adds_the_cuda_context_nccl_per_communicator_and_a_fragmentation_reserve():
-    cfg = train.parse_args([CONFIGS[-1], "dtype=bfloat16", "ep=2"])
+    cfg = train.parse_args([TINY, "dtype=bfloat16", "ep=2"])
     assert [plan.nccl_communicators(cfg, w) for w in (1, 2, 4)] == [0, 3, 4]  # ep=2: efsdp splits from 4 ranks
     peak = 100 * plan.GB
     assert plan.with_margins(cfg, 1, peak) == pytest.approx(peak + 0.05 * peak + 1.0 * plan.GB, abs=1)
@@ -225,7 +225,7 @@ def test_a_continuous_engines_kv_cache_and_generate_peak_are_sized_by_its_slots(
     the call's rows of outputs), and the dry run says which bound it used."""
     from rollout import NativeEngine
     memory = _bench_memory()
-    cfg = train.parse_args([CONFIGS[-1], "model.n_layers=3", "model.first_k_dense_replace=1",
+    cfg = train.parse_args([TINY, "model.n_layers=3", "model.first_k_dense_replace=1",
                             "model.dense_inter_dim=384", "model.qk_norm=True", "gen_batch_rows=64",
                             "sampling.max_new_tokens=16", "max_prompt_tokens=128", "group_size=8", "engine.slots=4"])
     static = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, slots=0))
@@ -261,7 +261,7 @@ def test_a_reward_model_or_judge_adds_its_whole_weights_to_every_gpus_plan(monke
     rm_path = scorer_config_folder(tmp_path / "rm", "Qwen3MoeForSequenceClassification")
     judge_path = scorer_config_folder(tmp_path / "judge", "Qwen3MoeForCausalLM")
     for world in (1, 8):
-        cfg = train.parse_args([CONFIGS[-1], "dtype=bfloat16", "dry_run=True", "device=cuda", "group_size=4",
+        cfg = train.parse_args([TINY, "dtype=bfloat16", "dry_run=True", "device=cuda", "group_size=4",
                                 f"reward.model={rm_path}", "reward.rm_batch_size=2"])
         rm = scorer_model_config(cfg.reward)
         assert rm.tie_embeddings and rm.dim == 64
@@ -281,7 +281,7 @@ def test_a_reward_model_or_judge_adds_its_whole_weights_to_every_gpus_plan(monke
         assert with_judge["scorer weights"] == weights and with_judge["scorer peak"] > 0
         assert with_judge["total"] == plan.with_margins(cfg, world, peak + weights)
     capsys.readouterr()
-    rows = train.main(train.parse_args([CONFIGS[-1], "dry_run=True", f"reward.model={rm_path}",
+    rows = train.main(train.parse_args([TINY, "dry_run=True", f"reward.model={rm_path}",
                                         f"out_dir={tmp_path / 'out'}"]))["plan"]
     out = capsys.readouterr().out
     assert f"reward.model={rm_path}: " in out and "whole on every GPU" in out and rows[0]["total"] > 0
