@@ -64,7 +64,7 @@ from __future__ import annotations
 import copy
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -74,7 +74,7 @@ from config import EngineConfig
 from distributed import (all_ranks, collective_group, gathered, load_shards, own_meshes, rank_world,
                          reference_copy, set_group_timeouts)
 from model import KVCache, ModelConfig, Transformer, route_dtype
-from sampler import Rollout, SamplingParams, row_keys, row_uniforms, sample
+from sampler import Rollout, SamplingParams, Vocab, row_keys, row_uniforms, sample
 from sglang_engine import build_sglang_engine, stop_launched_servers
 from tool_rollout import ToolEngine
 from weights import (DEFAULT_BUCKET_BYTES, FP8, FP8GroupedExperts, FP8Linear, Named, full_tensor, local,
@@ -147,17 +147,14 @@ class NativeEngine:
     policy in lockstep with the other ranks. `batch_stats` then holds the last call's counts.
     """
 
-    def __init__(self, cfg: ModelConfig, *, eos_id: int | Sequence[int], pad_id: int, device="cpu",
-                 dtype=torch.float32, compile: bool = False, num_tokens: int | None = None,
-                 policy: nn.Module | None = None, group=None, options: EngineConfig | None = None,
-                 decode: Callable[[list[int]], str] | None = None):
-        # eos_id: one id or several (a chat model stops at <|im_end|> and at <|endoftext|>). decode: the tokenizer's,
-        # which gives each Rollout its text (None: rollouts of ids only).
-        # num_tokens: the tokenizer's ids, 0..num_tokens - 1; a checkpoint's embedding may have more rows (Qwen3:
-        # 151,936 for 151,665 tokens), which are never sampled: no id the tokenizer cannot decode. Their
-        # probability mass (nil in a trained model) is what the engine's logprobs then differ by from the trainer's.
-        self.cfg, self.pad_id, self.num_tokens, self.decode = cfg, pad_id, num_tokens, decode
-        self.stop_ids = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
+    def __init__(self, cfg: ModelConfig, vocab: Vocab, *, device="cpu", dtype=torch.float32, compile: bool = False,
+                 policy: nn.Module | None = None, group=None, options: EngineConfig | None = None):
+        # vocab.num_tokens: ids past the tokenizer's (a checkpoint's padded embedding rows) are never sampled, so no
+        # id the tokenizer cannot decode; their probability mass (nil in a trained model) is what the engine's
+        # logprobs then differ by from the trainer's
+        self.cfg, self.vocab = cfg, vocab
+        self.stop_ids, self.pad_id = vocab.stop_ids, vocab.pad_id
+        self.num_tokens, self.decode = vocab.num_tokens, vocab.decode
         self.options = options or EngineConfig()
         self.device, self.dtype, self.group = torch.device(device), dtype, group
         self.fp8, self.slots = self.options.fp8, self.options.slots  # the two the engine branches on
@@ -503,9 +500,9 @@ def build_native_engine(cfg: TrainConfig, tok: Tokenizer, policy: nn.Module) -> 
     a copy of the policy's weights (FP8 with engine.fp8), filled by the first update_weights; engine.slots > 0
     batches continuously."""
     on_policy = policy if rank_world()[1] > 1 else None
-    return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device, dtype=cfg.compute_dtype(),
-                        compile=cfg.compile, num_tokens=tok.enc.n_vocab, policy=on_policy, options=cfg.engine,
-                        decode=tok.decode)
+    return NativeEngine(cfg.model, Vocab(tok.stop_ids, tok.pad_id, num_tokens=tok.enc.n_vocab, decode=tok.decode),
+                        device=cfg.device, dtype=cfg.compute_dtype(), compile=cfg.compile, policy=on_policy,
+                        options=cfg.engine)
 
 
 ENGINES: dict[str, Callable[[TrainConfig, Tokenizer, nn.Module], Engine]] = {
@@ -525,8 +522,8 @@ def judge_generator(cfg: TrainConfig):
     the run's compute dtype), replies of at most reward.judge_max_new_tokens, their stop token left out. Under
     torchrun each rank holds a whole judge, which judges the groups that rank generated (shaping.shape_rewards)."""
     def build(model, tok):
-        engine = NativeEngine(model.cfg, eos_id=tok.stop_ids, pad_id=tok.pad_id, device=cfg.device,
-                              dtype=cfg.compute_dtype(), num_tokens=tok.enc.n_vocab)
+        engine = NativeEngine(model.cfg, Vocab(tok.stop_ids, tok.pad_id, num_tokens=tok.enc.n_vocab),
+                              device=cfg.device, dtype=cfg.compute_dtype())
         engine.update_weights(policy_tensors(model), version=0)
         params = SamplingParams(max_new_tokens=cfg.reward.judge_max_new_tokens, temperature=0.0)
 
@@ -569,12 +566,11 @@ def producer_engine(engine: Engine, cfg: TrainConfig, policy: nn.Module) -> Engi
     if not isinstance(engine, NativeEngine):
         raise ValueError(f"max_staleness={cfg.max_staleness}: async rollouts run on the native engine only")
     if not engine.sharded:  # its own copy of the weights; the tokenizer's decode shared, not copied
-        return copy.deepcopy(engine, memo={id(engine.decode): engine.decode})
+        return copy.deepcopy(engine, memo={id(engine.vocab): engine.vocab})
     meshes = own_meshes(rank_world()[1], cfg.ep)
     set_group_timeouts(cfg.dist_timeout_s)  # the new groups too
-    producer = NativeEngine(cfg.model, eos_id=engine.stop_ids, pad_id=engine.pad_id, device=cfg.device,
-                            dtype=cfg.compute_dtype(), compile=cfg.compile, num_tokens=engine.num_tokens,
+    producer = NativeEngine(cfg.model, engine.vocab, device=cfg.device, dtype=cfg.compute_dtype(), compile=cfg.compile,
                             policy=reference_copy(policy, cfg, meshes), group=meshes.fsdp.get_group(),
-                            options=engine.options, decode=engine.decode)
+                            options=engine.options)
     producer.weight_version = engine.weight_version  # the version its copy holds (a resumed run's, say)
     return producer

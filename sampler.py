@@ -12,6 +12,7 @@ Shapes: B, V, C, T, L, K (letters of the README's legend).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -40,6 +41,22 @@ class SamplingParams:
 
     def __post_init__(self):
         check_fields(self)
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """What an engine needs of the run's tokenizer: the ids that end a row (one or several: a chat model stops at
+    <|im_end|> and at <|endoftext|>), the id that pads, the ids it may sample (0..num_tokens - 1; None: every row of
+    the embedding, where a checkpoint's may have more rows than its tokenizer has ids, Qwen3's 151,936 for 151,665)
+    and the tokenizer's decode, which gives each Rollout its text (None: rollouts of ids only)."""
+    stop_ids: tuple[int, ...]
+    pad_id: int = 0
+    num_tokens: int | None = None
+    decode: Callable[[list[int]], str] | None = None
+
+    def __post_init__(self):
+        ids = self.stop_ids
+        object.__setattr__(self, "stop_ids", (ids,) if isinstance(ids, int) else tuple(ids))
 
 
 @dataclass

@@ -74,7 +74,7 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from contextlib import contextmanager
 from itertools import accumulate
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 import torch
@@ -82,7 +82,7 @@ import torch
 from distributed import all_gather_list, barrier, rank_world
 from hf import hf_tensors, save_hf
 from model import ModelConfig
-from sampler import Rollout, SamplingParams
+from sampler import Rollout, SamplingParams, Vocab
 from engines.sglang_server import (ABSENT, SGLangServer, check_server, checkpoint_dtype, decode_sglang_output,
                                    launch_wait_s, nccl_pairing, served_dtype, sglang_request, wait_until_serving)
 from weights import (DEFAULT_BUCKET_BYTES, Named, fp8_bf16_modules, full_tensor, quantize_fp8, sglang_ep,
@@ -289,9 +289,9 @@ class SGLangEngine:
     # fail outside a session (managers/scheduler_components/weight_updater.py); older versions (0.5.7) have
     # neither and take updates without them.
 
-    def __init__(self, model_path: str, cfg: ModelConfig, *, eos_id, fp8: bool = False, tp_size: int = 1, ep_size: int = 1,
-                 mem_fraction_static: float = 0.8, seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 num_tokens: int | None = None, decode: Callable[[list[int]], str] | None = None, **server_kwargs):
+    def __init__(self, model_path: str, cfg: ModelConfig, vocab: Vocab, *, fp8: bool = False, tp_size: int = 1,
+                 ep_size: int = 1, mem_fraction_static: float = 0.8, seed: int = 0,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, **server_kwargs):
         _import_sglang()  # first, so a CPU machine fails with what to install before reading any file
         from sglang.srt.entrypoints.http_server import launch_server
         from sglang.srt.server_args import ServerArgs
@@ -318,14 +318,12 @@ class SGLangEngine:
         wait_until_serving(url, process.is_alive, launch_wait_s(model_path))
         server = SGLangServer(url, serialize=lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True))
         # cfg: the served model's shape (the run's), whose layer counts, top_k and dense layers decode the routes
-        self._setup([server], cfg, eos_id=eos_id, fp8=fp8, bucket_bytes=bucket_bytes, colocated=True,
-                    num_tokens=num_tokens, decode=decode)
+        self._setup([server], cfg, vocab, fp8=fp8, bucket_bytes=bucket_bytes, colocated=True)
 
     @classmethod
-    def from_engine(cls, engine: Server | list[Server], cfg: ModelConfig, *, eos_id, fp8: bool = False,
+    def from_engine(cls, engine: Server | list[Server], cfg: ModelConfig, vocab: Vocab, *, fp8: bool = False,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, leader: bool = True, colocated: bool = False,
-                    update_group: str | None = None, num_tokens: int | None = None,
-                    config_dtype: str | None = None, decode: Callable[[list[int]], str] | None = None) -> SGLangEngine:
+                    update_group: str | None = None, config_dtype: str | None = None) -> SGLangEngine:
         """Wrap running servers (`Server`s): an SGLangServer, an `InProcessServer` around an sglang.Engine, or a
         list of them (external servers: requests spread over them by group id).
 
@@ -334,24 +332,24 @@ class SGLangEngine:
         update_group: the weight-update group's backend: weights go by its broadcast (`join_update_group`; to
         SGLangServers only: a ValueError otherwise); None: by update_weights_from_tensor (CUDA IPC). Its backend:
         "nccl" between GPUs, "gloo" from a trainer on CPU (tools/sglang_standin.py's tests; there is no NCCL to
-        pair). num_tokens: the tokenizer's
-        ids; SGLang samples over every row of the embedding, and ids past these are counted (`counters`).
+        pair). vocab: the run's tokenizer's stop ids, its ids (SGLang samples over every row of the embedding, and
+        ids past these are counted: `counters`) and its decode (each Rollout's text).
         config_dtype: the served checkpoint's config.json dtype, which a server started with --dtype auto serves in
-        (sglang_server.served_dtype). decode: the run's tokenizer's, which gives each Rollout its text.
+        (sglang_server.served_dtype).
         """
         self = cls.__new__(cls)  # skips __init__: no sglang import, no CUDA check (how the CPU tests build one)
-        self._setup(engine if isinstance(engine, list) else [engine], cfg, eos_id=eos_id, fp8=fp8,
-                    bucket_bytes=bucket_bytes, leader=leader, colocated=colocated, update_group=update_group,
-                    num_tokens=num_tokens, config_dtype=config_dtype, decode=decode)
+        self._setup(engine if isinstance(engine, list) else [engine], cfg, vocab, fp8=fp8, bucket_bytes=bucket_bytes,
+                    leader=leader, colocated=colocated, update_group=update_group, config_dtype=config_dtype)
         return self
 
-    def _setup(self, servers: list[Server], cfg: ModelConfig, *, eos_id, fp8: bool, bucket_bytes: int,
+    def _setup(self, servers: list[Server], cfg: ModelConfig, vocab: Vocab, *, fp8: bool, bucket_bytes: int,
                leader: bool = True, colocated: bool = False, update_group: str | None = None,
-               num_tokens: int | None = None, config_dtype: str | None = None,
-               decode: Callable[[list[int]], str] | None = None):
-        self.servers, self.cfg, self.eos_id, self.fp8, self.bucket_bytes = servers, cfg, eos_id, fp8, bucket_bytes
-        self.decode = decode  # the run's tokenizer's: each Rollout's text (SGLang's own detokenizer is not read)
-        self.num_tokens, self.ids_past_tokenizer = num_tokens, 0
+               config_dtype: str | None = None):
+        self.servers, self.cfg, self.fp8, self.bucket_bytes = servers, cfg, fp8, bucket_bytes
+        # the rows' stop ids; the ids SGLang may sample past the tokenizer's, counted; the run's tokenizer's decode,
+        # each Rollout's text (SGLang's own detokenizer is not read)
+        self.eos_id, self.num_tokens, self.decode = vocab.stop_ids, vocab.num_tokens, vocab.decode
+        self.ids_past_tokenizer = 0
         self.leader, self.colocated, self.update_group = leader, colocated, update_group
         if update_group is not None and not all(isinstance(s, SGLangServer) for s in servers):
             raise ValueError("weights by broadcast (update_group) go to HTTP servers (sglang_server.SGLangServer) "
@@ -589,11 +587,11 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
     """
     engine_cfg = cfg.engine
     rank, _ = rank_world()
+    vocab = Vocab(tok.stop_ids, tok.pad_id, tok.enc.n_vocab, tok.decode)
     if engine_cfg.urls:
         backend = "nccl" if torch.device(cfg.device).type == "cuda" else "gloo"  # gloo: a CPU trainer's stand-in
-        return SGLangEngine.from_engine([SGLangServer(u) for u in engine_cfg.urls], cfg.model, eos_id=tok.stop_ids,
+        return SGLangEngine.from_engine([SGLangServer(u) for u in engine_cfg.urls], cfg.model, vocab,
                                         fp8=engine_cfg.fp8, leader=rank == 0, update_group=backend,
-                                        num_tokens=tok.enc.n_vocab, decode=tok.decode,
                                         config_dtype=checkpoint_dtype(cfg.init_hf or cfg.init_from))
     check_colocated_install()
     path = cfg.init_hf or cfg.init_from
@@ -609,14 +607,12 @@ def build_sglang_engine(cfg: TrainConfig, tok: Tokenizer, policy) -> SGLangEngin
                          "gives the fraction (train.prepare sets it)")
     if local_rank == 0:
         ep = sglang_ep(cfg.model, local_world)  # what fp8_bf16_modules assumed of this server
-        engine = SGLangEngine(path, cfg.model, eos_id=tok.stop_ids, fp8=engine_cfg.fp8, tp_size=local_world, ep_size=ep,
-                              mem_fraction_static=engine_cfg.sglang_mem_fraction, seed=cfg.seed,
-                              num_tokens=tok.enc.n_vocab, decode=tok.decode)
+        engine = SGLangEngine(path, cfg.model, vocab, fp8=engine_cfg.fp8, tp_size=local_world, ep_size=ep,
+                              mem_fraction_static=engine_cfg.sglang_mem_fraction, seed=cfg.seed)
     # every rank learns its node leader's URL (torchrun numbers a node's ranks consecutively); the gather also
     # waits for the leaders' servers to be up
     node_url = all_gather_list([engine.servers[0].url if engine is not None else None])[rank - local_rank]
     if engine is None:  # a non-leader rank: generates through its node's server, sends no weights
-        engine = SGLangEngine.from_engine(SGLangServer(node_url), cfg.model, eos_id=tok.stop_ids, fp8=engine_cfg.fp8,
-                                          leader=False, colocated=True, num_tokens=tok.enc.n_vocab,
-                                          decode=tok.decode)
+        engine = SGLangEngine.from_engine(SGLangServer(node_url), cfg.model, vocab, fp8=engine_cfg.fp8, leader=False,
+                                          colocated=True)
     return engine

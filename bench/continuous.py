@@ -51,7 +51,7 @@ sys.path.insert(0, ROOT)
 from model import ModelConfig, Transformer  # noqa: E402
 from config import EngineConfig  # noqa: E402
 from rollout import STOP_CHECK_EVERY, NativeEngine  # noqa: E402
-from sampler import SamplingParams  # noqa: E402
+from sampler import SamplingParams, Vocab  # noqa: E402
 from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 PAD = 0
@@ -99,10 +99,9 @@ def main():
     per_call = max(1, args.slots // args.n)  # whole groups per static batch: slots rows at most
     # the static batches' KV cache, in columns: what the paged engine gets at equal memory
     equal_kv = per_call * args.n * (max(map(len, prompts)) + args.new_tokens - 1)
-    static_all, static = NativeEngine(cfg, eos_id=stops, pad_id=PAD), NativeEngine(cfg, eos_id=stops, pad_id=PAD)
-    continuous = NativeEngine(cfg, eos_id=stops, pad_id=PAD, options=EngineConfig(slots=args.slots))
-    paged = NativeEngine(cfg, eos_id=stops, pad_id=PAD,
-                         options=EngineConfig(slots=args.paged_slots, kv_tokens=equal_kv))
+    static_all, static = NativeEngine(cfg, Vocab(stops, PAD)), NativeEngine(cfg, Vocab(stops, PAD))
+    continuous = NativeEngine(cfg, Vocab(stops, PAD), options=EngineConfig(slots=args.slots))
+    paged = NativeEngine(cfg, Vocab(stops, PAD), options=EngineConfig(slots=args.paged_slots, kv_tokens=equal_kv))
     engines = {"static_one_call": static_all, f"static_batches_of_{per_call * args.n}": static,
                f"continuous_{args.slots}_slots": continuous, f"paged_{args.paged_slots}_slots": paged}
     for engine in engines.values():

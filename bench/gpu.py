@@ -81,7 +81,7 @@ from espo import mismatch_metrics  # noqa: E402
 from mismatch import trainer_logprobs  # noqa: E402  (bench/mismatch.py)
 from model import Transformer  # noqa: E402
 from rollout import NativeEngine, decode_step  # noqa: E402
-from sampler import row_keys  # noqa: E402
+from sampler import Vocab, row_keys  # noqa: E402
 from gpu_plans import CPU_SHAPES, GPU_SHAPES, Shapes  # noqa: E402
 from weights import policy_tensors, quantize_fp8  # noqa: E402
 
@@ -306,7 +306,7 @@ class Wide:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="DTensor random operators")  # a CPU mesh's, harmless here
             self.model.init_weights()
-        self.engine = NativeEngine(m, eos_id=-1, pad_id=0, device=dev, dtype=cfg.compute_dtype(), policy=self.model)
+        self.engine = NativeEngine(m, Vocab(-1, 0), device=dev, dtype=cfg.compute_dtype(), policy=self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95))  # train.rl_optimizer's
         B, T = plan.microbatch_shape(cfg, m.num_experts)
         self.tokens_BT = torch.randint(1, m.vocab_size, (B, T), device=dev)
@@ -532,7 +532,7 @@ def train_throughput(cfg, model, steps: int) -> dict:
 
 def engine_throughput(cfg, model) -> dict:
     """Generate tokens/s of gen_batch_rows rows and the memory the call adds at its peak."""
-    engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0, device=cfg.device, dtype=torch.bfloat16)  # never stops
+    engine = NativeEngine(cfg.model, Vocab(-1, 0), device=cfg.device, dtype=torch.bfloat16)  # never stops
     engine.update_weights(policy_tensors(model), version=1)
     U, P = cfg.gen_batch_rows // cfg.group_size, cfg.prompt_limit()
     prompts = torch.randint(cfg.model.vocab_size, (U, P)).tolist()
@@ -585,9 +585,9 @@ def small_throughput(b: Bench):
 
 def mismatch(cfg, model, prompts: int) -> dict:
     """KL etc. of FP8 and bf16 engine rollouts against the bf16 trainer, routes replayed and not."""
-    engines = {"fp8": NativeEngine(cfg.model, eos_id=-1, pad_id=0, device=cfg.device, dtype=torch.bfloat16,
-                                       options=EngineConfig(fp8=True)),
-               "bf16": NativeEngine(cfg.model, eos_id=-1, pad_id=0, device=cfg.device, dtype=torch.bfloat16)}
+    engines = {"fp8": NativeEngine(cfg.model, Vocab(-1, 0), device=cfg.device, dtype=torch.bfloat16,
+                                   options=EngineConfig(fp8=True)),
+               "bf16": NativeEngine(cfg.model, Vocab(-1, 0), device=cfg.device, dtype=torch.bfloat16)}
     engines["fp8"].update_weights(quantize_fp8(policy_tensors(model)), version=1)  # quantised on the trainer side
     engines["bf16"].update_weights(policy_tensors(model), version=1)
     ids = torch.randint(cfg.model.vocab_size, (prompts, 64)).tolist()
@@ -633,8 +633,7 @@ def continuous_paged(b: Bench):
         ways["paged + CUDA graph"] = EngineConfig(slots=rows // 2, kv_tokens=static_kv, cuda_graph=True)
     out, table, reference = {}, [], None
     for name, options in ways.items():
-        engine = NativeEngine(cfg.model, eos_id=stops, pad_id=0, device=cfg.device, dtype=torch.bfloat16,
-                              options=options)
+        engine = NativeEngine(cfg.model, Vocab(stops, 0), device=cfg.device, dtype=torch.bfloat16, options=options)
         engine.update_weights(policy_tensors(model), version=1)
         engine.generate(prompts[:1], params, n=2, seed=1)  # warm-up
         _sync(cfg)

@@ -45,6 +45,7 @@ from torch.distributed._tools.common_utils import get_untyped_storages  # noqa: 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
+from sampler import Vocab
 from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 # glibc hands freed blocks back at once, and oneDNN (CPU bf16 matmuls) keeps no cache of kernels
@@ -161,7 +162,7 @@ def _measure_engine(cfg) -> dict[str, int]:
     from rollout import NativeEngine
     base = _rss()
     with LiveTensors() as live:
-        engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0, dtype=cfg.compute_dtype())
+        engine = NativeEngine(cfg.model, Vocab(-1, 0), dtype=cfg.compute_dtype())
         U = max(1, cfg.gen_batch_rows // cfg.group_size)  # distinct prompts, group_size rows each
         prompts = torch.randint(cfg.model.vocab_size, (U, cfg.prompt_limit())).tolist()
         _reset_peaks(live)  # past the engine's fp32 construction

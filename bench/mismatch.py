@@ -44,6 +44,7 @@ from espo import mismatch_metrics  # noqa: E402
 from hf import load_hf  # noqa: E402
 from model import Transformer  # noqa: E402
 from data import Prompts, TaskMix, prompt_ids, run_tokenizer  # noqa: E402
+from sampler import Vocab
 from rollout import NativeEngine  # noqa: E402
 from scheduler import LengthPredictor  # noqa: E402
 from weights import policy_tensors, quantize_fp8  # noqa: E402
@@ -95,8 +96,8 @@ def load_run_output(path: str, model: Transformer) -> Tokenizer:
 def make_engine(cfg, tok, *, fp8: bool = False, dtype: torch.dtype = torch.float32) -> NativeEngine:
     """A rollout engine with the run's stop and pad ids and engine section, as train.start_run builds it
     (rollout.build_native_engine), in `dtype`; fp8: with blockwise-FP8 weights (engine.fp8)."""
-    return NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, num_tokens=tok.enc.n_vocab, dtype=dtype,
-                        options=dataclasses.replace(cfg.engine, fp8=fp8), decode=tok.decode)
+    return NativeEngine(cfg.model, Vocab(tok.stop_ids, tok.pad_id, num_tokens=tok.enc.n_vocab, decode=tok.decode),
+                        dtype=dtype, options=dataclasses.replace(cfg.engine, fp8=fp8))
 
 
 @torch.no_grad()

@@ -43,7 +43,7 @@ from config import TrainConfig  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from data import Item, Task, Prompts  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
-from sampler import SamplingParams  # noqa: E402
+from sampler import SamplingParams, Vocab  # noqa: E402
 from scheduler import LengthPredictor  # noqa: E402
 from scoring import RewardPool  # noqa: E402
 from tokenizer import build_tokenizer, demo_tokenizer  # noqa: E402
@@ -88,7 +88,7 @@ def main():
                       sampling=SamplingParams(max_new_tokens=args.new_tokens))
     # prompts of random bytes: a byte-level tokenizer makes each exactly prompt_len tokens with <|bos|> and "\n"
     tok = demo_tokenizer(build_tokenizer(mcfg.vocab_size))
-    engine = NativeEngine(mcfg, eos_id=NO_EOS, pad_id=0, decode=tok.decode)
+    engine = NativeEngine(mcfg, Vocab(NO_EOS, 0, decode=tok.decode))
     engine.update_weights(Transformer(mcfg).named_parameters(), version=0)
     num_prompts = args.batches * (args.rows // args.group_size)
     text = torch.randint(ord("a"), ord("z") + 1, (num_prompts, args.prompt_len - 2)).tolist()

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qwen3_small import small_qwen3_moe  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
-from sampler import SamplingParams  # noqa: E402
+from sampler import SamplingParams, Vocab  # noqa: E402
 from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 NO_EOS = -1  # an id never sampled, so every row runs to the token limit
@@ -77,9 +77,9 @@ def main():
                                top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
         assert out.shape[1] == args.prompt_len + new_tokens
 
-    engines = {"native_engine": NativeEngine(cfg, eos_id=NO_EOS, pad_id=0)}
+    engines = {"native_engine": NativeEngine(cfg, Vocab(NO_EOS, 0))}
     if args.compile:
-        engines["native_engine_compiled"] = NativeEngine(cfg, eos_id=NO_EOS, pad_id=0, compile=True)
+        engines["native_engine_compiled"] = NativeEngine(cfg, Vocab(NO_EOS, 0), compile=True)
     load_before = os.getloadavg()[0]
     rows, fns = prompts.tolist(), {}
     for name, engine in engines.items():

@@ -58,6 +58,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scheduler import LengthPredictor, generation_batches  # noqa: E402
+from sampler import Vocab
 from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 # long-tailed completion lengths: lognormal prompt means, lognormal spread of a prompt's rollouts
@@ -133,7 +134,7 @@ def real_engine(args) -> dict:
     from model import Transformer
     cfg = load_config(TINY_CONFIG, [])
     torch.manual_seed(0)
-    engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0)  # eos -1: never sampled, rows run to the batch's limit
+    engine = NativeEngine(cfg.model, Vocab(-1, 0))  # eos -1: never sampled, rows run to the batch's limit
     engine.update_weights(Transformer(cfg.model).named_parameters(), version=0)
     rng = random.Random(1)
     max_len = min(args.max_len, cfg.model.max_seq_len - args.prompt_len)  # what fits the tiny model's positions
@@ -221,7 +222,7 @@ def overlap_ceiling(args) -> dict:
     from model import Transformer
     cfg = load_config(TINY_CONFIG, [])
     model = Transformer(cfg.model)
-    engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0)
+    engine = NativeEngine(cfg.model, Vocab(-1, 0))
     engine.update_weights(model.named_parameters(), version=0)
     # 8 rows a prompt (256 by default, as a tiny RL step's batch), half as many trained on
     prompts = torch.randint(1, cfg.model.vocab_size, (args.overlap_prompts, 20)).tolist()

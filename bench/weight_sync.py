@@ -41,6 +41,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from sampler import Vocab
 from bench import smoke  # noqa: E402  (bench/smoke.py)
 
 MODELS = {"tiny": ("tiny.py", []), "small": ("small.py", ["model.n_layers=2"])}
@@ -135,7 +136,7 @@ def measure_one_process(name: str, repeats: int) -> dict:
     cfg = _cfg(name)
     torch.manual_seed(0)
     model = Transformer(cfg.model)  # the trainer's fp32 weights
-    engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0, dtype=BF16)
+    engine = NativeEngine(cfg.model, Vocab(-1, 0), dtype=BF16)
     version = iter(range(1, 1 << 30))
     fns = {"replica copy": lambda: engine.update_weights(policy_tensors(model), next(version)),
            "SGLang bf16": lambda: _push(model, cfg, fp8=False),
@@ -172,7 +173,7 @@ def _worker(rank: int, world: int, name: str, repeats: int, port: int, out: str)
             model(torch.zeros(1, 1, dtype=torch.long))
         for u in units:
             u.reshard()
-        engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0, dtype=BF16)  # the replica of the old path
+        engine = NativeEngine(cfg.model, Vocab(-1, 0), dtype=BF16)  # the replica of the old path
         version = iter(range(1, 1 << 30))
 
         def gather():

@@ -11,6 +11,7 @@ from config import TrainConfig, load_config
 from model import Transformer
 from data import Item, Task
 from reward_model import reward_model_for
+from sampler import Vocab
 from rollout import NativeEngine
 from scheduler import LengthPredictor
 from scoring import RewardPool
@@ -62,7 +63,7 @@ def make_run(cfg: TrainConfig, task=None) -> train.Run:
     task = task or ParityTask()
     tok = demo_tokenizer(build_tokenizer(cfg.model.vocab_size))
     model = Transformer(cfg.model)
-    engine = NativeEngine(cfg.model, eos_id=tok.stop_ids, pad_id=tok.pad_id, decode=tok.decode)
+    engine = NativeEngine(cfg.model, Vocab(tok.stop_ids, tok.pad_id, decode=tok.decode))
     engine.update_weights(model.named_parameters(), version=0)
     return train.Run(cfg=cfg, engine=engine, tok=tok, model=model,
                      prompts=train.Prompts(task, list(range(len(task))), tok, cfg.prompt_limit()),

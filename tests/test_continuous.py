@@ -6,8 +6,7 @@ import torch
 from model import Transformer
 from config import EngineConfig
 from rollout import NativeEngine
-from sampler import row_uniforms_at
-from sampler import SamplingParams, row_keys, row_uniforms
+from sampler import SamplingParams, Vocab, row_keys, row_uniforms, row_uniforms_at
 
 STOPS, PAD = [1, 2, 3], 0  # three stop ids of 64: rows stop after a few to a few tens of tokens, lengths vary
 EQUAL = [[5, 6, 7], [8, 9, 10], [20, 21, 22]]
@@ -16,7 +15,7 @@ MIXED = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20], [5, 6, 7]]  # ragged, and one 
 
 def engines(cfg, slots):
     model = Transformer(cfg)
-    static, continuous = (NativeEngine(cfg, eos_id=STOPS, pad_id=PAD, options=EngineConfig(slots=s)) for s in (0, slots))
+    static, continuous = (NativeEngine(cfg, Vocab(STOPS, PAD), options=EngineConfig(slots=s)) for s in (0, slots))
     for engine in (static, continuous):
         engine.update_weights(model.named_parameters(), version=2)
     return static, continuous, model

@@ -21,7 +21,7 @@ from config import load_config
 from engines.ep_decode import capacity_dispatch, capacity_experts
 from rollout import NativeEngine
 from runs import free_port
-from sampler import SamplingParams
+from sampler import SamplingParams, Vocab
 
 # num_experts=8, top_k=3: at ep=4 each rank holds 2 experts, fewer than K (the capacity's min(K, e))
 MODEL = ["model.vocab_size=64", "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -120,7 +120,7 @@ def worker(rank, world, port, ep):
             assert torch.equal(traced, capacity_experts(*args, **kwargs))
 
         # 4. the sharded engine samples the same rollouts, token for token, with every forward on fixed shapes
-        engine = NativeEngine(cfg.model, eos_id=2, pad_id=0, policy=model)
+        engine = NativeEngine(cfg.model, Vocab(2, 0), policy=model)
         prompts = [[3 + rank, 4, 5], [6, 7]][: 1 + rank % 2]  # even ranks one prompt, odd ranks two
         with engine.phase():
             with SyncCounter() as titan_gen:

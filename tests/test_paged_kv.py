@@ -13,7 +13,7 @@ from engines.batching import ContinuousBatch
 from model import KVCache, Transformer
 from paged_kv import PagedKVCache, least_pages
 from rollout import NativeEngine
-from sampler import SamplingParams, row_keys
+from sampler import SamplingParams, Vocab, row_keys
 
 STOPS, PAD = [1, 2, 3], 0
 MIXED = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20], [5, 6, 7]]  # ragged, one prompt twice
@@ -40,8 +40,8 @@ def same_rollouts(want, got):
 
 def engines(cfg, **paging):
     model = Transformer(cfg)
-    static = NativeEngine(cfg, eos_id=STOPS, pad_id=PAD)
-    paged = NativeEngine(cfg, eos_id=STOPS, pad_id=PAD, options=EngineConfig(**paging))
+    static = NativeEngine(cfg, Vocab(STOPS, PAD))
+    paged = NativeEngine(cfg, Vocab(STOPS, PAD), options=EngineConfig(**paging))
     for engine in (static, paged):
         engine.update_weights(model.named_parameters(), version=1)
     return static, paged
@@ -157,7 +157,7 @@ def test_an_admission_round_prefills_at_most_prefill_tokens_and_the_rollouts_sta
     least); the rows it leaves are admitted by the next rounds and sample the same tokens."""
     params, prompts = SamplingParams(max_new_tokens=12), [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20], [30, 31]]
     _, wide = engines(tiny_cfg, slots=8)
-    narrow = NativeEngine(tiny_cfg, eos_id=STOPS, pad_id=PAD, options=EngineConfig(slots=8, prefill_tokens=6))
+    narrow = NativeEngine(tiny_cfg, Vocab(STOPS, PAD), options=EngineConfig(slots=8, prefill_tokens=6))
     narrow.update_weights(wide.model.named_parameters(), version=1)  # the same weights
     rounds = []
     prefill = narrow.prefill_prompts

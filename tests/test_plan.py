@@ -11,6 +11,7 @@ import plan
 import train
 from hf_checkpoint import scorer_config_folder
 from hf_config import config_to_hf
+from sampler import Vocab
 from plan import param_counts, print_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,7 +130,7 @@ def test_one_process_engine_bytes_are_the_replicas_tensors():
     from model import KVCache
     from rollout import NativeEngine
     cfg = train.parse_args([TINY, "dtype=bfloat16", "gen_batch_rows=24"])
-    engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0, dtype=cfg.compute_dtype())
+    engine = NativeEngine(cfg.model, Vocab(-1, 0), dtype=cfg.compute_dtype())
     sizes = {n: t.numel() * t.element_size() for n, t in [*engine.model.named_parameters(),
                                                           *engine.model.named_buffers()]}
     got = plan.engine_bytes(cfg, 1)
@@ -235,7 +236,7 @@ def test_a_continuous_engines_kv_cache_and_generate_peak_are_sized_by_its_slots(
     assert plan.engine_bytes(static, 1)["kv_cache"] == 64 * 143 * column
     sized = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, kv_tokens=400))
     assert plan.engine_bytes(sized, 1)["kv_cache"] == (400 // 16 + 1) * 16 * column
-    engine = NativeEngine(cfg.model, eos_id=-1, pad_id=0, options=cfg.engine)  # no stop token: every row runs to the limit
+    engine = NativeEngine(cfg.model, Vocab(-1, 0), options=cfg.engine)  # no stop token: every row runs to the limit
     prompts = torch.randint(cfg.model.vocab_size, (4, cfg.prompt_limit()), generator=torch.Generator().manual_seed(0))
     engine.generate(prompts.tolist(), cfg.sampling, n=8, seed=0)  # warm-up, as bench/memory.py's
     with memory.LiveTensors() as live:

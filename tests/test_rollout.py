@@ -8,14 +8,14 @@ from logprobs import token_logprobs
 from model import ModelConfig, Transformer, route_dtype
 from config import EngineConfig
 from rollout import NativeEngine
-from sampler import SamplingParams, sample, texts
+from sampler import SamplingParams, Vocab, sample, texts
 
 EOS, PAD = 1, 0
 
 
 def engine_and_model(cfg):
     model = Transformer(cfg)
-    engine = NativeEngine(cfg, eos_id=EOS, pad_id=PAD)
+    engine = NativeEngine(cfg, Vocab(EOS, PAD))
     engine.update_weights(model.named_parameters(), version=3)
     return engine, model
 
@@ -81,7 +81,7 @@ def test_each_rollout_carries_its_text_as_the_tokenizers_decode_of_its_ids(tiny_
         return " ".join(map(str, ids))
     model = Transformer(tiny_cfg)
     for options in (EngineConfig(), EngineConfig(slots=2)):
-        engine = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, options=options, decode=decode)
+        engine = NativeEngine(tiny_cfg, Vocab(EOS, PAD, decode=decode), options=options)
         engine.update_weights(model.named_parameters(), version=0)
         rollouts = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6), n=2, seed=3)
         assert texts(rollouts) == [decode(r.text_ids) for r in rollouts]
@@ -186,7 +186,7 @@ def test_update_weights_syncs_the_sigmoid_routers_expert_bias(tiny_cfg):
     model = Transformer(cfg)
     for layer in model.layers:
         layer.mlp.expert_bias.copy_(torch.randn(cfg.num_experts))
-    engine = NativeEngine(cfg, eos_id=EOS, pad_id=PAD)
+    engine = NativeEngine(cfg, Vocab(EOS, PAD))
     with pytest.raises(ValueError, match="missing"):  # parameters alone leave the bias out
         engine.update_weights(model.named_parameters(), version=1)
     engine.update_weights(policy_tensors(model), version=1)
@@ -209,7 +209,7 @@ class _Sharded:
 
 def test_update_weights_gathers_sharded_tensors(tiny_cfg):
     model = Transformer(tiny_cfg)
-    engine = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD)
+    engine = NativeEngine(tiny_cfg, Vocab(EOS, PAD))
     engine.update_weights([(n, _Sharded(p.detach())) for n, p in model.named_parameters()], version=2)
     assert torch.equal(engine.model.lm_head.weight, model.lm_head.weight)
 
@@ -231,7 +231,7 @@ def test_blockwise_fp8_round_trip_is_within_e4m3_precision():
 
 def test_fp8_engine_quantises_attention_and_experts_only(tiny_cfg):
     from weights import FP8
-    engine = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, options=EngineConfig(fp8=True))
+    engine = NativeEngine(tiny_cfg, Vocab(EOS, PAD), options=EngineConfig(fp8=True))
     engine.update_weights(Transformer(tiny_cfg).named_parameters(), version=1)
     low = {n for n, t in engine._tensors.items() if t.dtype == FP8}
     assert low == {f"layers.{i}.{w}" for i in range(tiny_cfg.n_layers)
@@ -241,8 +241,8 @@ def test_fp8_engine_quantises_attention_and_experts_only(tiny_cfg):
 def test_trainer_side_quantisation_equals_quantisation_on_arrival(tiny_cfg):
     from weights import quantize_fp8
     model = Transformer(tiny_cfg)
-    a = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, options=EngineConfig(fp8=True))
-    b = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, options=EngineConfig(fp8=True))
+    a = NativeEngine(tiny_cfg, Vocab(EOS, PAD), options=EngineConfig(fp8=True))
+    b = NativeEngine(tiny_cfg, Vocab(EOS, PAD), options=EngineConfig(fp8=True))
     a.update_weights(model.named_parameters(), version=1)
     b.update_weights(quantize_fp8(model.named_parameters()), version=1)
     for (n, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
@@ -251,7 +251,7 @@ def test_trainer_side_quantisation_equals_quantisation_on_arrival(tiny_cfg):
 
 def test_fp8_engine_logprobs_stay_near_the_high_precision_ones(tiny_cfg):
     model = Transformer(tiny_cfg).requires_grad_(False)
-    engine = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, options=EngineConfig(fp8=True))
+    engine = NativeEngine(tiny_cfg, Vocab(EOS, PAD), options=EngineConfig(fp8=True))
     engine.update_weights(model.named_parameters(), version=1)
     for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=8), n=2, seed=0):
         seq = torch.tensor(r.prompt_ids + r.completion_ids)
@@ -328,7 +328,7 @@ def test_sglang_weight_sync_brackets_buckets_with_sessions_when_present(tiny_cfg
     from weights import policy_tensors
     from sglang_engine import InProcessServer, SGLangEngine
     fake = _FakeSGLang(sessions)
-    engine = SGLangEngine.from_engine(InProcessServer(fake), tiny_cfg, eos_id=EOS, bucket_bytes=64 << 10)
+    engine = SGLangEngine.from_engine(InProcessServer(fake), tiny_cfg, Vocab(EOS), bucket_bytes=64 << 10)
     engine.update_weights(policy_tensors(Transformer(tiny_cfg)), version=5)
     updates = [c for c in fake.calls if isinstance(c, tuple)]
     names = [n for c in updates for n in c[1]]
@@ -345,7 +345,7 @@ def test_sglang_fp8_sync_sends_e4m3_weights_with_inverse_scales(tiny_cfg):
     fake = _FakeSGLang(True)
     fake.update_weights_from_tensor = lambda named_tensors, flush_cache=True: sent.update(named_tensors) or (True, "")
     cfg = dataclasses.replace(tiny_cfg, head_dim=64, moe_inter_dim=128)  # whole 128-blocks, as SGLang's FP8 needs
-    engine = SGLangEngine.from_engine(InProcessServer(fake), cfg, eos_id=EOS, fp8=True)
+    engine = SGLangEngine.from_engine(InProcessServer(fake), cfg, Vocab(EOS), fp8=True)
     engine.update_weights(Transformer(cfg).named_parameters(), 1)
     assert sent["model.layers.0.self_attn.q_proj.weight"].dtype == FP8
     assert sent["model.layers.0.self_attn.q_proj.weight_scale_inv"].dtype == torch.float32
@@ -356,7 +356,7 @@ def test_sglang_fp8_sync_sends_e4m3_weights_with_inverse_scales(tiny_cfg):
 def test_sglang_engine_without_sglang_or_cuda_says_what_is_missing():
     from sglang_engine import SGLangEngine
     with pytest.raises((ImportError, RuntimeError), match="SGLangEngine needs"):
-        SGLangEngine("/nonexistent", ModelConfig(), eos_id=EOS)
+        SGLangEngine("/nonexistent", ModelConfig(), Vocab(EOS))
 
 
 @pytest.mark.cuda
@@ -371,7 +371,7 @@ def test_sglang_engine_rollouts_match_the_trainer(tiny_cfg, tmp_path):
     cfg = dataclasses.replace(tiny_cfg, qk_norm=True, vocab_size=256, max_seq_len=128)
     model = Transformer(cfg)
     save_hf(model, str(tmp_path))
-    engine = SGLangEngine(str(tmp_path), cfg, eos_id=EOS, mem_fraction_static=0.3)
+    engine = SGLangEngine(str(tmp_path), cfg, Vocab(EOS), mem_fraction_static=0.3)
     rollouts = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8), n=2, seed=0)
     infer, trainer = [], []
     for r in rollouts:
@@ -386,8 +386,8 @@ def test_sglang_engine_rollouts_match_the_trainer(tiny_cfg, tmp_path):
 @pytest.mark.slow
 def test_compiled_decode_step_gives_the_eager_rollouts(tiny_cfg):
     model = Transformer(tiny_cfg)
-    eager = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD)
-    compiled = NativeEngine(tiny_cfg, eos_id=EOS, pad_id=PAD, compile=True)
+    eager = NativeEngine(tiny_cfg, Vocab(EOS, PAD))
+    compiled = NativeEngine(tiny_cfg, Vocab(EOS, PAD), compile=True)
     for e in (eager, compiled):
         e.update_weights(model.named_parameters(), version=0)
     a = eager.generate(PROMPTS, SamplingParams(max_new_tokens=6), n=2, seed=0)

@@ -21,7 +21,7 @@ from hf_config import config_to_hf
 from model import ModelConfig, Transformer, route_dtype
 from weights import FP8
 from rollout import ENGINES, engine_builder
-from sampler import SamplingParams
+from sampler import SamplingParams, Vocab
 from weights import policy_tensors
 from sglang_engine import InProcessServer, SGLangEngine, build_sglang_engine
 from engines.sglang_server import SGLangServer
@@ -258,9 +258,10 @@ def test_a_server_without_deterministic_inference_is_warned_of_and_the_engine_is
     unseeded = FakeSGLang(tiny_cfg, log, info=dict(enable_deterministic_inference=False))
     with pytest.warns(UserWarning, match=f"SGLang {unseeded.url} runs without --enable-deterministic-inference: "
                                          f"it ignores each request's sampling_seed"):
-        engine = SGLangEngine.from_engine([SGLangServer(seeded.url), SGLangServer(unseeded.url)], tiny_cfg, eos_id=EOS)
+        engine = SGLangEngine.from_engine([SGLangServer(seeded.url), SGLangServer(unseeded.url)], tiny_cfg,
+                                          Vocab(EOS))
     assert engine.seeded is False
-    assert SGLangEngine.from_engine(SGLangServer(seeded.url), tiny_cfg, eos_id=EOS).seeded is True
+    assert SGLangEngine.from_engine(SGLangServer(seeded.url), tiny_cfg, Vocab(EOS)).seeded is True
 
 
 def test_the_colocated_server_is_started_with_what_connect_checks(tiny_cfg, log):
@@ -334,8 +335,8 @@ def test_colocated_memory_is_released_before_training_and_resumed_before_rollout
     server = FakeSGLang(tiny_cfg, log, tp_size=2)
     packed = []
     client = SGLangServer(server.url, serialize=lambda bucket: packed.append(bucket) or f"ipc-{len(packed)}")
-    engine = SGLangEngine.from_engine(client, tiny_cfg, eos_id=EOS, colocated=True, bucket_bytes=16 << 10,
-                                      decode=lambda ids: ",".join(map(str, ids)))
+    engine = SGLangEngine.from_engine(client, tiny_cfg, Vocab(EOS, decode=lambda ids: ",".join(map(str, ids))),
+                                      colocated=True, bucket_bytes=16 << 10)
     out = engine.generate([[5, 6]], PARAMS, n=1, seed=0)[0]
     assert out.text == ",".join(map(str, out.text_ids))  # the run's tokenizer's decode, not the server's text
     engine.wake()  # awake already: nothing to resume
@@ -368,8 +369,8 @@ def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_wri
     launched = []
 
     class Launched:  # stands in for SGLangEngine(path, ...), the server a node's local rank 0 launches
-        def __init__(self, path, model_cfg, **kw):
-            launched.append((path, kw, routes(log), sorted(os.listdir(path)) if os.path.isdir(path) else None))
+        def __init__(self, path, model_cfg, vocab, **kw):
+            launched.append((path, vocab, kw, routes(log), sorted(os.listdir(path)) if os.path.isdir(path) else None))
             self.servers = [SimpleNamespace(url="http://127.0.0.1:1")]
 
     monkeypatch.setattr(sglang_engine, "SGLangEngine", Launched)
@@ -381,9 +382,9 @@ def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_wri
     policy = Transformer(model_cfg)
     engine = build_sglang_engine(cfg, TOK, policy)
     assert isinstance(engine, Launched) and len(launched) == 1
-    path, kw, before, files = launched[0]
-    assert kw == dict(eos_id=TOK.stop_ids, fp8=fp8, tp_size=2, ep_size=2, mem_fraction_static=0.5, seed=cfg.seed,
-                      num_tokens=TOK.enc.n_vocab, decode=TOK.decode)
+    path, vocab, kw, before, files = launched[0]
+    assert vocab == Vocab(TOK.stop_ids, TOK.pad_id, TOK.enc.n_vocab, TOK.decode)
+    assert kw == dict(fp8=fp8, tp_size=2, ep_size=2, mem_fraction_static=0.5, seed=cfg.seed)
     assert before == ["barrier"]  # what rank 0 wrote is complete before any server loads it
     if not fp8:
         assert path == CKPT  # init_hf as it is: nothing written
@@ -406,7 +407,7 @@ def test_colocated_servers_load_the_checkpoint_or_the_fp8_copy_of_the_policy_wri
 
 def test_a_non_leader_rank_takes_part_in_the_gathers_and_generates_but_sends_nothing(tiny_cfg, log):
     server = FakeSGLang(tiny_cfg, log)
-    engine = SGLangEngine.from_engine(SGLangServer(server.url), tiny_cfg, eos_id=EOS, leader=False, colocated=True)
+    engine = SGLangEngine.from_engine(SGLangServer(server.url), tiny_cfg, Vocab(EOS), leader=False, colocated=True)
     drawn = []
     tensors = ((n, drawn.append(n) or t) for n, t in policy_tensors(Transformer(tiny_cfg)))
     engine.sleep()
@@ -426,7 +427,7 @@ def test_in_process_engine_sync_brackets_buckets_with_sessions_and_flushes_once(
         end_weight_update=lambda: calls.append("end") or (True, ""),
         update_weights_from_tensor=lambda named_tensors, flush_cache: calls.append(flush_cache) or (True, "ok"),
         flush_cache=lambda: calls.append("flush"))
-    SGLangEngine.from_engine(InProcessServer(engine), tiny_cfg, eos_id=EOS, bucket_bytes=16 << 10).update_weights(
+    SGLangEngine.from_engine(InProcessServer(engine), tiny_cfg, Vocab(EOS), bucket_bytes=16 << 10).update_weights(
         policy_tensors(Transformer(tiny_cfg)), version=1)
     assert calls[0] == "begin" and calls[-2:] == ["end", "flush"] and set(calls[1:-2]) == {False}
 
@@ -511,7 +512,7 @@ def test_a_colocated_server_pairs_no_nccl_with_the_trainer(tiny_cfg, log, monkey
     """Colocated, weights go by CUDA IPC (no NCCL group), so connect asks nothing of NCCL, whatever the release."""
     monkeypatch.setattr(sglang_server, "trainer_nccl", lambda: (2, 29, 7))
     server = FakeSGLang(tiny_cfg, log, info=dict(version="0.9.0"))
-    SGLangEngine.from_engine(SGLangServer(server.url), tiny_cfg, eos_id=EOS, colocated=True)
+    SGLangEngine.from_engine(SGLangServer(server.url), tiny_cfg, Vocab(EOS), colocated=True)
 
 
 @pytest.mark.parametrize("served, config_dtype, want", [

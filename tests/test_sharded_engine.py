@@ -18,7 +18,7 @@ from plan import engine_bytes
 from paged_kv import least_pages
 from rollout import NativeEngine, weight_bytes
 from runs import free_port
-from sampler import SamplingParams
+from sampler import SamplingParams, Vocab
 from weights import policy_tensors
 
 # vocab_size: the byte-level demo tokenizer's 259 ids fit (bpe_merges=0), a relation load_config checks
@@ -43,7 +43,7 @@ def worker(rank, world, port, ep, out):
         meshes = distributed.build_meshes(world, ep)
         torch.manual_seed(cfg.seed)
         policy = distributed.build_model(cfg, meshes)
-        engine = NativeEngine(cfg.model, eos_id=EOS, pad_id=0, policy=policy)
+        engine = NativeEngine(cfg.model, Vocab(EOS, 0), policy=policy)
         mine = list(range(rank, len(PROMPTS), world))  # this rank's prompts (with 4 ranks, rank 3 holds only one)
         with engine.phase():
             got = engine.generate([PROMPTS[i] for i in mine], PARAMS, n=N, seed=SEED, group_ids=mine)
@@ -67,7 +67,7 @@ def test_sharded_engine_samples_the_one_process_rollouts_and_holds_no_replica(tm
     cfg = load_config(None, MODEL + [f"ep={ep}"])
     torch.manual_seed(cfg.seed)
     model = distributed.build_model(cfg)  # the weights every rank's shards come from (build_model's parity)
-    replica = NativeEngine(cfg.model, eos_id=EOS, pad_id=0)
+    replica = NativeEngine(cfg.model, Vocab(EOS, 0))
     replica.update_weights(policy_tensors(model), version=0)
     want = record(replica.generate(PROMPTS, PARAMS, n=N, seed=SEED))
     want_extra = record(replica.generate([PROMPTS[0]], PARAMS, n=1, seed=SEED + 1))
@@ -104,8 +104,8 @@ def continuous_worker(rank, world, port, kv_tokens):
         cfg = load_config(None, MODEL + ["ep=2"])
         torch.manual_seed(cfg.seed)
         policy = distributed.build_model(cfg, distributed.build_meshes(world, 2))
-        static = NativeEngine(cfg.model, eos_id=STOPS, pad_id=0, policy=policy)
-        continuous = NativeEngine(cfg.model, eos_id=STOPS, pad_id=0, policy=policy,
+        static = NativeEngine(cfg.model, Vocab(STOPS, 0), policy=policy)
+        continuous = NativeEngine(cfg.model, Vocab(STOPS, 0), policy=policy,
                                   options=EngineConfig(slots=SLOTS, page_size=4, kv_tokens=kv_tokens))
         mine = SHARES[rank]
         calls = [([PROMPTS[i] for i in mine], N, mine), ([PROMPTS[1]] if rank else [], 1, [1] if rank else None)]
@@ -156,7 +156,7 @@ def stalled_worker(rank, world, port, out):
         policy = distributed.build_model(cfg, distributed.build_meshes(world, 2))
         engines.batching.too_few_pages = lambda *_: ""  # rank 1's pool is made too small by hand
         options = EngineConfig(slots=SLOTS, page_size=4, kv_tokens=8 if rank else 0)
-        engine = NativeEngine(cfg.model, eos_id=STOPS, pad_id=0, policy=policy, options=options)
+        engine = NativeEngine(cfg.model, Vocab(STOPS, 0), policy=policy, options=options)
         with engine.phase():
             try:
                 engine.generate([PROMPTS[i] for i in SHARES[rank]], PARAMS, n=N, seed=SEED, group_ids=SHARES[rank])

@@ -12,7 +12,7 @@ from logprobs import token_logprobs
 from config import EngineConfig
 from model import ModelConfig, Transformer
 from rollout import NativeEngine
-from sampler import Rollout, SamplingParams
+from sampler import Rollout, SamplingParams, Vocab
 from tokenizer import IM_END, build_tokenizer, demo_tokenizer
 from tool_calls import CallCounts, ToolConfig, ToolResult
 from tool_rollout import ToolEngine, turn_seed
@@ -147,7 +147,7 @@ def test_the_trainers_replayed_forward_over_a_multi_turn_row_equals_the_engines_
                       num_experts=4, top_k=2, moe_inter_dim=16, max_seq_len=512)
     torch.manual_seed(0)
     model = Transformer(cfg)
-    inner = NativeEngine(cfg, eos_id=list(range(TOK.enc.n_vocab)), pad_id=TOK.pad_id, decode=TOK.decode,
+    inner = NativeEngine(cfg, Vocab(list(range(TOK.enc.n_vocab)), TOK.pad_id, decode=TOK.decode),
                          options=EngineConfig(slots=slots))
     inner.update_weights(model.named_parameters(), version=0)
     engine = tool_engine(inner, max_turns=3)

@@ -44,7 +44,7 @@ import torch.distributed.distributed_c10d as c10d
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hf import from_hf, hf_shapes, load_hf  # noqa: E402
 from rollout import NativeEngine  # noqa: E402
-from sampler import SamplingParams  # noqa: E402
+from sampler import SamplingParams, Vocab  # noqa: E402
 from sglang_engine import join_update_group  # noqa: E402
 from engines.sglang_server import SERVED_DTYPES  # noqa: E402
 from weights import policy_tensors  # noqa: E402
@@ -61,7 +61,7 @@ class StandIn:
         model = load_hf(checkpoint)
         self.cfg, self.checkpoint, self.dtype = model.cfg, checkpoint, dtype
         # num_tokens None: sample over every row of the embedding, as SGLang does; options None: static calls
-        self.engine = NativeEngine(model.cfg, eos_id=(), pad_id=0, dtype=SERVED_DTYPES[dtype])
+        self.engine = NativeEngine(model.cfg, Vocab((), 0), dtype=SERVED_DTYPES[dtype])
         self.engine.update_weights(policy_tensors(model), version=0)
         self.hf_shapes = hf_shapes(model.cfg)  # what one sync must bring: every HF tensor of the model, its shape
         self.lock = threading.Lock()
