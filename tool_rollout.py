@@ -81,6 +81,7 @@ class _Row:
     calls: int = 0
     failures: int = 0
     finish: str = "length"
+    done: bool = False  # ended: its answer given, its turns or budget spent
 
     def take(self, turn: Rollout, budget: int):
         """Append a turn's tokens (at most `budget`), their logprobs and the routes of the positions new to it."""
@@ -185,7 +186,7 @@ class ToolEngine:
         for row, r in zip(rows, first):
             row.take(r, params.max_new_tokens)
         for turn in range(1, self.cfg.max_turns):
-            going = [row for row in rows if self._answer(row, params.max_new_tokens)]
+            going = [row for row in rows if not row.done and self._answer(row, params.max_new_tokens)]
             calls = self._calls(going, params.max_new_tokens)
             if rank_world()[1] > 1:  # as many calls on every rank (choice 4)
                 calls += [[]] * (int(all_reduce_float(len(calls), op="max")) - len(calls))
@@ -202,7 +203,8 @@ class ToolEngine:
         return [row.rollout(self.tok.decode(row.ids[:-1] if row.finish == "stop" else row.ids)) for row in rows]
 
     def _answer(self, row: _Row, max_new_tokens: int) -> bool:
-        """Answer the calls of the row's latest turn and append the tool turn; False when the row ends."""
+        """Answer the calls of the row's latest turn and append the tool turn; False when the row ends (then done)."""
+        row.done = True  # unless a tool turn is appended below
         turn = row.last
         if turn.finish_reason != "stop" or turn.completion_ids[-1] != self.stop_id:
             return False
@@ -222,6 +224,7 @@ class ToolEngine:
             row.finish = "length"
             return False
         row.feed(tool_ids)
+        row.done = False
         return True
 
     def _calls(self, rows: list[_Row], max_new_tokens: int) -> list[list[_Row]]:

@@ -278,3 +278,27 @@ def test_failed_calls_cost_inside_the_correctness_class_and_never_lift_a_wrong_a
     r = shaped_rewards(correct, [[1]] * 4, RewardConfig(tool_failure_weight=1.0), max_new_tokens=8, failed_share=failed)
     assert r[0] > r[1] > r[2] > r[3] and order_violations(correct, r) == (4, 0)
     assert torch.equal(shaped_rewards(correct, [[1]] * 4, RewardConfig(), max_new_tokens=8, failed_share=failed), correct)
+
+
+LONG_CALL = CALL.replace("123 * 45", " + ".join(["1"] * 40))
+
+
+class TwoScripts(ScriptedEngine):
+    """Group 0 calls with a long expression, group 1 with a short one; both answer after one tool turn."""
+
+    def text(self, turn: int, group: int) -> str:
+        return [LONG_CALL if group == 0 else CALL, "<answer>1</answer>"][turn]
+
+
+def test_a_row_that_ended_is_never_answered_again_while_others_go_on():
+    """A row whose tool turn does not fit its budget ends, its calls counted once, while a row beside it takes
+    its turns: the rounds never answer an ended row's last turn again."""
+    budget = len(TOK.encode(LONG_CALL)) + 1 + 3  # the long call fits, its tool turn not; the short row's turns do
+    assert len(TOK.encode(CALL)) + 1 + len(TOK.tool_turn_ids(["5535"])) + len(TOK.encode("<answer>1</answer>")) + 1 < budget
+    engine = tool_engine(TwoScripts([]))
+    with engine.phase():
+        long_row, short_row = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=budget), seed=0)
+        counters = engine.counters()
+    assert long_row.finish_reason == "length" and long_row.turns == 1 and long_row.tool_calls == 1
+    assert short_row.turns == 2 and short_row.tool_calls == 1
+    assert counters["tool_calls"] == 2
