@@ -25,9 +25,9 @@ Notable choices:
    leaves no room for a token ends the row, finish_reason "length", its calls unanswered. After
    tools.max_turns assistant turns a row ends, whatever it calls.
 4. A round's rows go in as few calls as the context allows (each call's longest stream plus its largest
-   budget within max_seq_len). Under torchrun every rank makes as many calls as the rank that needs the
-   most (one all_reduce per round), with no rows where it has none left: the sharded native engine's
-   generate is a collective.
+   budget within max_seq_len). Under torchrun the calls are planned from every rank's rows (one all_gather
+   per round), so every rank makes the same calls with the same budget, with no rows where it has none: the
+   sharded native engine's generate is a collective, its decode steps counted alike on every rank.
 5. This is the synchronous baseline (generate all, run all tools, re-prefill): every row waits for the
    round's slowest tool. The native engine's in-flight form, where a row waiting on a tool keeps its KV
    pages and gives up its slot while other rows decode, is not built yet (issue 34 part 3).
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from distributed import all_reduce_float, rank_world
+from distributed import all_gather_list, rank_world
 from sampler import Rollout, SamplingParams, mix64
 from tool_calls import Calculator, Tool, ToolConfig, build_tools, call_format, run_calls, write_call
 
@@ -188,12 +188,9 @@ class ToolEngine:
         for turn in range(1, self.cfg.max_turns):
             going = [row for row in rows if not row.done and self._answer(row, params.max_new_tokens)]
             calls = self._calls(going, params.max_new_tokens)
-            if rank_world()[1] > 1:  # as many calls on every rank (choice 4)
-                calls += [[]] * (int(all_reduce_float(len(calls), op="max")) - len(calls))
             if not calls:
                 break
-            for call in calls:
-                budget = max((params.max_new_tokens - len(row.ids) for row in call), default=1)
+            for call, budget in calls:
                 outs = self.inner.generate([row.first.prompt_ids + row.ids for row in call],
                                            SamplingParams(budget, params.temperature, params.top_p, params.top_k),
                                            n=1, seed=turn_seed(seed, turn), group_ids=[row.key for row in call])
@@ -227,18 +224,22 @@ class ToolEngine:
         row.done = False
         return True
 
-    def _calls(self, rows: list[_Row], max_new_tokens: int) -> list[list[_Row]]:
-        """The round's rows in calls whose longest stream plus largest budget fits the context (choice 4)."""
-        calls, longest, most = [], 0, 0
-        for row in sorted(rows, key=lambda r: len(r.first.prompt_ids) + len(r.ids)):
-            length, budget = len(row.first.prompt_ids) + len(row.ids), max_new_tokens - len(row.ids)
-            if calls and max(longest, length) + max(most, budget) <= self.max_seq_len:
-                calls[-1].append(row)
+    def _calls(self, rows: list[_Row], max_new_tokens: int) -> list[tuple[list[_Row], int]]:
+        """The round's calls, each this rank's rows in it and its budget (max_new_tokens): every rank's rows in calls
+        whose longest stream plus largest budget fits the context, planned alike on every rank from all of their
+        (stream, budget) pairs, so every rank makes the same calls with the same budgets (choice 4)."""
+        rank, world = rank_world()
+        mine = [(len(r.first.prompt_ids) + len(r.ids), max_new_tokens - len(r.ids), rank, i) for i, r in enumerate(rows)]
+        everyone = all_gather_list(mine) if world > 1 else mine  # one collective a round
+        plan, longest, most = [], 0, 0
+        for length, budget, r, i in sorted(everyone):
+            if plan and max(longest, length) + max(most, budget) <= self.max_seq_len:
+                plan[-1].append((budget, r, i))
                 longest, most = max(longest, length), max(most, budget)
             else:
-                calls.append([row])
+                plan.append([(budget, r, i)])
                 longest, most = length, budget
-        return calls
+        return [([rows[i] for _, r, i in call if r == rank], max(b for b, _, _ in call)) for call in plan]
 
 
 # ----------------------------------------------------------------------------- SFT demonstrations that call

@@ -302,3 +302,77 @@ def test_a_row_that_ended_is_never_answered_again_while_others_go_on():
     assert long_row.finish_reason == "length" and long_row.turns == 1 and long_row.tool_calls == 1
     assert short_row.turns == 2 and short_row.tool_calls == 1
     assert counters["tool_calls"] == 2
+
+
+SHARDED_MODEL = ["model.vocab_size=512", "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                 "model.head_dim=8", "model.num_experts=4", "model.top_k=2", "model.moe_inter_dim=16",
+                 "model.max_seq_len=256", "model.init_std=0.3", "ep=2"]
+SHARDED_PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+GREEDY = SamplingParams(max_new_tokens=60, temperature=0.0)
+
+
+def answering_every_call(monkeypatch=None):
+    """run_calls as if each turn held one call, answered "5" (the model is random: it writes no call itself)."""
+    fake = lambda *a, **k: ([ToolResult("5")], CallCounts(calls=1))  # noqa: E731
+    if monkeypatch is not None:
+        monkeypatch.setattr(tool_rollout, "run_calls", fake)
+    else:
+        tool_rollout.run_calls = fake
+
+
+def sharded_tool_worker(rank, world, port, stop_id, out):
+    import os
+    import torch.distributed as dist
+    import distributed
+    from config import load_config
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        answering_every_call()
+        cfg = load_config(None, SHARDED_MODEL)
+        torch.manual_seed(cfg.seed)
+        policy = distributed.build_model(cfg, distributed.build_meshes(world, 2))
+        inner = NativeEngine(cfg.model, Vocab(tuple(range(TOK.enc.n_vocab)), TOK.pad_id, decode=TOK.decode),
+                             policy=policy)
+        engine = tool_engine(inner, max_turns=3)
+        engine.stop_id = stop_id
+        mine = [0] if rank == 0 else [1, 2]  # rank 0's row takes a tool turn, rank 1's end at once
+        with engine.phase():
+            rows = engine.generate([SHARDED_PROMPTS[i] for i in mine], GREEDY, seed=3, group_ids=mine)
+        got = distributed.all_gather_list([(r.group_id, r.completion_ids, r.logprobs, r.routes.long(), r.turns)
+                                           for r in rows])
+        if rank == 0:
+            torch.save(got, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_sharded_ranks_give_the_one_process_multi_turn_rollouts(tmp_path, monkeypatch):
+    """The rounds over the sharded native engine (2 gloo ranks, expert parallel): rank 0's row takes a tool turn
+    while rank 1's rows have ended, so rank 1 joins the round's collectives with no rows; every row equals what
+    one process's ToolEngine over a replica makes of it (tokens, logprobs within 1e-5, routes), every turn one
+    greedy token (every id stops a turn), the first prompt's first token taken as the tool stop."""
+    import torch.multiprocessing as mp
+    import distributed
+    from config import load_config
+    from runs import free_port
+    from weights import policy_tensors
+    cfg = load_config(None, SHARDED_MODEL)
+    torch.manual_seed(cfg.seed)
+    model = distributed.build_model(cfg)
+    replica = NativeEngine(cfg.model, Vocab(tuple(range(TOK.enc.n_vocab)), TOK.pad_id, decode=TOK.decode))
+    replica.update_weights(policy_tensors(model), version=0)
+    stop_id = replica.generate(SHARDED_PROMPTS[:1], GREEDY, seed=3)[0].completion_ids[-1]
+    answering_every_call(monkeypatch)
+    engine = tool_engine(replica, max_turns=3)
+    engine.stop_id = stop_id
+    want = [(r.group_id, r.completion_ids, r.logprobs, r.routes.long(), r.turns)
+            for r in engine.generate(SHARDED_PROMPTS, GREEDY, seed=3)]
+    assert want[0][4] >= 2  # the first prompt's row takes a tool turn: a round in which rank 1 may have no rows
+    mp.start_processes(sharded_tool_worker, args=(2, free_port(), stop_id, str(tmp_path / "out.pt")), nprocs=2,
+                       join=True, start_method="spawn")
+    got = sorted(torch.load(tmp_path / "out.pt"), key=lambda r: r[0])
+    for (g, ids, logp, routes, turns), (wg, wids, wlogp, wroutes, wturns) in zip(got, want, strict=True):
+        assert (g, ids, turns) == (wg, wids, wturns)
+        torch.testing.assert_close(logp, wlogp, rtol=0, atol=1e-5)
+        assert torch.equal(routes, wroutes)
