@@ -376,3 +376,22 @@ def test_two_sharded_ranks_give_the_one_process_multi_turn_rollouts(tmp_path, mo
         assert (g, ids, turns) == (wg, wids, wturns)
         torch.testing.assert_close(logp, wlogp, rtol=0, atol=1e-5)
         assert torch.equal(routes, wroutes)
+
+
+def test_async_steps_with_tools_run_on_a_tool_engine_of_their_own(tmp_path):
+    """max_staleness=1 with the calculator: the producer's engine is a ToolEngine over its own copy of the
+    native engine (rollout.producer_engine), its tool counts logged per step, rollouts at most one version old."""
+    from config import load_config
+    from rollout import producer_engine
+    from runs import MICRO
+    import train
+    path = tmp_path / "micro.py"
+    path.write_text(MICRO)
+    cfg = load_config(str(path), [f"out_dir={tmp_path / 'run'}", "tools.enabled=calculator", "model.max_seq_len=1024",
+                                  "max_staleness=1", "ckpt_every=0"])
+    train.main(cfg)
+    rl = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"stage": "rl"' in line]
+    assert rl and all("engine/tool_calls" in m and 0 <= m["async/staleness_max"] <= 1 for m in rl)
+    inner = ScriptedEngine([CALL, "<answer>1</answer>"])
+    with pytest.raises(ValueError, match="native engine only"):  # a ToolEngine's producer is its inner engine's
+        producer_engine(tool_engine(inner), cfg, None)
