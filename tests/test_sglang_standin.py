@@ -3,6 +3,8 @@ server that answers sglang_engine.SGLangEngine's routes as sglang 0.5.21 does an
 on a small hub-layout checkpoint (tests/hf_checkpoint.py), taking the weight sync over a gloo group."""
 import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -38,18 +40,19 @@ def standin(tmp_path_factory):
     proc.wait(timeout=30)
 
 
-def run_against(standin, tmp_path, name: str, steps: int) -> list[dict]:
+def run_against(standin, tmp_path, name: str, steps: int, *extra: str, checkpoint: str | None = None) -> list[dict]:
     """train.main against the stand-in, with a large lr (each sync moves the weights visibly) and the recipes'
     continuous-batching settings (engine.slots, page_size: the native engine's, warned of and not read); its RL
     records."""
-    url, checkpoint, _ = standin
+    url, served, _ = standin
+    checkpoint = checkpoint or served
     out = tmp_path / name
     cfg = load_config("configs/hf_tiny.py", [
         f"init_hf={checkpoint}", f"train_data={write_jsonl(tmp_path / 'train.jsonl', gsm8k_rows(32))}",
         f"eval_data={write_jsonl(tmp_path / 'test.jsonl', gsm8k_rows(4, start=100))}", f"out_dir={out}",
         "engine.name=sglang", f"engine.sglang_urls={url}", "engine.slots=8", "engine.page_size=16",
         f"rl_steps={steps}", "prompts_per_step=4", "group_size=4", "sampling.max_new_tokens=12", "lr=1e-3",
-        "lr_warmup_steps=0", f"eval_every={steps}", "eval_size=2", "eval_samples=1"])
+        "lr_warmup_steps=0", f"eval_every={steps}", "eval_size=2", "eval_samples=1", *extra])
     train.main(cfg)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r["stage"] == "rl"]
@@ -69,3 +72,20 @@ def test_rl_steps_against_the_standin_sync_weights_and_replay_the_servers_logpro
     syncs = [line for line in standin[2].read_text().splitlines() if "weight sync" in line]
     assert [line.split(":")[1] for line in syncs] == [f" weight sync {i}" for i in range(1, 7)], syncs
     assert all("['float32']" in line for line in syncs)
+
+
+def test_a_run_with_tools_generates_its_rounds_through_the_standin(standin, tmp_path):
+    """tools.enabled over SGLang: the served checkpoint's minimal template cannot render tool calls and is refused
+    before any work, naming it; with Qwen3's own chat template (the served weights and vocabulary, the template
+    of tests/chat_templates/qwen3.jinja) the prompts show the calculator and the rounds go to the server through a
+    ToolEngine (a random model calls no tool here: the rounds' stream, masking and routes are
+    tests/test_tool_rollout.py's)."""
+    from config import ConfigError
+    with pytest.raises(ConfigError, match="does not render an assistant message's tool_calls"):
+        run_against(standin, tmp_path, "refused", 1, "tools.enabled=calculator")
+    qwen3 = shutil.copytree(standin[1], tmp_path / "qwen3_template")
+    config = json.loads((qwen3 / "tokenizer_config.json").read_text())
+    config["chat_template"] = (pathlib.Path(ROOT) / "tests" / "chat_templates" / "qwen3.jinja").read_text()
+    (qwen3 / "tokenizer_config.json").write_text(json.dumps(config))
+    rl = run_against(standin, tmp_path, "tools", 1, "tools.enabled=calculator", checkpoint=str(qwen3))
+    assert len(rl) == 1 and "engine/tool_calls" in rl[0] and "engine/ids_past_tokenizer" in rl[0]
