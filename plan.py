@@ -463,14 +463,14 @@ def first_update(cfg, world: int) -> dict:
 def optimizer_steps(cfg) -> tuple[int, str]:
     """The optimizer steps a run takes (rl_steps x num_minibatches when every RL step trains), and why it may take
     fewer: filter.zero_variance 'drop' skips an RL step whose groups are all zero-variance, as every group is when
-    the policy starts from random weights (no init_hf or init_from: all wrong)."""
+    the policy starts from random weights with no SFT warm-up (no init_hf, init_from or sft_steps: all wrong)."""
     n = cfg.rl_steps * cfg.num_minibatches
     if cfg.filter.zero_variance != "drop":
         return n, f"every RL step trains (filter.zero_variance={cfg.filter.zero_variance!r} keeps all-equal groups)"
-    if not (cfg.init_hf or cfg.init_from):
-        return n, ("at most: without init_hf or init_from the policy starts from random weights, every group is all "
-                   "wrong and dropped as zero-variance, so likely 0; filter.zero_variance='rl-zvp' trains on them "
-                   "(configs/hf_tiny.py, configs/smoke_gpu.py)")
+    if not (cfg.init_hf or cfg.init_from or cfg.sft_steps):
+        return n, ("at most: without init_hf, init_from or an SFT warm-up (sft_steps) the policy starts from random "
+                   "weights, every group is all wrong and dropped as zero-variance, so likely 0; "
+                   "filter.zero_variance='rl-zvp' trains on them (configs/hf_tiny.py, configs/smoke_gpu.py)")
     return n, "at most: an RL step whose groups are all zero-variance is skipped (filter.zero_variance='drop')"
 
 
