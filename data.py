@@ -585,10 +585,10 @@ def held_out_items(cfg: TrainConfig, task: Task, held_out: Task, tok: Tokenizer)
         drops = f" ({held_out.dropped()})" if held_out.dropped() else ""
         raise ValueError(f"eval_size={cfg.eval_size}: {source} has {len(held_out)} usable rows{drops}, {len(unseen)} of "
                          f"them unseen in training; need at least eval_size")
-    limit, items = cfg.prompt_limit(), []
+    limit, items, schemas = cfg.prompt_limit(), [], tool_schemas(cfg.tools)
     for it in unseen:
         try:
-            fits = len(prompt_ids(tok, held_out, it, cfg.system_prompt, tool_schemas(cfg.tools))) <= limit
+            fits = len(prompt_ids(tok, held_out, it, cfg.system_prompt, schemas)) <= limit
         except Exception as e:  # noqa: BLE001  the checkpoint's chat template may raise jinja2's errors too
             raise ValueError(f"{source}: a prompt does not render in the checkpoint's chat template "
                              f"({type(e).__name__}: {e})") from None

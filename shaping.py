@@ -193,8 +193,8 @@ def shaped_rewards(correct_G: torch.Tensor, completion_ids: list[list[int]], cfg
 
     The shaping score s sums DAPO's overlong penalty, the repetition penalty, the failed-call penalty
     (failed_share: per rollout the share of its tool calls that failed, 0 without calls; read with
-    cfg.tool_failure_weight) and the scorer's term (a reward model's score through `rm_score`, or a judge's verdict against
-    `reference` through `judge_score`), and enters through `adjust_rewards`, so no correct
+    cfg.tool_failure_weight) and the scorer's term (a reward model's score through `rm_score`, or a
+    judge's verdict against `reference` through `judge_score`), and enters through `adjust_rewards`, so no correct
     response's advantage turns negative. max_new_tokens: the generation limit the overlong
     penalty ramps up to. texts (the decoded completions) and prompt are needed only with a scorer;
     scores: the scorer's outputs for this group (`scorer_outputs`) when the caller already has them
@@ -238,9 +238,9 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
                   cfg: RewardConfig, max_new_tokens: int, scorer: Scorer | None,
                   queue: ScorerQueue | None) -> tuple[list[torch.Tensor], dict]:
     """groups: the step's (item, [Scored]) pairs; cfg: the run's reward section; max_new_tokens: the generation
-    limit (sampling.max_new_tokens, where the overlong penalty ends); scorer: the run's reward model or judge (None: penalties only); queue: its ScorerQueue with
-    reward workers (what it scored while generating), else None. Each group's final rewards, shaped inside its
-    correctness class (shaped_rewards), and their metrics:
+    limit (sampling.max_new_tokens, where the overlong penalty ends); scorer: the run's reward model or judge
+    (None: penalties only); queue: its ScorerQueue with reward workers (what it scored while generating), else
+    None. Each group's final rewards, shaped inside its correctness class (shaped_rewards), and their metrics:
     the scorer's raw outputs (rm/score_mean and rm/score_std over the scored pairs, rm/scored and rm/unscored (NaN:
     no score, reward.RewardModel), or a judge's judge/p_better_mean and its counts: judge/judged, judge/unparsed,
     judge/too_long), the rewards' mean and std, the (correct, wrong) pairs checked and
@@ -314,7 +314,8 @@ def shape_rewards(groups: list[tuple[Item, list[Scored]]], correct: list[torch.T
 
 class BlindScorerError(RuntimeError):
     """Most of the scorer's outputs were unusable UNUSABLE_STEPS steps in a row (choice 5): it cannot see what it
-    scores; or it returned what no score can be (check_outputs). Every rank finds it alike (train.py's __main__ reports it in one line)."""
+    scores; or it returned what no score can be (check_outputs). Every rank finds it alike (train.py's __main__
+    reports it in one line)."""
 
 
 def check_outputs(scores: list[torch.Tensor], judge: bool, model: str, step: int):

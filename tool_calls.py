@@ -283,7 +283,8 @@ def tool_words(cfg: ToolConfig, model_type: str) -> str:
         return ""
     first = next(iter(tools.values()))
     example = {k: "1 + 2" for k in first.schema["function"]["parameters"]["properties"]}
-    return "\n".join([json.dumps(t.schema) for t in tools.values()] + [write_call(call_format(model_type), first.name, example)])
+    schemas = [json.dumps(t.schema) for t in tools.values()]
+    return "\n".join(schemas + [write_call(call_format(model_type), first.name, example)])
 
 
 # ----------------------------------------------------------------------------- reading the calls of a turn

@@ -229,7 +229,8 @@ class ToolEngine:
         whose longest stream plus largest budget fits the context, planned alike on every rank from all of their
         (stream, budget) pairs, so every rank makes the same calls with the same budgets (choice 4)."""
         rank, world = rank_world()
-        mine = [(len(r.first.prompt_ids) + len(r.ids), max_new_tokens - len(r.ids), rank, i) for i, r in enumerate(rows)]
+        mine = [(len(r.first.prompt_ids) + len(r.ids), max_new_tokens - len(r.ids), rank, i)
+                for i, r in enumerate(rows)]
         everyone = all_gather_list(mine) if world > 1 else mine  # one collective a round
         plan, longest, most = [], 0, 0
         for length, budget, r, i in sorted(everyone):
@@ -264,6 +265,7 @@ def demonstration_ids(tok: Tokenizer, cfg: ToolConfig, model_type: str, item: It
     if "calculator" not in cfg.enabled or expression is None or (item.index * GOLDEN) % 1 >= cfg.sft_call_share:
         return plain, None
     answer = Calculator().call({"expression": expression}).text
-    call = tok.encode(write_call(call_format(model_type), "calculator", {"expression": expression})) + [tok.tool_stop_id]
+    call = tok.encode(write_call(call_format(model_type), "calculator", {"expression": expression}))
+    call.append(tok.tool_stop_id)
     tool = tok.tool_turn_ids([answer])
     return call + tool + plain, [1] * len(call) + [0] * len(tool) + [1] * len(plain)
